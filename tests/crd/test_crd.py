@@ -1,0 +1,335 @@
+"""crds/malleusjob.yaml against a real API server (etcd + apiextensions-apiserver).
+
+Skipped unless MALLEUS_K8S_ASSETS names the binaries (see tests/k8s/apiserver.py). One server
+per session; each test works in a namespace of its own.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+
+from malleus.jobspec import (
+    MalleusJob,
+    load_job,
+    validate_manifest,
+)
+from tests.jobspec.cases import EXAMPLES, BadCase, bad_cases, base_manifest, load_yaml
+
+if TYPE_CHECKING:
+    from tests.k8s.apiserver import ApiServer
+
+pytestmark = pytest.mark.usefixtures("malleus_crd")
+
+GROUP_VERSION = "malleus.io/v1alpha1"
+CASES = bad_cases()
+TABLE = "application/json;as=Table;g=meta.k8s.io;v=v1"
+MERGE_PATCH = {"Content-Type": "application/merge-patch+json"}
+
+
+def collection(namespace: str) -> str:
+    return f"/apis/{GROUP_VERSION}/namespaces/{namespace}/malleusjobs"
+
+
+def create(server: ApiServer, namespace: str, manifest: dict[str, Any]) -> httpx.Response:
+    return server.client.post(collection(namespace), json=manifest)
+
+
+def created(server: ApiServer, namespace: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    response = create(server, namespace, manifest)
+    assert response.status_code == 201, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def causes(response: httpx.Response) -> list[dict[str, Any]]:
+    """The causes of a 422, with the object-level one (no field) as field ''."""
+    assert response.status_code == 422, response.text
+    found: list[dict[str, Any]] = response.json()["details"]["causes"]
+    return [{**cause, "field": _field(cause)} for cause in found]
+
+
+def _field(cause: dict[str, Any]) -> str:
+    field = str(cause.get("field") or "")
+    return "" if field == "<nil>" else field
+
+
+# -- the CRD ------------------------------------------------------------------------------------
+
+
+def test_crd_established(malleus_crd: dict[str, Any]) -> None:
+    conditions = {c["type"]: c["status"] for c in malleus_crd["status"]["conditions"]}
+    assert conditions["Established"] == "True"
+    assert conditions["NamesAccepted"] == "True"
+    assert conditions.get("NonStructuralSchema", "False") == "False"
+    accepted = malleus_crd["status"]["acceptedNames"]
+    assert (accepted["kind"], accepted["plural"]) == ("MalleusJob", "malleusjobs")
+    assert accepted["shortNames"] == ["mj"]
+
+
+def test_discovery(k8s_apiserver: ApiServer) -> None:
+    resources = k8s_apiserver.client.get(f"/apis/{GROUP_VERSION}").json()["resources"]
+    by_name = {r["name"]: r for r in resources}
+    assert by_name["malleusjobs"]["namespaced"] is True
+    assert by_name["malleusjobs"]["shortNames"] == ["mj"]
+    assert "malleusjobs/status" in by_name
+
+
+# -- good manifests -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_example_accepted_and_defaulted_alike(
+    k8s_apiserver: ApiServer, k8s_namespace: str, path: Any
+) -> None:
+    """The server accepts each example and defaults it exactly as malleus.jobspec does."""
+    manifest = load_yaml(path)
+    stored = created(k8s_apiserver, k8s_namespace, manifest)
+    local, faults = validate_manifest(manifest)
+    assert faults == []
+    assert stored["spec"] == local["spec"]
+    assert load_job(stored).spec == load_job(manifest).spec
+
+
+def test_server_defaults(k8s_apiserver: ApiServer, k8s_namespace: str) -> None:
+    manifest = base_manifest()
+    for section in ("emulation", "resources"):
+        del manifest["spec"][section]
+    manifest["spec"]["metrics"] = {"source": "prometheus", "prometheus": {"url": "http://p:9090"}}
+    spec = created(k8s_apiserver, k8s_namespace, manifest)["spec"]
+    assert spec["stragglerPolicy"] == {
+        "threshold": 1.2,
+        "hysteresis": 0.3,
+        "windowSteps": 5,
+        "cooldownSeconds": 30,
+        "minGain": 0.05,
+        "horizonSteps": 100,
+        "allowExclusion": True,
+        "planningTimeoutSeconds": 30,
+    }
+    assert spec["training"]["weightDecay"] == 0.1 and spec["training"]["seed"] == 1234
+    assert spec["training"]["dataset"] == "tiny-corpus" and spec["training"]["gradClip"] == 1
+    assert spec["metrics"]["prometheus"]["dcgm"] == {
+        "smClockMetric": "DCGM_FI_DEV_SM_CLOCK",
+        "clockEventReasonsMetric": "DCGM_FI_DEV_CLOCKS_EVENT_REASONS",
+    }
+    assert spec["checkpoint"] == {"path": "/checkpoints", "intervalSteps": 0}
+    assert spec["resources"] == {"gpuMemoryMiB": 81559}
+    assert spec["emulation"] == {"enabled": False, "layerForwardMs": 10, "layerBackwardMs": 20}
+    assert spec["controlPort"] == 8040 and spec["model"]["tiedEmbeddings"] is False
+    assert spec == validate_manifest(manifest)[0]["spec"]
+
+
+def test_unknown_fields_pruned(k8s_apiserver: ApiServer, k8s_namespace: str) -> None:
+    manifest = base_manifest()
+    manifest["spec"]["gpuPerNode"] = 8
+    manifest["spec"]["model"]["dropout"] = 0.1
+    manifest["spec"]["emulation"]["schedule"] = [{"step": 1, "rank": 1, "factor": 2, "x": 1}]
+    manifest["extra"] = {"a": 1}
+    stored = created(k8s_apiserver, k8s_namespace, manifest)
+    assert "extra" not in stored
+    assert "gpuPerNode" not in stored["spec"] and "dropout" not in stored["spec"]["model"]
+    assert stored["spec"]["emulation"]["schedule"] == [{"step": 1, "rank": 1, "factor": 2}]
+    lenient, faults = validate_manifest(manifest, strict=False)
+    assert faults == [] and lenient["spec"] == stored["spec"]
+    # kubectl's default (Strict) field validation rejects them, as malleus.jobspec does.
+    manifest["metadata"]["name"] = "strict"
+    response = k8s_apiserver.client.post(
+        collection(k8s_namespace), json=manifest, params={"fieldValidation": "Strict"}
+    )
+    assert response.status_code in (400, 422), response.text
+    assert 'unknown field "spec.gpuPerNode"' in response.json()["message"]
+    strict_paths = {f.path for f in validate_manifest(manifest)[1]}
+    assert {"spec.gpuPerNode", "spec.model.dropout"} <= strict_paths
+
+
+# -- bad manifests ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_server_rejects(k8s_apiserver: ApiServer, k8s_namespace: str, case: BadCase) -> None:
+    """The server rejects each bad manifest, blaming the expected fields with a clear message."""
+    name = None if "metadata.name" in case.set else "bad"
+    found = causes(create(k8s_apiserver, k8s_namespace, case.manifest(name)))
+    assert {c["field"] for c in found} == case.fields, found
+    assert any(case.message in c["message"] for c in found), found
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_local_validation_agrees_with_server(
+    k8s_apiserver: ApiServer, k8s_namespace: str, case: BadCase
+) -> None:
+    """Both reject, blaming the same fields, and local messages say what the server's say."""
+    name = None if "metadata.name" in case.set else "agree"
+    manifest = case.manifest(name)
+    server = causes(create(k8s_apiserver, k8s_namespace, manifest))
+    _, local = validate_manifest(manifest)
+    assert {c["field"] for c in server} == {f.path for f in local}
+    for fault in local:
+        if "must be of type" in fault.message:
+            continue  # the server words it as 'Invalid value: "string": ... must be of type ...'
+        assert any(
+            _words(fault.message) <= _words(c["message"])
+            for c in server
+            if c["field"] == fault.path
+        ), (fault, server)
+
+
+def _words(text: str) -> set[str]:
+    return {w.strip("\"',:()") for w in text.split() if len(w.strip("\"',:()")) > 3}
+
+
+def test_several_faults_reported_together(k8s_apiserver: ApiServer, k8s_namespace: str) -> None:
+    manifest = base_manifest()
+    spec = manifest["spec"]
+    spec["parallelism"]["tp"] = 3
+    spec["training"]["microBatchSize"] = 3
+    spec["metrics"] = {"source": "prometheus"}
+    spec["emulation"]["schedule"] = [{"step": 0, "rank": 8, "factor": 2.0}]
+    found = causes(create(k8s_apiserver, k8s_namespace, manifest))
+    expected = {
+        "spec.parallelism.tp",
+        "spec.training.microBatchSize",
+        "spec.metrics.prometheus.url",
+        "spec.emulation.schedule",
+    }
+    assert {c["field"] for c in found} == expected
+    assert {f.path for f in validate_manifest(manifest)[1]} == expected
+
+
+def test_too_many_schedule_entries_block_the_rules(
+    k8s_apiserver: ApiServer, k8s_namespace: str
+) -> None:
+    """Over maxItems, the server skips the CEL rules (their cost bound); so does jobspec."""
+    manifest = base_manifest()
+    manifest["spec"]["emulation"]["schedule"] = [
+        {"step": i, "rank": 9, "factor": 1.5} for i in range(1025)
+    ]
+    found = causes(create(k8s_apiserver, k8s_namespace, manifest))
+    assert {c["field"] for c in found} == {"spec.emulation.schedule", ""}
+    assert any("must have at most 1024 items" in c["message"] for c in found)
+    assert {f.path for f in validate_manifest(manifest)[1]} == {"spec.emulation.schedule", ""}
+
+
+# -- status subresource and printer columns -----------------------------------------------------
+
+
+STATUS = {
+    "phase": "Running",
+    "observedGeneration": 1,
+    "conditions": [
+        {
+            "type": "Ready",
+            "status": "True",
+            "observedGeneration": 1,
+            "lastTransitionTime": "2026-01-02T03:04:05Z",
+            "reason": "PlanApplied",
+            "message": "plan 3 in force",
+        }
+    ],
+    "plan": {
+        "generation": 3,
+        "tp": 2,
+        "pipelines": [
+            {"microBatches": 5, "stages": [{"ranks": [0, 2], "layers": [0, 8]}]},
+            {"microBatches": 3, "stages": [{"ranks": [4], "layers": [0, 8]}]},
+        ],
+        "excluded": [1],
+        "predictedSpeedup": 2.5,
+        "predictedStepTime": 40.5,
+    },
+    "stragglers": [{"rank": 1, "node": 0, "rate": 3.0}],
+    "stragglerSummary": "1 (r1 3.0x)",
+    "gpus": 8,
+    "step": 42,
+    "tokensPerSecond": 1234.5,
+    "lastReplan": {
+        "time": "2026-01-02T03:04:05Z",
+        "reason": "rank 1 rate 3.0",
+        "planningSeconds": 0.25,
+        "migrationSeconds": 1.5,
+        "migrationBytes": 1048576,
+        "generation": 3,
+    },
+    "pods": ["tiny-cpu-0", "tiny-cpu-1"],
+    "message": "training",
+}
+
+
+def test_status_subresource(k8s_apiserver: ApiServer, k8s_namespace: str) -> None:
+    client = k8s_apiserver.client
+    job = created(k8s_apiserver, k8s_namespace, base_manifest())
+    url = f"{collection(k8s_namespace)}/{job['metadata']['name']}"
+
+    # Status through /status: stored as given, spec and generation untouched.
+    patch = {"status": STATUS, "spec": {"nodes": 7}}
+    response = client.patch(f"{url}/status", json=patch, headers=MERGE_PATCH)
+    assert response.status_code == 200, response.text
+    after = response.json()
+    assert after["status"] == STATUS
+    assert after["spec"] == job["spec"]
+    assert after["metadata"]["generation"] == job["metadata"]["generation"]
+    # The pydantic status model reads what the server stored.
+    typed = MalleusJob.model_validate(after)
+    assert typed.status is not None and typed.status.plan is not None
+    assert typed.status.plan.generation == 3
+
+    # Spec through the main resource: status ignored, generation bumped.
+    patch = {"spec": {"training": {"steps": 60}}, "status": {"phase": "Failed"}}
+    response = client.patch(url, json=patch, headers=MERGE_PATCH)
+    assert response.status_code == 200, response.text
+    later = response.json()
+    assert later["spec"]["training"]["steps"] == 60
+    assert later["status"] == STATUS
+    assert later["metadata"]["generation"] == job["metadata"]["generation"] + 1
+
+    # The status schema is enforced too.
+    bad = {"status": {"phase": "Exploding", "plan": {"pipelines": [{"microBatches": 0}]}}}
+    response = client.patch(f"{url}/status", json=bad, headers=MERGE_PATCH)
+    fields = {c["field"] for c in causes(response)}
+    assert {"status.phase", "status.plan.pipelines[0].microBatches"} <= fields
+
+
+def test_printer_columns(k8s_apiserver: ApiServer, k8s_namespace: str) -> None:
+    client = k8s_apiserver.client
+    job = created(k8s_apiserver, k8s_namespace, base_manifest())
+    url = f"{collection(k8s_namespace)}/{job['metadata']['name']}"
+    response = client.patch(f"{url}/status", json={"status": STATUS}, headers=MERGE_PATCH)
+    assert response.status_code == 200, response.text
+
+    table = client.get(collection(k8s_namespace), headers={"Accept": TABLE})
+    assert table.status_code == 200, table.text
+    body = table.json()
+    assert body["kind"] == "Table"
+    names = [c["name"] for c in body["columnDefinitions"]]
+    assert names == [
+        "Name",
+        "Phase",
+        "Plan",
+        "Step",
+        "Tokens/s",
+        "Stragglers",
+        "GPUs",
+        "Model",
+        "Age",
+    ]
+    priority = {c["name"]: c.get("priority", 0) for c in body["columnDefinitions"]}
+    assert priority["GPUs"] == priority["Model"] == 1 and priority["Phase"] == 0
+    [row] = body["rows"]
+    cells = dict(zip(names, row["cells"], strict=True))
+    assert cells["Name"] == "tiny-cpu"
+    assert (cells["Phase"], cells["Plan"], cells["Step"]) == ("Running", 3, 42)
+    assert cells["Tokens/s"] == 1234.5 and cells["Stragglers"] == "1 (r1 3.0x)"
+    assert (cells["GPUs"], cells["Model"]) == (8, "tiny")
+
+
+def test_new_job_has_empty_columns(k8s_apiserver: ApiServer, k8s_namespace: str) -> None:
+    """Before the operator writes status, the columns are blank, not an error."""
+    manifest = copy.deepcopy(base_manifest())
+    created(k8s_apiserver, k8s_namespace, manifest)
+    table = k8s_apiserver.client.get(collection(k8s_namespace), headers={"Accept": TABLE})
+    [row] = table.json()["rows"]
+    assert row["cells"][0] == "tiny-cpu" and row["cells"][1] is None
