@@ -1,0 +1,92 @@
+"""Calling the planner: the default one, and running any planner off the event loop, in time.
+
+The planner is pure CPU work; run on the event loop it would freeze the operator (kopf's
+handlers, health probes, the metrics reads) for as long as it thinks. It runs in a worker thread
+instead, and the loop stops waiting after the policy's budget plus a grace period. A thread
+cannot be killed, so a planner should honour its `time_limit` itself; one that does not keeps
+its thread busy until it returns, and its late answer is dropped. The controller gives the
+planner its own small pool rather than asyncio's default executor: `asyncio.run` joins the
+default executor on exit, so one hung planner would hang the operator's shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from types import ModuleType
+from typing import Protocol
+
+from malleus.planner.plan import Plan
+from malleus.planner.problem import PlanningProblem
+
+__all__ = ["Planner", "PlanningTimeout", "default_planner", "run_planner"]
+
+
+class Planner(Protocol):
+    """`planner(problem, time_limit=seconds) -> Plan`, e.g. `malleus.planner.search.plan`."""
+
+    def __call__(self, problem: PlanningProblem, *, time_limit: float | None = None) -> Plan: ...
+
+
+class PlanningTimeout(TimeoutError):
+    """The planner did not answer within its budget."""
+
+
+def _search() -> Planner | None:
+    """The planner's search: `malleus.planner.plan` when the package exports the function (the
+    name is also that of the `malleus.planner.plan` module, hence the check), else
+    `malleus.planner.search.plan`; None when neither exists."""
+    import malleus.planner as planner_pkg
+
+    fn = getattr(planner_pkg, "plan", None)
+    if callable(fn) and not isinstance(fn, ModuleType):
+        return fn  # type: ignore[no-any-return]
+    try:
+        from malleus.planner.search import plan as search_plan
+    except ImportError:
+        return None
+    return search_plan
+
+
+def default_planner(problem: PlanningProblem, *, time_limit: float | None = None) -> Plan:
+    """The planner's search when available; else the static uniform layout (rates ignored)."""
+    search = _search()
+    if search is not None:
+        return search(problem, time_limit=time_limit)
+    from malleus.planner.cost import uniform_plan
+
+    plan = uniform_plan(problem)
+    if plan is None:
+        raise RuntimeError(
+            "no uniform layout fits this problem, and no planner search is installed"
+        )
+    return plan
+
+
+async def run_planner(
+    planner: Planner,
+    problem: PlanningProblem,
+    *,
+    time_limit: float,
+    grace: float = 1.0,
+    clock: Callable[[], float] = time.perf_counter,
+    executor: Executor | None = None,
+) -> tuple[Plan, float]:
+    """Run `planner` in a worker thread; returns (plan, seconds by `clock`).
+
+    Raises PlanningTimeout after `time_limit + grace` real seconds. `executor` None: asyncio's
+    default one.
+    """
+    started = clock()
+    call = functools.partial(planner, problem, time_limit=time_limit)
+    future = asyncio.get_running_loop().run_in_executor(executor, call)
+    try:
+        plan = await asyncio.wait_for(future, timeout=time_limit + grace)
+    except TimeoutError:
+        raise PlanningTimeout(
+            f"the planner did not answer within {time_limit:g} s (+{grace:g} s grace)"
+        ) from None
+    return plan, clock() - started

@@ -1,0 +1,81 @@
+"""The two seams of the decision loop: where rates come from and how plans reach the trainers.
+
+The operator and the local runner differ only here (DESIGN §2): one reads Prometheus or scrapes
+pods and posts to a Service, the other talks to processes on localhost, a test or a simulation
+talks to objects in memory. The loop sees these protocols and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from malleus.planner.plan import Plan
+
+__all__ = ["Ack", "AckTimeout", "Observation", "PlanRejected", "PlanSink", "RateSource"]
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the trainers reported after one training step."""
+
+    step: int
+    step_seconds: float | None
+    """Wall seconds of that step under plan `generation`; None when not measured."""
+    rates: Mapping[int, float | None]
+    """Straggling rate per global rank (absent: no sample this step; None: unusable)."""
+    generation: int
+    """Generation of the plan in force when the step ran."""
+    evidence: Mapping[int, str] = field(default_factory=dict)
+    """Corroboration per rank from outside the trainer (e.g. DCGM: 'SM clock 45% of peak')."""
+
+
+@dataclass(frozen=True)
+class Ack:
+    """The trainers switched to a published plan."""
+
+    generation: int
+    step: int
+    """First step that runs under the new plan (or the step at which the switch was seen)."""
+    migration_seconds: float | None
+    migration_bytes: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "generation": self.generation,
+            "step": self.step,
+            "migration_seconds": self.migration_seconds,
+            "migration_bytes": self.migration_bytes,
+        }
+
+
+class PlanRejected(RuntimeError):
+    """The trainers refused a plan (stale generation, or invalid with reasons)."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        self.status = status
+        self.reason = reason
+        super().__init__(f"plan refused ({status}): {reason}")
+
+
+class AckTimeout(TimeoutError):
+    """A published plan was not acknowledged in time."""
+
+
+@runtime_checkable
+class RateSource(Protocol):
+    async def read(self) -> Observation | None:
+        """The next step's observation; waits for it. None: the job has ended (stop the loop)."""
+        ...
+
+
+@runtime_checkable
+class PlanSink(Protocol):
+    async def publish(self, plan: Plan) -> int:
+        """Hand `plan` to the trainers; returns its generation. Raises PlanRejected."""
+        ...
+
+    async def wait_applied(self, generation: int, timeout: float) -> Ack:
+        """Wait until the trainers run `generation`. Raises AckTimeout."""
+        ...

@@ -1,0 +1,258 @@
+"""Rates from Prometheus (PromQL over the trainers' metrics and NVIDIA DCGM's), as a RateSource.
+
+For clusters where Prometheus already scrapes the trainer pods and the DCGM exporter: the
+operator then reads one API instead of every pod. The straggling rate stays the trainers'
+measurement; DCGM only *corroborates* it (an SM clock well below the job's fastest GPU, or a
+thermal/power clock-event reason), reported as evidence on the StragglerDetected event so a
+person sees why a GPU is slow. It does not change the decision: a GPU can be slow with full
+clocks (a bad NVLink, a noisy neighbour), and a throttled GPU shows in its rate anyway.
+
+Label clash: the trainers label their series `job=<MalleusJob name>`, which is also the label
+Prometheus gives every target. Unless the scrape config has `honor_labels: true`, Prometheus
+renames the trainers' label to `exported_job`; the queries match either.
+
+Everything but `PrometheusSource._query` is a pure function of JSON, tested without a server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import urllib.parse
+import urllib.request
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .ports import Observation
+
+__all__ = [
+    "CLOCK_EVENT_REASONS",
+    "THROTTLE_MASK",
+    "PromQueries",
+    "PrometheusSource",
+    "dcgm_evidence",
+    "decode_clock_reasons",
+    "default_queries",
+    "observation_from_results",
+    "parse_vector",
+    "pod_gpu_rank",
+    "query_url",
+]
+
+CLOCK_EVENT_REASONS: Mapping[int, str] = {
+    0x1: "gpu_idle",
+    0x2: "applications_clocks_setting",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+}
+"""NVML clock event (throttle) reason bits, as DCGM_FI_DEV_CLOCKS_EVENT_REASONS reports them."""
+THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+"""The reasons that mean the GPU is being slowed down (power, thermal, hardware)."""
+
+Sample = tuple[dict[str, str], float]
+
+
+def _quote(value: str) -> str:
+    """A PromQL string literal (Go escaping: backslash and double quote)."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _selector_or(metric: str, job: str) -> str:
+    """`metric` of one MalleusJob, whether Prometheus kept the trainers' `job` label or not."""
+    v = _quote(job)
+    return f"{metric}{{job={v}}} or {metric}{{exported_job={v}}}"
+
+
+@dataclass(frozen=True)
+class PromQueries:
+    """The PromQL of one observation; `sm_clock` / `clock_reasons` None = no DCGM."""
+
+    rates: str
+    step: str
+    step_seconds: str
+    generation: str
+    sm_clock: str | None = None
+    clock_reasons: str | None = None
+
+
+def default_queries(
+    job: str,
+    *,
+    namespace: str | None = None,
+    pod_regex: str | None = None,
+    sm_clock_metric: str | None = "DCGM_FI_DEV_SM_CLOCK",
+    clock_reasons_metric: str | None = "DCGM_FI_DEV_CLOCKS_EVENT_REASONS",
+) -> PromQueries:
+    """Queries for MalleusJob `job`; DCGM series selected by the job's pods (`pod_regex`,
+    default `<job>-.*`) and `namespace`."""
+
+    def scalar(metric: str) -> str:
+        return f"max({_selector_or(metric, job)})"
+
+    matchers = [f"pod=~{_quote(pod_regex or re.escape(job) + '-.*')}"]
+    if namespace:
+        matchers.append(f"namespace={_quote(namespace)}")
+    dcgm_sel = "{" + ",".join(matchers) + "}"
+    return PromQueries(
+        rates=f"max by (rank) ({_selector_or('malleus_gpu_straggling_rate', job)})",
+        step=scalar("malleus_step"),
+        step_seconds=scalar("malleus_step_seconds"),
+        generation=scalar("malleus_plan_generation"),
+        sm_clock=f"{sm_clock_metric}{dcgm_sel}" if sm_clock_metric else None,
+        clock_reasons=f"{clock_reasons_metric}{dcgm_sel}" if clock_reasons_metric else None,
+    )
+
+
+def query_url(base_url: str, promql: str) -> str:
+    """The instant-query URL of the Prometheus HTTP API."""
+    return f"{base_url.rstrip('/')}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+
+
+def parse_vector(payload: Mapping[str, Any]) -> list[Sample]:
+    """(labels, value) of an instant-vector (or scalar) answer; raises on an error answer."""
+    if payload.get("status") != "success":
+        raise RuntimeError(
+            f"Prometheus query failed: {payload.get('errorType', '?')}: {payload.get('error', '')}"
+        )
+    data = payload.get("data") or {}
+    kind, result = data.get("resultType"), data.get("result")
+    if kind == "scalar":
+        return [({}, float(result[1]))]
+    if kind != "vector":
+        raise RuntimeError(f"expected an instant vector, got {kind!r}")
+    return [(dict(item.get("metric", {})), float(item["value"][1])) for item in result]
+
+
+def decode_clock_reasons(mask: int) -> list[str]:
+    """Names of the set reason bits."""
+    return [name for bit, name in CLOCK_EVENT_REASONS.items() if mask & bit]
+
+
+def pod_gpu_rank(
+    gpus_per_node: int, pattern: str = r"-(\d+)$"
+) -> Callable[[Mapping[str, str]], int | None]:
+    """rank_of(labels) for DCGM series: node index from the pod name's trailing number, GPU index
+    from the `gpu` label (one worker pod per node, DESIGN §4.5)."""
+    rx = re.compile(pattern)
+
+    def rank_of(labels: Mapping[str, str]) -> int | None:
+        m = rx.search(labels.get("pod", ""))
+        gpu = labels.get("gpu")
+        if m is None or gpu is None or not gpu.isdigit():
+            return None
+        return int(m.group(1)) * gpus_per_node + int(gpu)
+
+    return rank_of
+
+
+def dcgm_evidence(
+    sm_clock: list[Sample],
+    clock_reasons: list[Sample],
+    rank_of: Callable[[Mapping[str, str]], int | None],
+    *,
+    clock_drop: float = 0.1,
+) -> dict[int, str]:
+    """rank -> why DCGM thinks it is slow: SM clock `clock_drop` or more below the job's fastest
+    GPU, and/or throttle reasons set."""
+    notes: dict[int, list[str]] = {}
+    clocks = {r: v for labels, v in sm_clock if (r := rank_of(labels)) is not None}
+    peak = max(clocks.values(), default=0.0)
+    for rank, mhz in clocks.items():
+        if peak > 0 and mhz < (1 - clock_drop) * peak:
+            notes.setdefault(rank, []).append(
+                f"SM clock {mhz:.0f} MHz, {mhz / peak:.0%} of the job's fastest"
+            )
+    for labels, value in clock_reasons:
+        rank = rank_of(labels)
+        if rank is None or not math.isfinite(value):
+            continue
+        throttle = int(value) & THROTTLE_MASK
+        if throttle:
+            notes.setdefault(rank, []).append(
+                "throttled: " + ", ".join(decode_clock_reasons(throttle))
+            )
+    return {r: "; ".join(v) for r, v in sorted(notes.items())}
+
+
+def observation_from_results(
+    rates: list[Sample],
+    step: list[Sample],
+    step_seconds: list[Sample],
+    generation: list[Sample],
+    evidence: Mapping[int, str] | None = None,
+) -> Observation | None:
+    """An Observation from the answers of the queries; None when no step has been reported."""
+    if not step or not math.isfinite(step[0][1]):
+        return None
+    seconds = step_seconds[0][1] if step_seconds else math.nan
+    out: dict[int, float | None] = {}
+    for labels, value in rates:
+        if "rank" in labels:
+            out[int(labels["rank"])] = value if math.isfinite(value) else None
+    return Observation(
+        step=int(step[0][1]),
+        step_seconds=seconds if math.isfinite(seconds) and seconds > 0 else None,
+        rates=out,
+        generation=int(generation[0][1]) if generation else 0,
+        evidence=dict(evidence or {}),
+    )
+
+
+class PrometheusSource:
+    """RateSource over the Prometheus HTTP API; polls until a new step appears."""
+
+    def __init__(
+        self,
+        url: str,
+        queries: PromQueries,
+        *,
+        rank_of: Callable[[Mapping[str, str]], int | None] | None = None,
+        interval: float = 5.0,
+        timeout: float = 10.0,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.url = url
+        self.queries = queries
+        self.rank_of = rank_of
+        self.interval = interval
+        self.timeout = timeout
+        self._sleep = sleep
+        self._last_step = -1
+
+    def _query_blocking(self, promql: str) -> list[Sample]:
+        with urllib.request.urlopen(query_url(self.url, promql), timeout=self.timeout) as resp:
+            return parse_vector(json.loads(resp.read()))
+
+    async def _query(self, promql: str) -> list[Sample]:
+        return await asyncio.to_thread(self._query_blocking, promql)
+
+    async def _observe(self) -> Observation | None:
+        q = self.queries
+        rates, step, seconds, generation = await asyncio.gather(
+            self._query(q.rates),
+            self._query(q.step),
+            self._query(q.step_seconds),
+            self._query(q.generation),
+        )
+        evidence: dict[int, str] = {}
+        if self.rank_of is not None and (q.sm_clock or q.clock_reasons):
+            clocks = await self._query(q.sm_clock) if q.sm_clock else []
+            reasons = await self._query(q.clock_reasons) if q.clock_reasons else []
+            evidence = dcgm_evidence(clocks, reasons, self.rank_of)
+        return observation_from_results(rates, step, seconds, generation, evidence)
+
+    async def read(self) -> Observation | None:
+        while True:
+            obs = await self._observe()
+            if obs is not None and obs.step > self._last_step:
+                self._last_step = obs.step
+                return obs
+            await self._sleep(self.interval)

@@ -1,0 +1,110 @@
+"""PrometheusSource's pure parts: the PromQL it sends, how it reads answers, DCGM evidence.
+
+The HTTP call itself (`PrometheusSource._query`, one urllib GET) is not exercised here: no
+Prometheus server is installed on these machines (Debian's `prometheus` package would be the
+real one to test against).
+"""
+
+from __future__ import annotations
+
+import math
+import urllib.parse
+
+import pytest
+
+from malleus.controller.prometheus import (
+    THROTTLE_MASK,
+    dcgm_evidence,
+    decode_clock_reasons,
+    default_queries,
+    observation_from_results,
+    parse_vector,
+    pod_gpu_rank,
+    query_url,
+)
+
+
+def vector(*items: tuple[dict[str, str], float | str]) -> dict:
+    return {
+        "status": "success",
+        "data": {
+            "resultType": "vector",
+            "result": [{"metric": m, "value": [1700000000.0, str(v)]} for m, v in items],
+        },
+    }
+
+
+def test_default_queries_match_either_job_label_and_select_the_jobs_pods() -> None:
+    q = default_queries("ctl-test", namespace="ml")
+    assert q.rates == (
+        'max by (rank) (malleus_gpu_straggling_rate{job="ctl-test"} '
+        'or malleus_gpu_straggling_rate{exported_job="ctl-test"})'
+    )
+    assert q.step == 'max(malleus_step{job="ctl-test"} or malleus_step{exported_job="ctl-test"})'
+    assert q.generation.startswith("max(malleus_plan_generation{")
+    # re.escape's backslash is itself escaped inside the PromQL string literal
+    assert q.sm_clock == 'DCGM_FI_DEV_SM_CLOCK{pod=~"ctl\\\\-test-.*",namespace="ml"}'
+    assert q.clock_reasons is not None
+    assert q.clock_reasons.startswith("DCGM_FI_DEV_CLOCKS_EVENT_REASONS{")
+    assert default_queries("j", sm_clock_metric=None).sm_clock is None
+
+
+def test_query_url_encodes_the_promql() -> None:
+    url = query_url("http://prom:9090/", 'max(up{job="x"})')
+    assert url.startswith("http://prom:9090/api/v1/query?query=")
+    assert urllib.parse.parse_qs(urllib.parse.urlsplit(url).query) == {
+        "query": ['max(up{job="x"})']
+    }
+
+
+def test_parse_vector_scalar_and_errors() -> None:
+    assert parse_vector(vector(({"rank": "3"}, 2.5), ({"rank": "4"}, "NaN"))) == [
+        ({"rank": "3"}, 2.5),
+        ({"rank": "4"}, pytest.approx(math.nan, nan_ok=True)),
+    ]
+    assert parse_vector(
+        {"status": "success", "data": {"resultType": "scalar", "result": [0, "7"]}}
+    ) == [({}, 7.0)]
+    with pytest.raises(RuntimeError, match="bad_data: parse error"):
+        parse_vector({"status": "error", "errorType": "bad_data", "error": "parse error"})
+    with pytest.raises(RuntimeError, match="matrix"):
+        parse_vector({"status": "success", "data": {"resultType": "matrix", "result": []}})
+
+
+def test_observation_from_results() -> None:
+    rates = parse_vector(vector(({"rank": "3"}, 2.5), ({"rank": "5"}, "NaN"), ({}, 9.0)))
+    obs = observation_from_results(
+        rates,
+        parse_vector(vector(({}, 41))),
+        parse_vector(vector(({}, 16.5))),
+        parse_vector(vector(({}, 2))),
+        {3: "throttled: hw_thermal_slowdown"},
+    )
+    assert obs is not None
+    assert (obs.step, obs.step_seconds, obs.generation) == (41, 16.5, 2)
+    assert obs.rates == {3: 2.5, 5: None}
+    assert obs.evidence == {3: "throttled: hw_thermal_slowdown"}
+    assert observation_from_results(rates, [], [], []) is None  # no step reported yet
+
+
+def test_clock_reasons_and_dcgm_evidence() -> None:
+    assert decode_clock_reasons(0x44) == ["sw_power_cap", "hw_thermal_slowdown"]
+    assert THROTTLE_MASK & 0x1 == 0  # idle is not throttling
+    rank_of = pod_gpu_rank(4)
+    assert rank_of({"pod": "ctl-test-worker-1", "gpu": "2"}) == 6
+    assert rank_of({"pod": "prometheus", "gpu": "0"}) is None
+    assert rank_of({"pod": "ctl-test-worker-0"}) is None
+    clocks = [
+        ({"pod": "ctl-test-worker-0", "gpu": "0"}, 1980.0),
+        ({"pod": "ctl-test-worker-0", "gpu": "3"}, 1200.0),
+        ({"pod": "ctl-test-worker-1", "gpu": "0"}, 1900.0),  # within 10 % of the fastest
+    ]
+    reasons = [
+        ({"pod": "ctl-test-worker-0", "gpu": "0"}, 0x1),  # idle only
+        ({"pod": "ctl-test-worker-0", "gpu": "3"}, 0x40 | 0x1),
+        ({"pod": "ctl-test-worker-0", "gpu": "1"}, 0x4),
+    ]
+    assert dcgm_evidence(clocks, reasons, rank_of) == {
+        1: "throttled: sw_power_cap",
+        3: "SM clock 1200 MHz, 61% of the job's fastest; throttled: hw_thermal_slowdown",
+    }

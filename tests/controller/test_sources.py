@@ -1,0 +1,209 @@
+"""TrainerScrapeSource and HttpPlanSink against the trainer's real control server.
+
+The server side is the trainer's own code (ControlServer, TrainerMetrics, PlanInbox, all
+torch-free); a thread stands in for the training loop's step boundary, taking plans from the
+inbox and reporting the switch, exactly as the coordinator will.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from malleus.trainer.control import ControlServer
+from malleus.trainer.metrics import TrainerMetrics
+from malleus.trainer.plan_inbox import PlanInbox
+
+from malleus.controller import (
+    AckTimeout,
+    Controller,
+    EventKind,
+    HttpPlanSink,
+    PlanRejected,
+    StragglerPolicy,
+    TrainerScrapeSource,
+)
+from malleus.controller.sources import ack_from_status, observation_from_metrics
+from malleus.planner import Plan
+
+from .conftest import greedy_planner
+
+TOKEN = "s3cret"
+JOB = "ctl-test"
+
+
+class Coordinator:
+    """Rank 0's services, with a step boundary thread that applies posted plans."""
+
+    def __init__(self, builder: Any, plan: Plan) -> None:
+        self.metrics = TrainerMetrics(JOB, rank=0, node=0)
+        self.inbox = PlanInbox(builder({}, None), plan.generation)
+        self.server = ControlServer(
+            "127.0.0.1",
+            0,
+            TOKEN,
+            status=lambda: {**self.metrics.snapshot(), **self.inbox.status()},
+            inbox=self.inbox,
+            metrics=self.metrics,
+            inject=None,
+        )
+        self.step = 0
+        self.rates: dict[int, float | None] = dict.fromkeys(range(8), 1.0)
+        self.applied: list[Plan] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._boundary, daemon=True)
+
+    def __enter__(self) -> Coordinator:
+        self.server.start()
+        self.metrics.observe_plan(self.inbox.current_generation)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.server.stop()
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def train_step(self) -> None:
+        """One step: every rank's rate and the step time published by the coordinator."""
+        self.metrics.observe_rates(self.rates, {r: r // 4 for r in self.rates})
+        self.metrics.observe_step(self.step, 16.0, 1000.0, self.rates[0], 1.0)
+        self.step += 1
+
+    def _boundary(self) -> None:
+        while not self._stop.wait(0.005):
+            plan = self.inbox.take()
+            if plan is not None:
+                self.metrics.observe_migration(0.25, 4_000_000)
+                self.metrics.observe_plan(plan.generation)
+                self.inbox.applied(plan.generation)
+                self.applied.append(plan)
+
+
+@pytest.fixture
+def coordinator(builder: Any, initial_plan: Plan) -> Iterator[Coordinator]:
+    with Coordinator(builder, initial_plan) as c:
+        yield c
+
+
+def test_scrape_source_reads_steps_rates_and_generation(coordinator: Coordinator) -> None:
+    coordinator.rates.update({3: 2.5, 5: None})
+    coordinator.train_step()
+
+    async def next_step(_: float) -> None:  # the source polls: the trainer steps meanwhile
+        coordinator.train_step()
+
+    async def main() -> None:
+        source = TrainerScrapeSource(coordinator.url, job=JOB, sleep=next_step)
+        first = await source.read()
+        assert first is not None
+        assert (first.step, first.step_seconds, first.generation) == (0, 16.0, 0)
+        # rank 5 is not measured: the trainer removes its series, so it has no sample
+        assert first.rates == {0: 1.0, 1: 1.0, 2: 1.0, 3: 2.5, 4: 1.0, 6: 1.0, 7: 1.0}
+        second = await source.read()  # same step on the page: waits for the next one
+        assert second is not None and second.step == 1
+
+    asyncio.run(main())
+
+
+def test_observation_from_metrics_filters_by_job_and_needs_a_step() -> None:
+    m = TrainerMetrics("other", rank=0, node=0)
+    m.observe_rates({0: 2.0}, {0: 0})
+    text = m.render().decode()
+    assert observation_from_metrics(text, job=JOB) is None  # another job's page
+    obs = observation_from_metrics(text, job="other")
+    assert obs is not None and obs.rates == {0: 2.0} and obs.step == 0
+    assert obs.step_seconds is None  # the gauge's initial 0 is "not measured"
+    assert observation_from_metrics("# nothing here\n") is None
+
+
+def test_plan_sink_publishes_and_waits_for_the_switch(
+    coordinator: Coordinator, builder: Any
+) -> None:
+    plan = greedy_planner(builder({3: 4.0}, None)).model_copy(update={"generation": 1})
+
+    async def main() -> None:
+        sink = HttpPlanSink(coordinator.url, TOKEN, poll_seconds=0.01)
+        assert await sink.publish(plan) == 1
+        ack = await sink.wait_applied(1, timeout=5)
+        assert (ack.generation, ack.migration_seconds, ack.migration_bytes) == (1, 0.25, 4e6)
+        with pytest.raises(PlanRejected) as stale:
+            await sink.publish(plan)
+        assert stale.value.status == 409
+        bad = plan.model_copy(update={"generation": 2, "excluded": [0]})
+        with pytest.raises(PlanRejected) as invalid:
+            await sink.publish(bad)
+        assert invalid.value.status == 400 and "rank 0" in invalid.value.reason
+        with pytest.raises(PlanRejected) as denied:
+            await HttpPlanSink(coordinator.url, "wrong").publish(bad)
+        assert denied.value.status == 401
+        with pytest.raises(AckTimeout):
+            await sink.wait_applied(5, timeout=0.05)
+
+    asyncio.run(main())
+    assert [p.generation for p in coordinator.applied] == [1]
+
+
+def test_ack_from_status_reads_the_trainers_snapshot() -> None:
+    status = {"plan_generation": 2, "step": 40, "migration": {"seconds": 1.5, "bytes": 10}}
+    assert ack_from_status(status, 3) is None
+    ack = ack_from_status(status, 2)
+    assert ack is not None and (ack.step, ack.migration_seconds, ack.migration_bytes) == (
+        40,
+        1.5,
+        10,
+    )
+    with pytest.raises(PlanRejected, match="out of memory"):
+        ack_from_status({"current_generation": 1, "last_error": "generation 2: out of memory"}, 2)
+
+
+def test_the_controller_over_http(
+    coordinator: Coordinator, builder: Any, initial_plan: Plan
+) -> None:
+    """The operator's path end to end: scrape, detect, plan, POST, poll /status, Migrated."""
+    coordinator.train_step()
+
+    async def next_step(_: float) -> None:
+        if coordinator.step >= 5:
+            coordinator.rates[3] = 4.0
+        coordinator.train_step()
+
+    async def main() -> list[EventKind]:
+        stop = asyncio.Event()
+        events: list[EventKind] = []
+
+        def on_event(e: Any) -> None:
+            events.append(e.kind)
+            if e.kind in (EventKind.MIGRATED, EventKind.REPLAN_FAILED):
+                stop.set()
+
+        c = Controller(
+            TrainerScrapeSource(coordinator.url, job=JOB, sleep=next_step),
+            HttpPlanSink(coordinator.url, TOKEN, poll_seconds=0.01),
+            initial_plan=initial_plan,
+            problem_builder=builder,
+            policy=StragglerPolicy(),
+            planner=greedy_planner,
+            on_event=on_event,
+            ack_timeout_seconds=5,
+        )
+        await asyncio.wait_for(c.run(stop), timeout=10)
+        c.close()
+        assert c.plan.generation == 1 and c.plan.excluded == [2, 3]
+        return events
+
+    events = asyncio.run(main())
+    assert events == [
+        EventKind.STRAGGLER_DETECTED,
+        EventKind.PLANNED,
+        EventKind.REPLANNED,
+        EventKind.MIGRATED,
+    ]
+    assert coordinator.applied[0].excluded == [2, 3]
