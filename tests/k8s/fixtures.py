@@ -10,14 +10,17 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
 
 from tests.k8s.apiserver import ASSETS_ENV, ApiServer, assets_dir
 
-__all__ = ["CRD_FILE", "k8s_apiserver", "k8s_namespace", "malleus_crd"]
+if TYPE_CHECKING:
+    from tests.k8s.proxy import ClusterProxy
+
+__all__ = ["CRD_FILE", "k8s_apiserver", "k8s_cluster", "k8s_namespace", "malleus_crd"]
 
 CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / "malleusjob.yaml"
 
@@ -33,6 +36,22 @@ def k8s_apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServe
         )
     with ApiServer(assets, tmp_path_factory.mktemp("apiserver")) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def k8s_cluster(
+    k8s_apiserver: ApiServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ClusterProxy]:
+    """The real API server plus an emulated core API behind one plain-HTTP proxy.
+
+    Point kopf, kubectl and the kubernetes client at ``.kubeconfig`` (or ``.env()``); read and
+    drive core objects (pods, events, ...) through ``.core``. Request ``malleus_crd`` too when a
+    test needs MalleusJobs. Core objects persist for the session: isolate with ``k8s_namespace``.
+    """
+    from tests.k8s.proxy import ClusterProxy  # aiohttp only where a test asks for a cluster
+
+    with ClusterProxy(k8s_apiserver, tmp_path_factory.mktemp("cluster")) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")
