@@ -13,9 +13,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from malleus.trainer.control import ControlServer
-from malleus.trainer.metrics import TrainerMetrics
-from malleus.trainer.plan_inbox import PlanInbox
 
 from malleus.controller import (
     AckTimeout,
@@ -28,6 +25,9 @@ from malleus.controller import (
 )
 from malleus.controller.sources import ack_from_status, observation_from_metrics
 from malleus.planner import Plan
+from malleus.trainer.control import ControlServer
+from malleus.trainer.metrics import TrainerMetrics
+from malleus.trainer.plan_inbox import PlanInbox
 
 from .conftest import greedy_planner
 
