@@ -1,0 +1,177 @@
+"""Starting the trainer processes: from torchrun's environment in a pod, or spawned locally.
+
+One process per GPU; NCCL on CUDA, gloo on CPU. Joining is bounded: a rank that cannot reach
+the master, or a job where some rank never shows up, fails within `init_timeout_s` with an
+error naming MASTER_ADDR:MASTER_PORT, instead of hanging until the collective timeout.
+Locally, the parent process hosts the rendezvous store on a port the OS picks, so concurrent
+runs (tests) never race for a "free" port.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = [
+    "EXTERNAL_STORE_ENV",
+    "DistEnv",
+    "LaunchError",
+    "init_distributed",
+    "spawn_local",
+]
+
+EXTERNAL_STORE_ENV = "MALLEUS_EXTERNAL_STORE"  # "1": the store is hosted outside rank 0
+DEFAULT_INIT_TIMEOUT_S = 60.0
+DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
+
+
+class LaunchError(RuntimeError):
+    """The process group could not be formed."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """torchrun's contract: who am I, how many are we, where is the rendezvous."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def where(self) -> str:
+        return f"{self.master_addr}:{self.master_port}"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
+        env = os.environ if environ is None else environ
+        names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        missing = [n for n in names if not env.get(n)]
+        if missing:
+            raise LaunchError(
+                f"missing {', '.join(missing)}: run under torchrun (or use `malleus train`, "
+                "which starts the processes itself)"
+            )
+        try:
+            return cls(
+                rank=int(env["RANK"]),
+                world_size=int(env["WORLD_SIZE"]),
+                local_rank=int(env.get("LOCAL_RANK", "0")),
+                master_addr=env["MASTER_ADDR"],
+                master_port=int(env["MASTER_PORT"]),
+            )
+        except ValueError as e:
+            raise LaunchError(f"malformed torchrun environment: {e}") from None
+
+
+def init_distributed(
+    env: DistEnv,
+    *,
+    init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S,
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+) -> torch.device:
+    """Join the job's process group; returns this rank's device. Fails within ~init_timeout_s."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    external = os.environ.get(EXTERNAL_STORE_ENV) == "1"
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    is_master = env.rank == 0 and not external and not agent_store
+    timeout = timedelta(seconds=init_timeout_s)
+    try:
+        store: Any = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.world_size if is_master else None,
+            is_master,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as e:
+        role = "serve the rendezvous on" if is_master else "reach the master at"
+        raise LaunchError(
+            f"rank {env.rank}: could not {role} MASTER_ADDR:MASTER_PORT = {env.where} "
+            f"within {init_timeout_s:g}s: {_first_line(e)}"
+        ) from None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"malleus/{attempt}/", store)
+    store.set(f"joined/{env.rank}", "1")
+    try:
+        store.wait([f"joined/{r}" for r in range(env.world_size)], timeout)
+    except (RuntimeError, OSError) as e:
+        missing = [r for r in range(env.world_size) if not _joined(store, r)]
+        raise LaunchError(
+            f"rank {env.rank}: ranks {missing} of {env.world_size} did not join at "
+            f"{env.where} within {init_timeout_s:g}s ({_first_line(e)})"
+        ) from None
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        store=dist.PrefixStore("pg/", store),
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=collective_timeout_s),
+        device_id=device if cuda else None,
+    )
+    return device
+
+
+def _joined(store: Any, rank: int) -> bool:
+    try:
+        return bool(store.check([f"joined/{rank}"]))
+    except (RuntimeError, OSError):
+        return False
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def spawn_local(nprocs: int, fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> None:
+    """Run `fn(*args)` in `nprocs` fresh processes forming one job on 127.0.0.1.
+
+    Each child gets torchrun's environment variables, so `fn` starts with
+    `init_distributed(DistEnv.from_env())` exactly as under torchrun. Raises if any child fails
+    (the others are terminated).
+    """
+    host = "127.0.0.1"
+    store = dist.TCPStore(host, 0, None, True, wait_for_workers=False)  # lives while we wait
+    try:
+        mp.start_processes(
+            _child,
+            args=(fn, args, nprocs, host, store.port),
+            nprocs=nprocs,
+            join=True,
+            start_method="spawn",
+        )
+    finally:
+        del store
+
+
+def _child(
+    index: int, fn: Callable[..., Any], args: tuple[Any, ...], world: int, host: str, port: int
+) -> None:
+    os.environ.update(
+        {
+            "RANK": str(index),
+            "LOCAL_RANK": str(index),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": host,
+            "MASTER_PORT": str(port),
+            EXTERNAL_STORE_ENV: "1",
+        }
+    )
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    code = fn(*args)
+    if code:
+        sys.exit(int(code))

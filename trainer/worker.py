@@ -1,0 +1,366 @@
+"""The per-rank training loop: one process executing its part of a Plan, step by step.
+
+A step: set the clock, run this stage's 1F1B schedule (or, for an excluded rank, a one-layer
+benchmark), sum gradients per piece across their holders, one world all-reduce carrying the
+gradient norm, the loss and every rank's compute figures, clip, AdamW, report. Every rank,
+excluded ones included, takes part in the world collectives, in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from malleus.planner import Plan, check_plan
+
+from . import checkpoint
+from .config import TrainConfig
+from .data import make_source, micro_batch
+from .model import init_piece, join_pieces, pieces
+from .parallel.grad_sync import owned_square_norm, sync_gradients
+from .parallel.groups import GroupCache
+from .parallel.layout import Layout, Place
+from .parallel.optim import PieceAdamW, clip_coefficient, lr_at
+from .parallel.pipeline import LayerTimer, PipelineStage
+from .parallel.stage import StageModel
+from .parallel.tensor import CommMeter, TPGroup
+from .profiling import healthy_reference
+from .services import Services
+
+__all__ = ["CALIBRATE_STEP", "RunOptions", "StepReport", "Trainer", "run_rank"]
+
+log = logging.getLogger(__name__)
+
+CALIBRATE_STEP = 2
+"""With real timings, the healthy reference is fixed from the ranks' timings of this step
+(the first steps pay one-off allocation and warm-up costs)."""
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """The figures of one completed step (the same on every rank, but `rate` is this rank's)."""
+
+    step: int  # index of the step just run (0-based)
+    loss: float  # mean over the step's micro-batches
+    grad_norm: float  # before clipping
+    lr: float
+    seconds: float
+    tokens_per_second: float
+    compute_seconds: float  # this rank's layer compute, communication excluded
+    rates: dict[int, float | None]  # every rank's straggling rate (None: not yet calibrated)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What `run_rank` does around the steps (the job itself is in TrainConfig)."""
+
+    until: int | None = None  # stop after this step count (default: cfg.steps)
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # 0: only at the end (when checkpoint_dir is set)
+    resume: bool = False
+    save_model: str | None = None
+    log_every: int = 1
+    quiet: bool = False
+
+
+class Trainer:
+    """One rank's model pieces, optimizer and layout, and the step that trains them."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        plan: Plan,
+        *,
+        rank: int,
+        world: int,
+        device: torch.device,
+        services: Services | None = None,
+        groups: GroupCache | None = None,
+    ) -> None:
+        if world != cfg.world:
+            raise ValueError(
+                f"world size {world} != nodes({cfg.nodes}) * gpus({cfg.gpus_per_node})"
+            )
+        check_plan(cfg.problem(), plan)
+        self.cfg, self.plan, self.rank, self.world, self.device = cfg, plan, rank, world, device
+        self.services = services if services is not None else Services.null(cfg, rank)
+        self.groups = groups if groups is not None else GroupCache()
+        self.meter = CommMeter(cuda=device.type == "cuda")
+        self.timer = LayerTimer(self.services.clock, self.services.profiler, self.meter, device)
+        self.source = make_source(cfg.dataset, cfg.model.sequence, cfg.model.vocab, cfg.seed)
+        self.step = 0
+        self.layout = Layout.from_plan(plan, cfg.model, rank, world)
+        self.groups.ensure(self.layout.member_sets())  # collective: all ranks, same order
+        held = self.layout.held()
+        self.params: dict[str, Tensor] = {
+            p.name: init_piece(cfg.model, cfg.seed, p).to(device).requires_grad_() for p in held
+        }
+        self.optim = PieceAdamW(self.params, {p.name: p.spec.decay for p in held}, cfg.weight_decay)
+        self.act_shape = (cfg.micro_batch, cfg.model.sequence, cfg.model.hidden)
+        self.pipeline = self._pipeline(self.layout.place) if self.layout.place else None
+        self._bench: StageModel | None = None
+        self.services.state.update(role=self.layout.role, generation=plan.generation)
+        if self.services.metrics is not None:
+            self.services.metrics.observe_plan(plan.generation)
+
+    # ---- construction -----------------------------------------------------------------------
+    def _pipeline(self, place: Place) -> PipelineStage:
+        group = self.groups.get(place.group) if len(place.group) > 1 else None
+        tp = TPGroup(group, place.group, place.index, self.meter)
+        model = StageModel(self.cfg.model, place, self.params, tp, self.device)
+        return PipelineStage(
+            model,
+            place,
+            self._batch,
+            self.layout.total_micro_batches,
+            self.timer,
+            self.act_shape,
+            self.device,
+        )
+
+    def _batch(self, micro: int) -> tuple[Tensor, Tensor]:
+        x, y = micro_batch(
+            self.source, self.step, micro, self.cfg.global_batch, self.cfg.micro_batch
+        )
+        return x.to(self.device), y.to(self.device)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def train_step(self) -> StepReport:
+        cfg, svc = self.cfg, self.services
+        t0 = time.perf_counter()
+        svc.clock.set_step(self.step)
+        if svc.emulated:
+            self._exchange_injections()
+        self.optim.zero_grad()
+        self.timer.reset()
+        loss_sum = self.pipeline.run() if self.pipeline is not None else self._benchmark()
+        svc.profiler.end_step()
+        sync_gradients(self.layout, self.params, self.groups, self.meter)
+
+        # One world all-reduce: [owned grad^2, loss sum, seconds/unit per rank, compute per rank].
+        W = self.world
+        vec = torch.zeros(2 + 2 * W, dtype=torch.float64, device=self.device)
+        vec[0] = owned_square_norm(self.layout, self.params, self.device)
+        place = self.layout.place
+        if place is not None and place.last and place.index == 0:
+            vec[1] = loss_sum  # each pipeline's losses, once
+        if self.timer.units:
+            vec[2 + self.rank] = self.timer.seconds / self.timer.units
+        vec[2 + W + self.rank] = self.timer.seconds
+        with self.meter.timed():
+            dist.all_reduce(vec)
+        stats = vec.tolist()
+        norm = math.sqrt(stats[0])
+        lr = lr_at(self.step, cfg.learning_rate, cfg.warmup_steps, cfg.steps)
+        self.optim.step(lr, clip_coefficient(norm, cfg.grad_clip))
+
+        seconds = time.perf_counter() - t0
+        report = StepReport(
+            step=self.step,
+            loss=stats[1] / self.layout.total_micro_batches,
+            grad_norm=norm,
+            lr=lr,
+            seconds=seconds,
+            tokens_per_second=cfg.tokens_per_step / seconds,
+            compute_seconds=self.timer.seconds,
+            rates=self._rates(stats[2 : 2 + W]),
+        )
+        self.step += 1
+        self._publish(report, stats[2 + W :])
+        return report
+
+    def _benchmark(self) -> float:
+        """An excluded rank's step: one layer-shard forward and backward of its own, timed like
+        any layer (and charged to its emulated clock), so it keeps a rate to be re-admitted."""
+        if self._bench is None:
+            place = Place(-1, 0, 1, 0, (self.rank,), range(1), range(1), 1, 0)
+            params = {
+                p.name: init_piece(self.cfg.model, self.cfg.seed, p)
+                .to(self.device)
+                .requires_grad_()
+                for p in pieces(self.cfg.model)
+                if p.spec.layer == 0 and p.shard in (None, 0)
+            }
+            self._bench = StageModel(
+                self.cfg.model,
+                place,
+                params,
+                TPGroup(None, (self.rank,), 0, self.meter),
+                self.device,
+            )
+        bench = self._bench
+        x = torch.ones(self.act_shape, device=self.device, requires_grad=True)
+        y = self.timer("forward", 1, lambda: bench.layer(0, x))
+        self.timer("backward", 1, lambda: _backward_ones(y, x))
+        for p in bench.params.values():
+            p.grad = None
+        return 0.0
+
+    def _rates(self, per_unit: list[float]) -> dict[int, float | None]:
+        prof = self.services.profiler
+        if prof.reference_s is None and self.step >= CALIBRATE_STEP:
+            prof.calibrate(healthy_reference([s for s in per_unit if s > 0]))
+        ref = prof.reference_s
+        if ref is None:
+            return {r: None for r in range(self.world)}
+        return {r: (max(1.0, s / ref) if s > 0 else None) for r, s in enumerate(per_unit)}
+
+    def _exchange_injections(self) -> None:
+        """Slowdowns posted to any control endpoint reach their rank at the step boundary."""
+        vec = torch.zeros(self.world, dtype=torch.float64, device=self.device)
+        if self.services.injections is not None:
+            for rank, factor in self.services.injections.drain().items():
+                if 0 <= rank < self.world:
+                    vec[rank] = factor
+        with self.meter.timed():
+            dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+        factor = float(vec[self.rank])
+        if factor > 0:
+            self.services.clock.inject(factor)
+
+    def _publish(self, report: StepReport, compute: list[float]) -> None:
+        svc = self.services
+        svc.state.update(
+            step=self.step,
+            loss=report.loss,
+            grad_norm=report.grad_norm,
+            lr=report.lr,
+            step_seconds=report.seconds,
+            tokens_per_second=report.tokens_per_second,
+            rates=report.rates,
+        )
+        if svc.metrics is not None:
+            svc.metrics.observe_step(
+                self.step,
+                report.seconds,
+                report.tokens_per_second,
+                report.rates.get(self.rank),
+                report.compute_seconds,
+            )
+            if svc.server is not None:  # an endpoint publishes every rank's figures
+                gpn = self.cfg.gpus_per_node
+                svc.metrics.observe_rates(
+                    report.rates,
+                    {r: r // gpn for r in range(self.world)},
+                    dict(enumerate(compute)),
+                )
+
+    # ---- state in and out -------------------------------------------------------------------
+    def save_checkpoint(self, directory: str | Path) -> Path:
+        """Collective: write a plan-independent checkpoint of the current step."""
+        owners = {name: roles.owner for name, roles in self.layout.roles.items()}
+        return checkpoint.save(
+            directory,
+            self.step,
+            self.cfg,
+            self.rank,
+            owners,
+            self.params,
+            self.optim.state,
+            self.plan.generation,
+        )
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Load this rank's pieces (and their Adam state) from a checkpoint of any plan."""
+        loaded = checkpoint.load_pieces(path, list(self.params), self.cfg)
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(loaded.params[name])
+                st = self.optim.state[name]
+                st.exp_avg.copy_(loaded.state[name].exp_avg)
+                st.exp_avg_sq.copy_(loaded.state[name].exp_avg_sq)
+                st.step = loaded.state[name].step
+        self.step = loaded.step
+
+    def gather_full(self, dst: int = 0) -> dict[str, Tensor] | None:
+        """Collective: the full model (canonical names and tensors) on `dst`, None elsewhere.
+
+        Each piece comes from its owner, in canonical order, so the result is the same
+        plan-independent state dict whatever the layout.
+        """
+        parts: dict[str, Tensor] = {}
+        for piece in pieces(self.cfg.model):
+            owner = self.layout.roles[piece.name].owner
+            if self.rank == dst:
+                if owner == dst:
+                    parts[piece.name] = self.params[piece.name].detach().cpu().clone()
+                else:
+                    buf = torch.empty(piece.shape(self.cfg.tp), device=self.device)
+                    dist.recv(buf, src=owner)
+                    parts[piece.name] = buf.cpu()
+            elif self.rank == owner:
+                dist.send(self.params[piece.name].detach().contiguous(), dst=dst)
+        return join_pieces(self.cfg.model, parts) if self.rank == dst else None
+
+
+def _backward_ones(y: Tensor, x: Tensor) -> Tensor:
+    y.backward(torch.ones_like(y))
+    assert x.grad is not None
+    return x.grad
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def run_rank(
+    cfg: TrainConfig,
+    plan: Plan,
+    opts: RunOptions,
+    *,
+    rank: int,
+    world: int,
+    device: torch.device,
+    services: Services | None = None,
+) -> list[StepReport]:
+    """Train this rank from step 0 (or the latest checkpoint) to `opts.until` or cfg.steps."""
+    trainer = Trainer(cfg, plan, rank=rank, world=world, device=device, services=services)
+    speak = rank == 0 and not opts.quiet
+    if opts.resume and opts.checkpoint_dir:
+        path = checkpoint.latest(opts.checkpoint_dir)
+        if path is not None:
+            trainer.load_checkpoint(path)
+            if speak:
+                _say(f"[malleus] resumed from {path} at step {trainer.step}")
+        elif speak:
+            _say(f"[malleus] no checkpoint in {opts.checkpoint_dir}; starting at step 0")
+    if speak:
+        _say(trainer.layout.rank_matrix())
+    until = min(cfg.steps, opts.until if opts.until is not None else cfg.steps)
+    reports = []
+    while trainer.step < until:
+        r = trainer.train_step()
+        reports.append(r)
+        if speak and (trainer.step % opts.log_every == 0 or trainer.step == until):
+            _say(
+                f"[malleus] step {trainer.step}/{cfg.steps} loss {r.loss:.4f} "
+                f"norm {r.grad_norm:.3f} lr {r.lr:.2e} {r.seconds:.3f}s "
+                f"{r.tokens_per_second:,.0f} tok/s"
+            )
+        every = opts.checkpoint_every
+        if opts.checkpoint_dir and every and trainer.step % every == 0:
+            trainer.save_checkpoint(opts.checkpoint_dir)
+    if opts.checkpoint_dir and (not opts.checkpoint_every or trainer.step % opts.checkpoint_every):
+        trainer.save_checkpoint(opts.checkpoint_dir)
+    if opts.save_model:
+        full = trainer.gather_full(0)
+        if full is not None:
+            _save_atomic(full, opts.save_model)
+            if speak:
+                _say(f"[malleus] saved model ({len(full)} tensors) to {opts.save_model}")
+    return reports
+
+
+def _save_atomic(obj: object, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
