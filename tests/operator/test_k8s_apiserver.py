@@ -1,0 +1,146 @@
+"""`k8s.py` against the real API server: every status the operator writes passes the CRD schema.
+
+The pure status functions are unit-tested elsewhere; here their output goes through the real
+``/status`` subresource (validation, pruning, CEL) and is read back unchanged, so a field the
+CRD does not declare (which the server would silently prune) or a malformed condition fails a
+test instead of vanishing in a cluster. Skips without ``MALLEUS_K8S_ASSETS``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from malleus.operator import jobs, k8s, status
+from malleus.operator.resources import JobRef
+from malleus.planner.plan import Estimate
+
+if TYPE_CHECKING:
+    from tests.k8s.apiserver import ApiServer
+
+
+@pytest.fixture
+def real_k8s(
+    k8s_apiserver: ApiServer, malleus_crd: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> ApiServer:
+    """`k8s` configured for the test API server (restored afterwards)."""
+    monkeypatch.setattr(k8s, "_api_client", None)
+    k8s.configure(str(k8s_apiserver.kubeconfig))
+    return k8s_apiserver
+
+
+def _round_trip(namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+    async def go() -> dict[str, Any]:
+        await k8s.patch_job_status(namespace, name, patch)
+        job = await k8s.get_job(namespace, name)
+        assert job is not None
+        got: dict[str, Any] = job["status"]
+        return got
+
+    return asyncio.run(go())
+
+
+def test_every_status_shape_is_accepted_and_kept(
+    real_k8s: ApiServer, k8s_namespace: str, make_job: Any
+) -> None:
+    body = make_job(namespace=k8s_namespace)
+    for key in ("uid", "generation", "resourceVersion"):
+        del body["metadata"][key]
+    url = f"/apis/malleus.io/v1alpha1/namespaces/{k8s_namespace}/malleusjobs"
+    assert real_k8s.client.post(url, json=body).status_code == 201
+    stored = asyncio.run(k8s.get_job(k8s_namespace, "demo"))
+    assert stored is not None
+    ref = JobRef.from_body(stored)
+    plan, _ = asyncio.run(jobs.initial_plan(jobs.parse_job(stored)))
+    plan = plan.model_copy(update={"estimate": Estimate(step_time=40.0, uniform_step_time=90.0)})
+    t = status.now()
+    pods = ["demo-node-0", "demo-node-1"]
+    running = status.pods_transition(
+        {"phase": "Pending"},
+        [{"metadata": {"name": n}, "status": {"phase": "Running"}} for n in pods],
+        pods,
+        ref.generation,
+        t,
+    ).status
+    patches = [
+        status.created_status(plan, pods, 8, ref.generation, t),
+        running,
+        {
+            **status.straggler_status({3: 2.5, 5: None}, 1.2, 4),
+            "step": 5,
+            "tokensPerSecond": 100.5,
+            "conditions": status.merge_conditions(
+                running["conditions"],
+                status.straggling_condition({3: 2.5, 5: None}, 1.2, ref.generation, t),
+            ),
+        },
+        {"phase": "Replanning", "message": "published plan generation 2"},
+        status.replan_status(
+            plan.model_copy(update={"generation": 2}),
+            reason="rank 3 slowed (1.00 -> 2.50)",
+            at=t,
+            planning_seconds=0.0123,
+            migration_seconds=1.5,
+            migration_bytes=123456789,
+        ),
+        status.invalid_spec_status("invalid spec: heads(4) is not divisible by tp(8)", 1, t),
+    ]
+    for patch in patches:
+        got = _round_trip(k8s_namespace, "demo", patch)
+        for key, value in patch.items():
+            assert got.get(key) == value, f"{key}: sent {value!r}, stored {got.get(key)!r}"
+
+
+def test_a_missing_job_reads_as_none_and_its_status_patch_is_ignored(
+    real_k8s: ApiServer, k8s_namespace: str
+) -> None:
+    async def go() -> None:
+        assert await k8s.get_job(k8s_namespace, "absent") is None
+        await k8s.patch_job_status(k8s_namespace, "absent", {"phase": "Running"})  # ignored
+
+    asyncio.run(go())
+
+
+def test_core_objects_through_the_cluster_proxy(
+    k8s_cluster: Any,
+    malleus_crd: dict[str, Any],
+    k8s_namespace: str,
+    make_job: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The children of a job, created, found, patched and deleted through `k8s` (the real
+    server for the job, the test cluster's emulated core API for the rest)."""
+    from malleus.operator import resources
+
+    monkeypatch.setattr(k8s, "_api_client", None)
+    k8s.configure(str(k8s_cluster.kubeconfig))
+    ns = k8s_namespace
+    job = jobs.parse_job(make_job(namespace=ns))
+    ref = JobRef(namespace=ns, name="demo", uid="uid-1234", generation=1)
+
+    async def go() -> None:
+        plan, _ = await jobs.initial_plan(job)
+        children = resources.build_children(job, ref, plan, "tok-1")
+        for obj in children:
+            _, created = await k8s.create(obj)
+            assert created
+        again, created = await k8s.create(resources.build_secret(ref, "tok-2"))
+        assert not created and again["metadata"]["name"] == "demo-control"
+        assert await k8s.read_secret_value(ns, "demo-control", "token") == "tok-1"
+        pods = await k8s.list_children("Pod", ns, "demo")
+        assert [p["metadata"]["name"] for p in pods] == ["demo-node-0", "demo-node-1"]
+        assert pods[0]["metadata"]["uid"]  # stamped by the server, not ours
+        await k8s.patch("ConfigMap", ns, "demo-config", {"data": {"pending-plan.json": "{}"}})
+        await k8s.patch("ConfigMap", ns, "demo-config", {"data": {"pending-plan.json": None}})
+        cm = await k8s.read("ConfigMap", ns, "demo-config")
+        assert cm is not None and sorted(cm["data"]) == ["job.json", "plan.json"]
+        await k8s.post_event(ref, "Warning", "PodFailed", "demo-node-1: exit 1")
+        assert await k8s.delete("Pod", ns, "demo-node-1")
+        assert not await k8s.delete("Pod", ns, "demo-node-1")
+        assert await k8s.read("Pod", ns, "demo-node-1") is None
+
+    asyncio.run(go())
+    events = k8s_cluster.core.list("events", ns)
+    assert [(e["reason"], e["involvedObject"]["name"]) for e in events] == [("PodFailed", "demo")]
