@@ -13,9 +13,11 @@ from .cost import (
 )
 from .plan import Estimate, Pipeline, Plan, Stage
 from .problem import MemorySpec, ModelSpec, PlanningProblem, ProblemError
+from .search import MIGRATION_SLACK, default_budget, plan
 from .validate import PlanError, check_plan, validate_plan
 
 __all__ = [
+    "MIGRATION_SLACK",
     "Estimate",
     "MemorySpec",
     "ModelSpec",
@@ -26,8 +28,10 @@ __all__ = [
     "ProblemError",
     "Stage",
     "check_plan",
+    "default_budget",
     "ideal_step_time",
     "migration_mb",
+    "plan",
     "plan_step_time",
     "reference_step_time",
     "uniform_plan",

@@ -74,7 +74,7 @@ def stage_memory_mb(
     if mem is None:
         return 0.0
     in_flight = min(stages - index, micro_batches)
-    ends = 1 if index == 0 or index == stages - 1 else 0
+    ends = int(index == 0) + int(index == stages - 1)  # embedding and head: both if S == 1
     per_shard = (
         mem.layer_mb * layers + mem.activation_mb * layers * in_flight + mem.embedding_mb * ends
     )
