@@ -20,7 +20,7 @@ import asyncio
 import datetime as dt
 import json
 import logging
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from malleus.controller.events import DecisionEvent, EventKind
@@ -107,11 +107,20 @@ class JobReporter:
 
     async def on_observation(self, obs_step: int, step_seconds: float | None) -> None:
         """After each new step: step, tokens/s, stragglers and their condition (if changed)."""
-        c = self.controller
-        smoothed = c.detector.smoothed() if c is not None else {}
         patch: dict[str, Any] = {"step": max(0, obs_step)}
         if step_seconds:
             patch["tokensPerSecond"] = round(self.tokens_per_step / step_seconds, 3)
+        await self._report(patch)
+
+    async def _report(self, patch: dict[str, Any]) -> None:
+        """Write ``patch`` plus the stragglers as the detector sees them now, if anything changed.
+
+        An observation reaches the status before the controller feeds it to the detector, so
+        the stragglers are refreshed again when a decision event shows the detector moved.
+        """
+        c = self.controller
+        smoothed = c.detector.smoothed() if c is not None else {}
+        patch = dict(patch)
         patch.update(
             status.straggler_status(smoothed, self.policy.threshold, self.job.spec.gpus_per_node)
         )
@@ -137,6 +146,8 @@ class JobReporter:
         reason = _EVENT_REASONS.get(event.kind)
         if reason is not None:
             await k8s.post_event(self.ref, event.type, reason, event.message)
+        if event.kind is EventKind.STRAGGLER_DETECTED:
+            await self._report({})  # the shift's observation, which the status has not seen
         ns, name = self.ref.namespace, self.ref.name
         if event.kind is EventKind.PLANNED:
             seconds = (event.data.get("decision") or {}).get("planning_seconds")
@@ -239,15 +250,33 @@ def believed_rates(body: Mapping[str, Any]) -> dict[int, float | None]:
     return out
 
 
-async def _wait_running(body: Mapping[str, Any], stopped: StopFlag, poll: float) -> bool:
-    """Wait until the workers run; False when the job ended or the daemon is stopping."""
+async def _wait_running(
+    body: Mapping[str, Any],
+    stopped: StopFlag,
+    poll: float,
+    resync: Callable[[], Awaitable[Any]] | None = None,
+) -> bool:
+    """Wait until the workers run; False when the job ended or the daemon is stopping.
+
+    While the job stays Pending, ``resync`` (the pod watcher's phase computation) runs after
+    every poll: a pod event can race the create handler's status (pods already Running while
+    the job has no phase yet, so the event changes nothing), and nothing else would move the
+    job to Running then. Not before the first poll, so it rarely doubles a pod event's work.
+    """
+    waited = False
     while not stopped:
         phase = _phase(body)
         if phase in status.TERMINAL_PHASES:
             return False
         if phase in ("Running", "Replanning"):
             return True
+        if waited and phase == "Pending" and resync is not None:
+            try:
+                await resync()
+            except Exception:  # best effort: the next poll (or a pod event) tries again
+                log.exception("re-syncing the pods of a pending job failed")
         await stopped.wait(poll)
+        waited = True
     return False
 
 
@@ -275,14 +304,17 @@ async def run_job(
     *,
     planner: Planner = default_planner,
     poll_seconds: float = 2.0,
+    resync: Callable[[], Awaitable[Any]] | None = None,
 ) -> str | None:
     """Run the decision loop for the job in ``body`` (kopf's live view) until it ends.
 
-    Returns None when the job ended or the daemon was stopped, `SPEC_CHANGED` when the spec's
-    generation moved (the caller restarts the daemon, which then reads the new policy).
+    ``resync`` re-derives the phase from the pods while the job is Pending (see
+    `_wait_running`). Returns None when the job ended or the daemon was stopped, `SPEC_CHANGED`
+    when the spec's generation moved (the caller restarts the daemon, which then reads the new
+    policy).
     """
     ref = resources.JobRef.from_body(body)
-    if not await _wait_running(body, stopped, poll_seconds):
+    if not await _wait_running(body, stopped, poll_seconds, resync):
         return None
     try:
         job = await effective_job(ref, body)

@@ -235,7 +235,10 @@ def _active(status: Mapping[str, Any], **_: Any) -> bool:
 @kopf.daemon(API_GROUP, VERSION, PLURAL, when=_active, cancellation_timeout=30.0)
 async def job_daemon(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
     """The decision loop of one job, for as long as it is active."""
-    result = await daemon.run_job(body, stopped, current_settings())
+    ref = resources.JobRef.from_body(body)
+    result = await daemon.run_job(
+        body, stopped, current_settings(), resync=lambda: _sync_pods(ref.namespace, ref.name)
+    )
     if result == daemon.SPEC_CHANGED:
         raise kopf.TemporaryError("spec changed; restarting the controller with it", delay=1)
 

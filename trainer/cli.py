@@ -61,15 +61,72 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--init-timeout", type=float, default=60.0, metavar="S", help="bound on joining the job"
     )
+    parser.add_argument(
+        "--switch",
+        action="append",
+        default=[],
+        metavar="STEP:PLAN.json",
+        help="switch to this plan (migrating state in place) so that it is in force from STEP "
+        "on; repeatable. Goes through the coordinator's plan inbox like POST /plan. A plan "
+        "whose generation is not above the previous one's is renumbered previous + 1.",
+    )
 
 
 def load_inputs(args: argparse.Namespace) -> tuple[TrainConfig, Plan]:
-    """The job and the plan, validated (BadInput lists every fault)."""
+    """The job and the plan, validated (BadInput lists every fault); --switch plans are checked
+    too and left in `args.switch_plans`."""
+    cfg, plan = _job_and_plan(args)
+    args.switch_plans = _switch_plans(cfg, plan, getattr(args, "switch", None) or [])
+    return cfg, plan
+
+
+def _read_plan(path: str, what: str) -> Plan:
     from pydantic import ValidationError
 
-    from malleus.jobspec import JobSpecError
-    from malleus.planner import Plan, PlanError, check_plan
+    from malleus.planner import Plan
     from malleus.planner.problem import validation_faults
+
+    try:
+        return Plan.from_json(Path(path).read_text())
+    except ValidationError as e:
+        raise BadInput(_bullets(f"{what}: not a Plan", validation_faults(e))) from None
+    except OSError as e:
+        raise BadInput(f"{what}: {e}") from None
+
+
+def _switch_plans(cfg: TrainConfig, first: Plan, specs: list[str]) -> tuple[tuple[int, Plan], ...]:
+    """`STEP:PLAN.json` items, sorted by step, validated, generations made increasing."""
+    from .plan_inbox import PlanInbox
+
+    items: dict[int, str] = {}
+    for spec in specs:
+        step_text, sep, path = spec.partition(":")
+        try:
+            step = int(step_text)
+        except ValueError:
+            step = -1
+        if not sep or not path or step < 1:
+            raise BadInput(f"--switch {spec}: expected STEP:PLAN.json with STEP >= 1")
+        if step in items:
+            raise BadInput(f"--switch {spec}: a second plan for step {step}")
+        items[step] = path
+    out = []
+    generation = first.generation
+    for step, path in sorted(items.items()):
+        what = f"--switch {step}:{path}"
+        plan = _read_plan(path, what)
+        generation = max(plan.generation, generation + 1)
+        plan = plan.model_copy(update={"generation": generation})
+        code, answer = PlanInbox(cfg.problem(), -1).offer(plan.model_dump())  # as POST /plan
+        if code != 202:
+            raise BadInput(_bullets(f"{what}: invalid plan", answer.get("reasons", [])))
+        out.append((step, plan))
+    return tuple(out)
+
+
+def _job_and_plan(args: argparse.Namespace) -> tuple[TrainConfig, Plan]:
+    from malleus.jobspec import JobSpecError
+    from malleus.planner import PlanError, check_plan
 
     from .config import load_config
 
@@ -82,12 +139,7 @@ def load_inputs(args: argparse.Namespace) -> tuple[TrainConfig, Plan]:
             raise BadInput(f"--steps {args.steps}: need at least 1")
         cfg = cfg.with_steps(args.steps)
     if args.plan:
-        try:
-            plan = Plan.from_json(Path(args.plan).read_text())
-        except ValidationError as e:
-            raise BadInput(_bullets(f"{args.plan}: not a Plan", validation_faults(e))) from None
-        except OSError as e:
-            raise BadInput(f"{args.plan}: {e}") from None
+        plan = _read_plan(args.plan, args.plan)
     else:
         from malleus.controller.planning import default_planner
 
@@ -129,6 +181,7 @@ def _options(args: argparse.Namespace) -> RunOptions:
         save_model=args.save_model,
         log_every=max(1, args.log_every),
         quiet=args.quiet,
+        switches=getattr(args, "switch_plans", ()),
     )
 
 
@@ -196,7 +249,7 @@ def _run(
 
     from malleus.planner import Plan
 
-    from .launch import init_distributed
+    from .launch import init_distributed, note_writer
     from .services import Services
     from .worker import run_rank
 
@@ -207,6 +260,8 @@ def _run(
     dist.broadcast_object_list(shared, src=0)
     plan = Plan.from_json(shared[0])
     services = Services.create(cfg, env.rank, control_port=port)
+    if env.rank == 0:
+        services.note = note_writer(env)
     try:
         run_rank(
             cfg, plan, opts, rank=env.rank, world=env.world_size, device=device, services=services

@@ -1,4 +1,4 @@
-"""The trainer's control endpoint (DESIGN §4.4): health, status, metrics, plans, injections.
+"""The trainer's control endpoint (DESIGN §4.4): health, status, metrics, plans, stop, injections.
 
 A stdlib `ThreadingHTTPServer` in a daemon thread, so the training loop never blocks on a
 client and the pod needs no web framework. Reads are open (the kubelet and Prometheus need no
@@ -121,7 +121,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(200, status)
         elif path == "/metrics" and c.metrics is not None:
             self._send(200, c.metrics.render(), CONTENT_TYPE)
-        elif path in ("/plan", "/inject"):
+        elif path in ("/plan", "/stop", "/inject"):
             self._error(405, "use POST", allowed=["POST"])
         else:
             self._error(404, f"no such endpoint: {path}")
@@ -139,6 +139,10 @@ class _Handler(BaseHTTPRequestHandler):
             if c.inbox is None:
                 self._error(404, "this rank is not the coordinator; post plans to rank 0")
                 return
+        elif path == "/stop":
+            if c.stop_request is None:
+                self._error(404, "this rank is not the coordinator; post stop to rank 0")
+                return
         elif path == "/inject":
             if c.inject is None:
                 self._error(404, "emulation is off: slowdowns cannot be injected")
@@ -151,6 +155,10 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/plan":
             assert c.inbox is not None
             code, answer = c.inbox.offer(body)
+            self._json(code, answer)
+        elif path == "/stop":
+            assert c.stop_request is not None
+            code, answer = c.stop_request(body)
             self._json(code, answer)
         else:
             self._inject(body)
@@ -235,6 +243,8 @@ class ControlServer:
 
     status: returns the /status JSON. inbox: the plan inbox (coordinator only; None = 404).
     metrics: served at /metrics. inject: `(rank, factor)` callback, only when emulation is on.
+    stop: `POST /stop` body -> (code, answer) (coordinator only: stop at the next step boundary,
+    by default with a checkpoint).
     token: bearer token for writes (`load_token()`); None = writes refused with 503.
     """
 
@@ -248,11 +258,13 @@ class ControlServer:
         inbox: PlanInbox | None,
         metrics: TrainerMetrics | None,
         inject: Callable[[int, float], None] | None,
+        stop: Callable[[bytes], tuple[int, dict[str, Any]]] | None = None,
         max_body: int = _MAX_BODY,
     ) -> None:
         self.host, self._port = host, port
         self.token = token or None
         self.status, self.inbox, self.metrics, self.inject = status, inbox, metrics, inject
+        self.stop_request = stop
         self.max_body = max_body
         self._httpd: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -368,6 +380,14 @@ class ControlClient:
         else:
             data = json.dumps(plan).encode()
         code, raw = self._request("POST", "/plan", data, auth=True)
+        return code, self._decode(raw)
+
+    def stop(self, checkpoint: bool | None = None) -> tuple[int, Any]:
+        """POST /stop: stop at the next step boundary, with a checkpoint unless `checkpoint` is
+        False (None: the trainer's default, a checkpoint when it has a directory).
+        (202, {stopping, checkpoint}) or (400, {error})."""
+        body = json.dumps({} if checkpoint is None else {"checkpoint": checkpoint}).encode()
+        code, raw = self._request("POST", "/stop", body, auth=True)
         return code, self._decode(raw)
 
     def inject(self, rank: int, factor: float) -> tuple[int, Any]:

@@ -4,12 +4,14 @@ One process per GPU; NCCL on CUDA, gloo on CPU. Joining is bounded: a rank that 
 the master, or a job where some rank never shows up, fails within `init_timeout_s` with an
 error naming MASTER_ADDR:MASTER_PORT, instead of hanging until the collective timeout.
 Locally, the parent process hosts the rendezvous store on a port the OS picks, so concurrent
-runs (tests) never race for a "free" port.
+runs (tests) never race for a "free" port; when a child dies it stops the rest and names the
+rank and what the job was doing (a note rank 0 leaves in that store, e.g. during a switch).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -25,12 +27,15 @@ __all__ = [
     "DistEnv",
     "LaunchError",
     "init_distributed",
+    "note_writer",
     "spawn_local",
 ]
 
 EXTERNAL_STORE_ENV = "MALLEUS_EXTERNAL_STORE"  # "1": the store is hosted outside rank 0
 DEFAULT_INIT_TIMEOUT_S = 60.0
 DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
+GRACE_S = 5.0  # after one local rank fails, how long the others may take to fail on their own
+NOTE_PREFIX, NOTE_KEY = "malleus/note/", "doing"
 
 
 class LaunchError(RuntimeError):
@@ -136,25 +141,88 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def spawn_local(nprocs: int, fn: Callable[..., Any], args: tuple[Any, ...] = ()) -> None:
+def note_writer(env: DistEnv) -> Callable[[str], None] | None:
+    """Under `spawn_local`, a way for a rank to tell the launcher what the job is doing (say,
+    "the switch to plan generation 2 at step 3"), quoted if a rank dies. None elsewhere."""
+    if os.environ.get(EXTERNAL_STORE_ENV) != "1":
+        return None
+    client = dist.TCPStore(
+        env.master_addr, env.master_port, None, False, timeout=timedelta(seconds=30)
+    )
+    store = dist.PrefixStore(NOTE_PREFIX, client)
+    return lambda text: store.set(NOTE_KEY, text)
+
+
+def spawn_local(
+    nprocs: int, fn: Callable[..., Any], args: tuple[Any, ...] = (), grace_s: float = GRACE_S
+) -> None:
     """Run `fn(*args)` in `nprocs` fresh processes forming one job on 127.0.0.1.
 
     Each child gets torchrun's environment variables, so `fn` starts with
-    `init_distributed(DistEnv.from_env())` exactly as under torchrun. Raises if any child fails
-    (the others are terminated).
+    `init_distributed(DistEnv.from_env())` exactly as under torchrun. When a child fails (an
+    exception, or death by a signal), the others get `grace_s` seconds to fail on their own
+    (printing their errors) and are then terminated; the LaunchError raised names the rank and
+    what the job was doing (the ranks' last note).
     """
     host = "127.0.0.1"
     store = dist.TCPStore(host, 0, None, True, wait_for_workers=False)  # lives while we wait
     try:
-        mp.start_processes(
+        ctx = mp.start_processes(
             _child,
             args=(fn, args, nprocs, host, store.port),
             nprocs=nprocs,
-            join=True,
+            join=False,
             start_method="spawn",
         )
+        try:
+            while not ctx.join(grace_period=grace_s):
+                pass
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+            codes = [p.exitcode for p in ctx.processes]
+            raise LaunchError(_failure(e, codes, dist.PrefixStore(NOTE_PREFIX, store))) from e
     finally:
         del store
+
+
+def _failure(
+    e: mp.ProcessExitedException | mp.ProcessRaisedException,
+    exitcodes: list[int | None],
+    notes: Any,
+) -> str:
+    """'rank 3 died (signal SIGKILL) during the switch to ...; the other ranks were stopped'.
+
+    A rank killed by a signal (not our SIGTERM) is the likely cause even when another rank's
+    error (its peer's "connection reset") reached the launcher first; both are named.
+    """
+    try:
+        doing = notes.get(NOTE_KEY).decode() if notes.check([NOTE_KEY]) else ""
+    except (RuntimeError, OSError):
+        doing = ""
+    during = f" during {doing}" if doing else ""
+    killed = [
+        (i, _signal_name(-c))
+        for i, c in enumerate(exitcodes)
+        if c is not None and c < 0 and -c != signal.SIGTERM and i != e.error_index
+    ]
+    if isinstance(e, mp.ProcessExitedException):
+        how = f"signal {e.signal_name}" if e.signal_name else f"exit code {e.exit_code}"
+        cause, detail = f"rank {e.error_index} died ({how})", ""
+    else:
+        cause, detail = f"rank {e.error_index} failed", f" Its error:{e}"
+    if killed:
+        i, name = killed[0]
+        cause, detail = (
+            f"rank {i} died (signal {name})",
+            f" Rank {e.error_index} failed too.{detail}",
+        )
+    return f"{cause}{during}; the other ranks were stopped.{detail}"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _child(

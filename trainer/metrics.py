@@ -112,7 +112,8 @@ class TrainerMetrics:
         nodes: Mapping[int, int],
         compute_seconds: Mapping[int, float] | None = None,
     ) -> None:
-        """The coordinator publishes every rank's rate (None = not measured: series removed)."""
+        """The coordinator publishes every rank's rate: None = not measured yet (series removed),
+        NaN = measured no more (failed or unusable: the series stays, as NaN)."""
         with self._lock:
             for rank, rate in rates.items():
                 self._set_rate(rank, nodes[rank], rate)
@@ -126,12 +127,12 @@ class TrainerMetrics:
         if old is not None and (old != labels or rate is None):
             self._rate.remove(*old)
             del self._rate_labels[rank]
-        if rate is None or not math.isfinite(rate):
+        if rate is None:
             self._snap["rates"].pop(rank, None)
             return
-        self._rate.labels(*labels).set(rate)
+        self._rate.labels(*labels).set(rate)  # NaN: the rank is failed / unusable
         self._rate_labels[rank] = labels
-        self._snap["rates"][rank] = rate
+        self._snap["rates"][rank] = rate if math.isfinite(rate) else None
 
     def observe_plan(self, generation: int) -> None:
         self._generation.labels(job=self.job).set(generation)

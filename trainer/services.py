@@ -1,4 +1,5 @@
-"""What the training loop plugs into: clock, rate profiler, metrics, control endpoint, status.
+"""What the training loop plugs into: clock, rate profiler, metrics, control endpoint, status,
+and on rank 0 the plan inbox and stop request that the switch protocol reads at step boundaries.
 
 The loop calls the same few methods whether these are real (emulated clock, Prometheus metrics,
 HTTP control server) or the no-op defaults, so tests and the reference need none of them.
@@ -9,11 +10,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .config import TrainConfig
+from .plan_inbox import PlanInbox
 from .profiling import RateProfiler
+from .switch import StopControl
 
 __all__ = ["NullClock", "Services", "WorkerState"]
 
@@ -53,7 +57,9 @@ class WorkerState:
             "step_seconds": None,
             "tokens_per_second": None,
             "rates": {},
-            "migration": {"seconds": None, "bytes": None},
+            "migration": dict.fromkeys(
+                ("generation", "step", "seconds", "bytes", "minimal_bytes", "transfers")
+            ),
         }
 
     def update(self, **values: Any) -> None:
@@ -78,6 +84,9 @@ class Services:
     metrics: Any | None = None  # TrainerMetrics
     server: Any | None = None  # ControlServer
     injections: Any | None = None  # InjectionQueue (processes serving HTTP, emulation on)
+    inbox: PlanInbox | None = None  # the coordinator's (rank 0) plan inbox
+    stop: StopControl | None = None  # the coordinator's stop request
+    note: Callable[[str], None] | None = None  # tells the local launcher what the job is doing
 
     @property
     def emulated(self) -> bool:
@@ -94,7 +103,10 @@ class Services:
             clock = EmulatedClock(
                 rank, cfg.emulation.forward_s, cfg.emulation.backward_s, schedule, cfg.tp
             )
-        return cls(WorkerState(cfg.name, rank), clock, RateProfiler(clock.reference_s))
+        svc = cls(WorkerState(cfg.name, rank), clock, RateProfiler(clock.reference_s))
+        if rank == 0:  # the coordinator: plans and stop requests enter the job here
+            svc.inbox, svc.stop = PlanInbox(cfg.problem(), 0), StopControl()
+        return svc
 
     @classmethod
     def create(
@@ -116,14 +128,18 @@ class Services:
                 control_port,
                 load_token(),
                 status=svc.status,
-                inbox=None,
+                inbox=svc.inbox,
                 metrics=svc.metrics,
                 inject=svc.injections.put if svc.injections is not None else None,
+                stop=svc.stop.request if svc.stop is not None else None,
             ).start()
         return svc
 
     def status(self) -> dict[str, Any]:
         out = self.state.snapshot()
+        if self.inbox is not None:  # current/pending/applying generation, last error
+            out.update(self.inbox.status())
+            out["stopping"] = self.stop is not None and self.stop.code != 0
         if self.metrics is not None:
             out["metrics"] = self.metrics.snapshot()
         return out

@@ -2,8 +2,10 @@
 
 A step: set the clock, run this stage's 1F1B schedule (or, for an excluded rank, a one-layer
 benchmark), sum gradients per piece across their holders, one world all-reduce carrying the
-gradient norm, the loss and every rank's compute figures, clip, AdamW, report. Every rank,
-excluded ones included, takes part in the world collectives, in the same order.
+gradient norm, the loss, every rank's compute figures and the coordinator's control words, clip,
+AdamW, report; then, at the step boundary, switch to a new plan or stop if rank 0 said so
+(trainer/switch.py). Every rank, excluded ones included, takes part in the world collectives, in
+the same order.
 """
 
 from __future__ import annotations
@@ -24,15 +26,27 @@ from . import checkpoint
 from .config import TrainConfig
 from .data import make_source, micro_batch
 from .model import init_piece, join_pieces, pieces
+from .parallel import migrate
 from .parallel.grad_sync import owned_square_norm, sync_gradients
 from .parallel.groups import GroupCache
 from .parallel.layout import Layout, Place
-from .parallel.optim import PieceAdamW, clip_coefficient, lr_at
+from .parallel.optim import AdamState, PieceAdamW, clip_coefficient, lr_at
 from .parallel.pipeline import LayerTimer, PipelineStage
 from .parallel.stage import StageModel
 from .parallel.tensor import CommMeter, TPGroup
 from .profiling import healthy_reference
 from .services import Services
+from .switch import (
+    CONTROL_WORDS,
+    MIGRATION_TIMEOUT_S,
+    Boundary,
+    Coordinator,
+    Migration,
+    MigrationError,
+    broadcast_payload,
+    fault_point,
+    settle,
+)
 
 __all__ = ["CALIBRATE_STEP", "RunOptions", "StepReport", "Trainer", "run_rank"]
 
@@ -68,6 +82,7 @@ class RunOptions:
     save_model: str | None = None
     log_every: int = 1
     quiet: bool = False
+    switches: tuple[tuple[int, Plan], ...] = ()  # (step, plan): in force from that step on
 
 
 class Trainer:
@@ -83,6 +98,7 @@ class Trainer:
         device: torch.device,
         services: Services | None = None,
         groups: GroupCache | None = None,
+        migration_timeout_s: float = MIGRATION_TIMEOUT_S,
     ) -> None:
         if world != cfg.world:
             raise ValueError(
@@ -106,9 +122,20 @@ class Trainer:
         self.act_shape = (cfg.micro_batch, cfg.model.sequence, cfg.model.hidden)
         self.pipeline = self._pipeline(self.layout.place) if self.layout.place else None
         self._bench: StageModel | None = None
-        self.services.state.update(role=self.layout.role, generation=plan.generation)
-        if self.services.metrics is not None:
-            self.services.metrics.observe_plan(plan.generation)
+        self.migration_timeout_s = migration_timeout_s
+        self.boundary = Boundary()  # what the last step boundary announced
+        self.last_migration: Migration | None = None
+        svc = self.services
+        self.coordinator = (
+            Coordinator(svc.inbox, svc.stop)
+            if rank == 0 and svc.inbox is not None and svc.stop is not None
+            else None
+        )
+        if svc.inbox is not None:
+            svc.inbox.applied(plan.generation)
+        svc.state.update(role=self.layout.role, generation=plan.generation)
+        if svc.metrics is not None:
+            svc.metrics.observe_plan(plan.generation)
 
     # ---- construction -----------------------------------------------------------------------
     def _pipeline(self, place: Place) -> PipelineStage:
@@ -144,9 +171,10 @@ class Trainer:
         svc.profiler.end_step()
         sync_gradients(self.layout, self.params, self.groups, self.meter)
 
-        # One world all-reduce: [owned grad^2, loss sum, seconds/unit per rank, compute per rank].
+        # One world all-reduce: [owned grad^2, loss sum, seconds/unit per rank, compute per rank,
+        # the coordinator's control words].
         W = self.world
-        vec = torch.zeros(2 + 2 * W, dtype=torch.float64, device=self.device)
+        vec = torch.zeros(2 + 2 * W + CONTROL_WORDS, dtype=torch.float64, device=self.device)
         vec[0] = owned_square_norm(self.layout, self.params, self.device)
         place = self.layout.place
         if place is not None and place.last and place.index == 0:
@@ -154,6 +182,10 @@ class Trainer:
         if self.timer.units:
             vec[2 + self.rank] = self.timer.seconds / self.timer.units
         vec[2 + W + self.rank] = self.timer.seconds
+        payload = b""
+        if self.coordinator is not None:  # a plan posted after this line waits a step
+            announce, payload = self.coordinator.take()
+            vec[2 + 2 * W :] = torch.tensor(announce.words(), dtype=torch.float64)
         with self.meter.timed():
             dist.all_reduce(vec)
         stats = vec.tolist()
@@ -173,8 +205,106 @@ class Trainer:
             rates=self._rates(stats[2 : 2 + W]),
         )
         self.step += 1
-        self._publish(report, stats[2 + W :])
+        self._publish(report, stats[2 + W : 2 + 2 * W])
+        self._at_boundary(Boundary.decode(stats[2 + 2 * W :]), payload)
         return report
+
+    # ---- the step boundary: switch, stop ----------------------------------------------------
+    def _at_boundary(self, boundary: Boundary, payload: bytes) -> None:
+        self.boundary = boundary
+        if not boundary.plan_bytes:
+            return
+        data = broadcast_payload(payload, boundary.plan_bytes, self.rank, self.device)
+        plan = Plan.from_json(data)  # validated by rank 0's inbox before it was taken
+        try:
+            self.switch(plan)
+        except Exception as e:
+            if self.services.inbox is not None:
+                self.services.inbox.failed(plan.generation, str(e))
+            raise
+
+    def switch(self, plan: Plan) -> Migration:
+        """Collective: put `plan` in force now, moving every piece and its Adam state to its
+        new holders (DESIGN §6), then rebuilding the TP, pipeline and gradient-sync groups.
+
+        Raises MigrationError naming this rank, the generation and the step; every wait is
+        bounded by `migration_timeout_s`.
+        """
+        t0 = time.perf_counter()
+        doing = f"the switch to plan generation {plan.generation} at step {self.step}"
+        if self.rank == 0 and self.services.note is not None:
+            self.services.note(doing)
+        try:
+            new = Layout.from_plan(plan, self.cfg.model, self.rank, self.world)
+            moves = migrate.plan_transfers(
+                self.layout.roles, new.roles, self.cfg.model, self.cfg.gpus_per_node
+            )
+            minimal = migrate.minimal_bytes(self.cfg.model, self.plan, plan)
+            exchange = migrate.post(moves, self.rank, self.params, self.optim.state, self.device)
+            fault_point("migration", self.rank)
+            received = exchange.wait(self.migration_timeout_s)
+            settle(self.migration_timeout_s)
+            self.groups.ensure(new.member_sets())  # collective: all ranks, same order
+            self._adopt(plan, new, received)
+            # Measured, not derived: the bytes that went over the wire, the slowest rank's time.
+            totals = torch.tensor(
+                [float(exchange.sent_bytes), time.perf_counter() - t0], dtype=torch.float64
+            ).to(self.device)
+            dist.all_reduce(totals[:1])
+            dist.all_reduce(totals[1:], op=dist.ReduceOp.MAX)
+        except Exception as e:
+            raise MigrationError(f"rank {self.rank}: {doing} failed: {e}") from e
+        moved, seconds = totals.tolist()
+        record = Migration(
+            generation=plan.generation,
+            step=self.step,
+            seconds=seconds,
+            bytes=int(moved),
+            minimal_bytes=minimal,
+            transfers=len(moves.transfers),
+        )
+        self._record(record)
+        return record
+
+    def _adopt(
+        self, plan: Plan, new: Layout, received: dict[str, tuple[Tensor, AdamState]]
+    ) -> None:
+        """Switch the local state to `new`: keep what stays, take what arrived, drop the rest."""
+        params: dict[str, Tensor] = {}
+        state: dict[str, AdamState] = {}
+        for piece in new.held():
+            name = piece.name
+            if name in self.params:  # already here: no copy
+                params[name], state[name] = self.params[name], self.optim.state[name]
+            else:
+                value, state[name] = received.pop(name)
+                params[name] = value.to(self.device).requires_grad_()
+        if received:
+            raise RuntimeError(f"received pieces this rank does not hold: {sorted(received)[:4]}")
+        self.params = params
+        self.optim.rebind(params, {p.name: p.spec.decay for p in new.held()}, state)
+        self.plan, self.layout = plan, new
+        self.pipeline = self._pipeline(new.place) if new.place else None
+
+    def _record(self, m: Migration) -> None:
+        svc = self.services
+        if svc.inbox is not None:
+            svc.inbox.applied(m.generation)
+        if self.rank == 0 and svc.note is not None:
+            svc.note("")
+        svc.state.update(role=self.layout.role, generation=m.generation, migration=m.as_status())
+        if svc.metrics is not None:
+            svc.metrics.observe_plan(m.generation)
+            svc.metrics.observe_migration(m.seconds, m.bytes)
+        self.last_migration = m
+        log.info(
+            "switched to plan generation %d at step %d: %s bytes (minimal %s) in %.3fs",
+            m.generation,
+            m.step,
+            f"{m.bytes:,}",
+            f"{m.minimal_bytes:,}",
+            m.seconds,
+        )
 
     def _benchmark(self) -> float:
         """An excluded rank's step: one layer-shard forward and backward of its own, timed like
@@ -237,17 +367,20 @@ class Trainer:
             rates=report.rates,
         )
         if svc.metrics is not None:
+            rates: dict[int, float | None] = dict(report.rates)
+            if svc.profiler.reference_s is not None:  # calibrated: a rank without a figure
+                rates = {r: math.nan if v is None else v for r, v in rates.items()}  # failed
             svc.metrics.observe_step(
                 self.step,
                 report.seconds,
                 report.tokens_per_second,
-                report.rates.get(self.rank),
+                rates.get(self.rank),
                 report.compute_seconds,
             )
             if svc.server is not None:  # an endpoint publishes every rank's figures
                 gpn = self.cfg.gpus_per_node
                 svc.metrics.observe_rates(
-                    report.rates,
+                    rates,
                     {r: r // gpn for r in range(self.world)},
                     dict(enumerate(compute)),
                 )
@@ -334,10 +467,26 @@ def run_rank(
     if speak:
         _say(trainer.layout.rank_matrix())
     until = min(cfg.steps, opts.until if opts.until is not None else cfg.steps)
+    pinned = _pinned_switches(opts.switches, trainer.step, speak)
+    if trainer.services.stop is not None:
+        trainer.services.stop.can_checkpoint = opts.checkpoint_dir is not None
     reports = []
+    saved = -1
     while trainer.step < until:
+        due = pinned.pop(trainer.step + 1, None)  # in force from the next step on
+        if due is not None and trainer.coordinator is not None:
+            code, answer = trainer.coordinator.inbox.offer(due.model_dump())
+            if code != 202:  # only a newer plan posted over HTTP can get in the way
+                log.warning("--switch plan generation %d not applied: %s", due.generation, answer)
         r = trainer.train_step()
         reports.append(r)
+        m = trainer.last_migration
+        if speak and m is not None and m.step == trainer.step:
+            _say(
+                f"[malleus] switched to plan generation {m.generation} at step {m.step}: "
+                f"moved {m.bytes:,} bytes (minimal {m.minimal_bytes:,}) in {m.seconds:.3f}s"
+            )
+            _say(trainer.layout.rank_matrix())
         if speak and (trainer.step % opts.log_every == 0 or trainer.step == until):
             _say(
                 f"[malleus] step {trainer.step}/{cfg.steps} loss {r.loss:.4f} "
@@ -347,8 +496,16 @@ def run_rank(
         every = opts.checkpoint_every
         if opts.checkpoint_dir and every and trainer.step % every == 0:
             trainer.save_checkpoint(opts.checkpoint_dir)
-    if opts.checkpoint_dir and (not opts.checkpoint_every or trainer.step % opts.checkpoint_every):
-        trainer.save_checkpoint(opts.checkpoint_dir)
+            saved = trainer.step
+        if trainer.boundary.stopping:
+            if speak:
+                _say(f"[malleus] stop requested: stopping after step {trainer.step}")
+            break
+    stop = trainer.boundary
+    if opts.checkpoint_dir and saved != trainer.step and (not stop.stopping or stop.checkpoint):
+        path = trainer.save_checkpoint(opts.checkpoint_dir)
+        if speak and stop.stopping:
+            _say(f"[malleus] saved checkpoint {path}")
     if opts.save_model:
         full = trainer.gather_full(0)
         if full is not None:
@@ -356,6 +513,20 @@ def run_rank(
             if speak:
                 _say(f"[malleus] saved model ({len(full)} tensors) to {opts.save_model}")
     return reports
+
+
+def _pinned_switches(
+    switches: tuple[tuple[int, Plan], ...], start: int, speak: bool
+) -> dict[int, Plan]:
+    """--switch plans by the step they take force at; those due before `start` are skipped
+    (a resumed job runs the plan it was given)."""
+    out = {}
+    for step, plan in switches:
+        if step > start:
+            out[step] = plan
+        elif speak:
+            _say(f"[malleus] --switch {step}: already past (resumed at step {start}); skipped")
+    return out
 
 
 def _save_atomic(obj: object, path: str | Path) -> None:

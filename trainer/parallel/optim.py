@@ -84,6 +84,20 @@ class PieceAdamW:
             denom = (st.exp_avg_sq.sqrt() / bias2_sqrt).add_(self.eps)
             p.addcdiv_(st.exp_avg, denom, value=-lr / bias1)
 
+    def rebind(
+        self,
+        params: Mapping[str, Tensor],
+        decay: Mapping[str, bool],
+        state: Mapping[str, AdamState],
+    ) -> None:
+        """Take over another set of pieces with their Adam state (after a migration): pieces
+        kept keep their tensors, pieces no longer held are dropped with their moments."""
+        missing = set(params) - set(state)
+        if missing:
+            raise ValueError(f"no Adam state for {sorted(missing)[:4]}")
+        self.params, self.decay = dict(params), dict(decay)
+        self.state = {name: state[name] for name in self.params}
+
     def zero_grad(self) -> None:
         for p in self.params.values():
             p.grad = None
