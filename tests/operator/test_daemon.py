@@ -377,3 +377,138 @@ def test_run_job_stops_when_kopf_stops_it(cluster: Any, make_job: Any) -> None:
         return await asyncio.wait_for(task, 5)
 
     assert run(scenario()) is None
+
+
+# ---- a pending job whose pods already run ---------------------------------------------------
+
+
+class Ticks(Stop):
+    """A stop flag on a fake clock: each ``wait`` is one poll that returns at once, and the
+    flag sets itself at the ``limit``-th poll (the deadline: a loop that never leaves
+    Pending ends there instead of hanging)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self.polls = 0
+
+    async def wait(self, timeout: float | None = None) -> bool:
+        self.polls += 1
+        if self.polls >= self.limit:
+            self.event.set()
+        await asyncio.sleep(0)
+        return self.event.is_set()
+
+
+def pending_with_running_pods(cluster: Any, make_job: Any) -> dict[str, Any]:
+    """Pods turned Running before the job had its Pending phase: the pod events changed
+    nothing, so the job is Pending although every worker runs."""
+    body = created(cluster, make_job(), phase="Pending")
+    for i in range(body["spec"]["nodes"]):
+        cluster.set_pod_phase("ml", resources.pod_name("demo", i), "Running")
+    return body
+
+
+def _status_patches(cluster: Any) -> int:
+    return len([c for c in cluster.calls if c[0] == "patch_job_status"])
+
+
+def test_wait_running_resyncs_a_pending_job_whose_pods_run(cluster: Any, make_job: Any) -> None:
+    body = pending_with_running_pods(cluster, make_job)
+    stop = Ticks(limit=10)
+    resynced_at: list[int] = []
+
+    async def resync() -> None:
+        resynced_at.append(stop.polls)
+        await handlers._sync_pods("ml", "demo")
+
+    running = run(asyncio.wait_for(daemon._wait_running(body, stop, 2.0, resync), 5))
+    assert running is True
+    assert not stop  # it got there before the deadline
+    assert resynced_at == [1]  # after the first poll (not before it), and once: then Running
+    st = body["status"]
+    assert st["phase"] == "Running"
+    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "True"
+    assert "Running" in cluster.reasons()
+
+
+def test_wait_running_keeps_resyncing_after_a_failed_resync(cluster: Any, make_job: Any) -> None:
+    body = pending_with_running_pods(cluster, make_job)
+    stop = Ticks(limit=10)
+    resynced_at: list[int] = []
+
+    async def resync() -> None:
+        resynced_at.append(stop.polls)
+        if len(resynced_at) == 1:
+            raise ConnectionError("API server unreachable")
+        await handlers._sync_pods("ml", "demo")
+
+    assert run(asyncio.wait_for(daemon._wait_running(body, stop, 2.0, resync), 5)) is True
+    assert resynced_at == [1, 2]
+    assert body["status"]["phase"] == "Running"
+
+
+def test_wait_running_without_resync_waits_for_a_pod_event(cluster: Any, make_job: Any) -> None:
+    body = pending_with_running_pods(cluster, make_job)
+    before = _status_patches(cluster)
+    stop = Ticks(limit=5)
+    assert run(asyncio.wait_for(daemon._wait_running(body, stop, 2.0), 5)) is False
+    assert stop.polls == 5  # polled until stopped
+    assert body["status"]["phase"] == "Pending"
+    assert _status_patches(cluster) == before
+
+
+@pytest.mark.parametrize(("resync", "phase"), [(True, "Running"), (False, "Pending")])
+def test_run_job_passes_resync_to_the_wait(
+    cluster: Any, make_job: Any, resync: bool, phase: str
+) -> None:
+    body = pending_with_running_pods(cluster, make_job)
+    # The coordinator's address needs the pod's IP, which the fake pods lack: once Running,
+    # run_job waits for it until the stop flag's deadline, with no network involved.
+    settings = Settings(metrics_port=0, endpoint_template="http://{pod_ip}:{port}")
+    stop = Ticks(limit=5)
+
+    async def sync() -> None:
+        await handlers._sync_pods("ml", "demo")
+
+    result = run(
+        asyncio.wait_for(daemon.run_job(body, stop, settings, resync=sync if resync else None), 5)
+    )
+    assert result is None
+    assert stop.polls == 5
+    assert body["status"]["phase"] == phase
+
+
+# ---- stragglers refreshed by a StragglerDetected event --------------------------------------
+
+
+def test_straggler_detected_refreshes_stragglers_and_condition(cluster: Any, make_job: Any) -> None:
+    reporter, body = _reporter(cluster, make_job)
+    plan = Plan.from_json(cluster.objects[("ConfigMap", "ml", "demo-config")]["data"]["plan.json"])
+    smoothed: dict[int, float | None] = {}
+    reporter.controller = FakeController(plan, smoothed)  # type: ignore[assignment]
+    run(reporter.on_observation(12, 0.5))  # reported before the detector saw the shift
+    assert body["status"]["stragglers"] == []
+    before = _status_patches(cluster)
+
+    smoothed[3] = 2.5  # the controller fed that observation to the detector: rank 3 slowed
+    run(reporter.on_event(_event(EventKind.STRAGGLER_DETECTED, "rank 3 slowed")))
+    patches = [c[1] for c in cluster.calls if c[0] == "patch_job_status"][before:]
+    assert len(patches) == 1
+    ns, name, written = patches[0]
+    assert (ns, name) == ("ml", "demo")
+    assert written["stragglers"] == [{"rank": 3, "node": 0, "rate": 2.5}]
+    assert written["stragglerSummary"] == "1 (r3 2.5x)"
+    cond = next(c for c in written["conditions"] if c["type"] == "Straggling")
+    assert (cond["status"], cond["reason"]) == ("True", "StragglersDetected")
+    assert "step" not in written  # only what the event concerns
+    st = body["status"]
+    assert st["stragglers"] == written["stragglers"]
+    assert next(c for c in st["conditions"] if c["type"] == "Straggling")["status"] == "True"
+    assert next(c for c in st["conditions"] if c["type"] == "Ready")  # merged, not replaced
+    assert cluster.reasons()[-1] == "StragglerDetected"
+
+    # the next observation sees the same stragglers: nothing more to write for them
+    run(reporter.on_observation(12, 0.5))
+    assert _status_patches(cluster) == before + 1

@@ -328,3 +328,25 @@ def test_daemon_runs_only_for_active_jobs() -> None:
     assert handlers._active(status={"phase": "Pending"})
     assert not handlers._active(status={"phase": "Failed"})
     assert not handlers._active(status={})
+
+
+def test_the_job_daemon_resyncs_the_pods_of_a_pending_job(
+    cluster: Any, make_job: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """job_daemon hands run_job a resync that re-derives the phase from the pods."""
+    create(cluster, make_job())
+    for name in ("demo-node-0", "demo-node-1"):
+        cluster.set_pod_phase("ml", name, "Running")  # before the job had a phase: no-op event
+    stored = cluster.job("ml", "demo")
+    assert stored["status"]["phase"] == "Pending"
+    seen: dict[str, Any] = {}
+
+    async def run_job(body: Any, stopped: Any, settings: Any, **kwargs: Any) -> None:
+        seen.update(kwargs)
+        await kwargs["resync"]()
+
+    monkeypatch.setattr(handlers.daemon, "run_job", run_job)
+    run(handlers.job_daemon(body=stored, stopped=None))
+    assert seen["resync"] is not None
+    assert stored["status"]["phase"] == "Running"
+    assert cluster.reasons()[-1] == "Running"
