@@ -25,6 +25,14 @@ def _build_parser() -> argparse.ArgumentParser:
     if trainer_cli is not None:
         trainer_cli.add_arguments(t)
         t.set_defaults(func=trainer_cli.main)
+
+    from malleus.runner import cli as runner_cli  # torch-free: the trainers are subprocesses
+
+    r = sub.add_parser(
+        "run", help="run a MalleusJob on this machine, re-planning around stragglers"
+    )
+    runner_cli.add_arguments(r)
+    r.set_defaults(func=runner_cli.main)
     return parser
 
 

@@ -1,0 +1,42 @@
+"""`malleus run`: a MalleusJob on one machine, no cluster, with the operator's decision loop.
+
+prepare (manifest, resources, first plan: exit 2 before anything starts) -> processes (one
+`python -m malleus.trainer` per GPU, torchrun-style) -> session (the shared Controller on rank
+0's /metrics, switching plans live, or by restart, or never) -> record -> report, plot, summary.
+
+Torch-free: the trainers run in their own processes; only they import torch.
+"""
+
+from .cli import add_arguments, main, run
+from .prepare import BadRunInput, Mode, Prepared, RunOptions, prepare
+from .progress import Progress, ProgressState, bar_text, line_text
+from .record import PlanSwitch, RunRecord, StepRecord, parse_step_line
+from .report import RunFacts, build_report, plan_changes, summary_text
+from .resources import Machine, check_resources, job_needs, probe_machine
+
+__all__ = [
+    "BadRunInput",
+    "Machine",
+    "Mode",
+    "PlanSwitch",
+    "Prepared",
+    "Progress",
+    "ProgressState",
+    "RunFacts",
+    "RunOptions",
+    "RunRecord",
+    "StepRecord",
+    "add_arguments",
+    "bar_text",
+    "build_report",
+    "check_resources",
+    "job_needs",
+    "line_text",
+    "main",
+    "parse_step_line",
+    "plan_changes",
+    "prepare",
+    "probe_machine",
+    "run",
+    "summary_text",
+]

@@ -1,0 +1,161 @@
+"""`malleus run JOB.yaml`: a straggler-resilient training job on this machine, end to end.
+
+Exit codes: 0 done; 1 the run failed (a trainer died, a switch failed); 2 bad input (manifest,
+resources, no plan), refused before anything started; 130 interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import math
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from .prepare import MODES, BadRunInput, Prepared, RunOptions, ideal_step_seconds, prepare
+from .progress import Progress
+from .report import RunFacts, build_report, summary_text
+from .resources import Machine
+from .session import Outcome, Session
+
+__all__ = ["add_arguments", "main", "make_report", "run", "write_json"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", help="MalleusJob manifest (YAML)")
+    parser.add_argument("--report", metavar="REPORT.json", help="write the JSON run report here")
+    parser.add_argument("--plot", metavar="PLOT.png", help="write throughput and rate plots here")
+    parser.add_argument("--steps", type=int, help="total steps (overrides spec.training.steps)")
+    parser.add_argument(
+        "--mode",
+        choices=MODES,
+        default="live",
+        help="live: re-plan and migrate in place (default); static: never re-plan; "
+        "restart: re-plan by checkpoint, stop and relaunch",
+    )
+    parser.add_argument("--save-model", metavar="PATH", help="write the final full state dict")
+    parser.add_argument("--workdir", metavar="DIR", help="plans, logs, checkpoints (default: temp)")
+    parser.add_argument(
+        "--progress",
+        choices=("auto", "bar", "lines", "none"),
+        default="auto",
+        help="auto: a bar on a terminal, periodic lines otherwise",
+    )
+    parser.add_argument("--progress-interval", type=float, default=10.0, metavar="S")
+    parser.add_argument("--scrape-interval", type=float, default=0.2, metavar="S")
+    parser.add_argument("--init-timeout", type=float, default=120.0, metavar="S")
+    parser.add_argument(
+        "--no-resource-check", action="store_true", help="start even if the machine looks too small"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    options = RunOptions(
+        job=args.job,
+        mode=args.mode,
+        steps=args.steps,
+        report=args.report,
+        plot=args.plot,
+        save_model=args.save_model,
+        workdir=args.workdir,
+        progress=args.progress,
+        progress_interval=args.progress_interval,
+        scrape_interval=args.scrape_interval,
+        init_timeout=args.init_timeout,
+        check_resources=not args.no_resource_check,
+    )
+    return run(options, command=shlex.join(["malleus", "run", *sys.argv[2:]]))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def write_json(obj: Any, path: str | Path) -> Path:
+    """Strict JSON (no NaN or Infinity: null instead)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(_finite(obj), indent=1, allow_nan=False) + "\n")
+    return out
+
+
+def make_report(
+    prepared: Prepared, session: Session, outcome: Outcome, started: str, command: str
+) -> dict[str, Any]:
+    spec = prepared.job.spec
+    facts = RunFacts(
+        job=prepared.job.metadata.name,
+        mode=prepared.options.mode,
+        nodes=spec.nodes,
+        gpus_per_node=spec.gpus_per_node,
+        tp=spec.parallelism.tp,
+        tokens_per_step=prepared.tokens_per_step,
+        window_steps=prepared.policy.window_steps,
+        total_steps=prepared.total_steps,
+        started=started,
+        wall_seconds=outcome.wall_seconds,
+        exit_code=outcome.code,
+        exit_reason=outcome.reason,
+        unit_seconds=prepared.unit_seconds,
+        schedule=prepared.schedule,
+        machine=prepared.machine.to_dict() if prepared.machine else {},
+        command=command,
+    )
+    return build_report(
+        facts,
+        session.record.rows(),
+        session.record.switches(),
+        outcome.history,
+        initial_plan=json.loads(prepared.plan.to_json()),
+        ideal_step_seconds=ideal_step_seconds(prepared),
+    )
+
+
+def run(
+    options: RunOptions,
+    *,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    machine: Machine | None = None,
+    command: str = "",
+) -> int:
+    """The whole command: prepare (exit 2 on bad input), run, report. Returns the exit code."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    try:
+        prepared = prepare(options, machine)
+    except BadRunInput as e:
+        print(f"malleus run: {e}", file=err)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    mode = Progress.auto_mode(out) if options.progress == "auto" else options.progress
+    progress = Progress(out, mode, interval=options.progress_interval)
+    started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    session = Session(prepared, progress)
+    try:
+        outcome = asyncio.run(session.run())
+    except KeyboardInterrupt:  # before the handlers were installed; the processes are stopped
+        session.procs.terminate(grace=1.0)
+        outcome = Outcome(130, "interrupted: trainers stopped")
+    report = make_report(prepared, session, outcome, started, command)
+    if options.report:
+        write_json(report, options.report)
+    if options.plot and report["per_step"]:
+        from .plot import plot_report
+
+        plot_report(report, options.plot)
+    print(summary_text(report), file=out)
+    if outcome.code:
+        print(f"malleus run: {outcome.reason}", file=err)
+    return outcome.code

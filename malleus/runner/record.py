@@ -1,0 +1,259 @@
+"""What a local run observed, step by step: the raw material of progress, report and plot.
+
+Two feeds fill it, because neither alone is complete. Rank 0's step lines (stdout) arrive for
+every step, in order, with the loss and the step time; the controller's scrapes of /metrics
+carry every rank's straggling rate but may skip a step when the training is faster than the
+scrape. Plan switches come from the trainers' acknowledgements. All three are merged here by
+step index.
+
+Steps are numbered by their 0-based index, like the emulation schedule: a slowdown scheduled at
+step 40 first shows in step 40. (The trainer's own counters report completed steps, one more.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from malleus.controller.ports import Observation, RateSource
+
+__all__ = [
+    "PlanSwitch",
+    "RecordingSource",
+    "RunRecord",
+    "StepLine",
+    "StepRecord",
+    "parse_step_line",
+    "stragglers",
+]
+
+_STEP_LINE = re.compile(
+    r"\[malleus\] step (?P<done>\d+)/(?P<total>\d+) loss (?P<loss>[-+0-9.eEnaif]+)"
+    r".*? (?P<seconds>[0-9.]+)s (?P<tps>[0-9,.]+) tok/s"
+)
+
+
+@dataclass(frozen=True)
+class StepLine:
+    """One parsed step line of rank 0: `[malleus] step 5/30 loss 5.04 ... 0.846s 1,211 tok/s`."""
+
+    index: int
+    total: int
+    loss: float
+    seconds: float
+    tokens_per_second: float
+
+
+def parse_step_line(line: str) -> StepLine | None:
+    """The step figures of a trainer log line, None for any other line."""
+    m = _STEP_LINE.search(line)
+    if m is None:
+        return None
+    try:
+        return StepLine(
+            index=int(m["done"]) - 1,
+            total=int(m["total"]),
+            loss=float(m["loss"]),
+            seconds=float(m["seconds"]),
+            tokens_per_second=float(m["tps"].replace(",", "")),
+        )
+    except ValueError:
+        return None
+
+
+@dataclass
+class StepRecord:
+    """Everything known about one step."""
+
+    index: int
+    time: float | None = None
+    """Seconds since the run started when the step was reported done."""
+    seconds: float | None = None
+    tokens_per_second: float | None = None
+    loss: float | None = None
+    rates: dict[int, float | None] = field(default_factory=dict)
+
+    def to_dict(self, generation: int) -> dict[str, Any]:
+        return {
+            "step": self.index,
+            "time": self.time,
+            "seconds": self.seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "loss": self.loss,
+            "generation": generation,
+            "rates": {str(r): v for r, v in sorted(self.rates.items())},
+        }
+
+
+@dataclass(frozen=True)
+class PlanSwitch:
+    """Plan `generation` runs from step `step` on."""
+
+    generation: int
+    step: int
+    migration_seconds: float | None = None
+    migration_bytes: float | None = None
+
+
+class RunRecord:
+    """Thread-safe accumulator of step records and plan switches (stdout thread + event loop)."""
+
+    def __init__(self, tokens_per_step: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.tokens_per_step = tokens_per_step
+        self._clock = clock
+        self.started = clock()
+        self._lock = threading.Lock()
+        self._steps: dict[int, StepRecord] = {}
+        self._switches: dict[int, PlanSwitch] = {0: PlanSwitch(0, 0)}
+        self.last_generation = 0
+        """The newest generation the trainers reported (scrapes and acknowledgements)."""
+        self.total_steps: int | None = None
+
+    def _step(self, index: int) -> StepRecord:
+        rec = self._steps.get(index)
+        if rec is None:
+            rec = self._steps[index] = StepRecord(index)
+        return rec
+
+    # ---- feeds -------------------------------------------------------------------------------
+    def add_line(self, line: StepLine) -> None:
+        with self._lock:
+            rec = self._step(line.index)
+            rec.time = self._clock() - self.started
+            rec.loss, rec.seconds = line.loss, line.seconds
+            rec.tokens_per_second = line.tokens_per_second
+            self.total_steps = line.total
+
+    def add_observation(self, obs: Observation) -> None:
+        """A scrape: `obs.step` steps done, so its rates are those of step `obs.step - 1`."""
+        if obs.step < 1:
+            return
+        with self._lock:
+            rec = self._step(obs.step - 1)
+            rec.rates = dict(obs.rates)
+            if rec.seconds is None and obs.step_seconds is not None:
+                rec.seconds = obs.step_seconds
+                rec.tokens_per_second = self.tokens_per_step / obs.step_seconds
+            if rec.time is None:
+                rec.time = self._clock() - self.started
+            self.last_generation = max(self.last_generation, obs.generation)
+
+    def add_switch(self, switch: PlanSwitch) -> None:
+        with self._lock:
+            self._switches[switch.generation] = switch
+            self.last_generation = max(self.last_generation, switch.generation)
+
+    # ---- views -------------------------------------------------------------------------------
+    def switches(self) -> list[PlanSwitch]:
+        with self._lock:
+            return sorted(self._switches.values(), key=lambda s: s.generation)
+
+    def generation_at(self, index: int) -> int:
+        """The plan generation step `index` ran under (the newest switch at or before it)."""
+        best = 0
+        for s in self.switches():
+            if s.step <= index:
+                best = max(best, s.generation)
+        return best
+
+    def get(self, index: int) -> StepRecord | None:
+        """A copy of step `index`'s record, None if nothing is known of it."""
+        with self._lock:
+            r = self._steps.get(index)
+            if r is None:
+                return None
+            return StepRecord(
+                r.index, r.time, r.seconds, r.tokens_per_second, r.loss, dict(r.rates)
+            )
+
+    def steps(self) -> list[StepRecord]:
+        """Copies of the step records, by index."""
+        with self._lock:
+            return [
+                StepRecord(r.index, r.time, r.seconds, r.tokens_per_second, r.loss, dict(r.rates))
+                for _, r in sorted(self._steps.items())
+            ]
+
+    def latest(self) -> StepRecord | None:
+        """The newest step with a time (rates filled from the newest scrape if it lacks them)."""
+        with self._lock:
+            done = [r for r in self._steps.values() if r.seconds is not None]
+            if not done:
+                return None
+            last = max(done, key=lambda r: r.index)
+            rated = [r for r in self._steps.values() if r.rates]
+            rates = max(rated, key=lambda r: r.index).rates if rated else {}
+            return StepRecord(
+                last.index, last.time, last.seconds, last.tokens_per_second, last.loss, dict(rates)
+            )
+
+    def steps_done(self) -> int:
+        with self._lock:
+            return 1 + max(self._steps) if self._steps else 0
+
+    def rows(self) -> list[dict[str, Any]]:
+        """JSON-ready per-step rows with the generation each step ran under."""
+        return [r.to_dict(self.generation_at(r.index)) for r in self.steps()]
+
+
+class RecordingSource:
+    """A RateSource that records every observation on its way to the controller.
+
+    It also shields the controller from what is not news. The first `warmup_steps` steps under
+    each plan (a fresh launch, or right after a switch) pay one-off costs (imports, allocations,
+    new groups) that look like stragglers: they are recorded, not passed on. A failed read while
+    the trainers run (rank 0 busy, or between steps at the very end) is retried quietly for up to
+    `patience` seconds; once the trainers are gone (`ended()`), the source ends instead.
+    """
+
+    def __init__(
+        self,
+        inner: RateSource,
+        record: RunRecord,
+        ended: Callable[[], bool],
+        *,
+        warmup_steps: int = 2,
+        retry_seconds: float = 0.2,
+        patience: float = 60.0,
+    ) -> None:
+        self.inner = inner
+        self.record = record
+        self.ended = ended
+        self.warmup_steps = warmup_steps
+        self.retry_seconds = retry_seconds
+        self.patience = patience
+
+    def _warming_up(self, obs: Observation) -> bool:
+        started = {s.generation: s.step for s in self.record.switches()}.get(obs.generation)
+        return started is not None and (obs.step - 1) - started < self.warmup_steps
+
+    async def read(self) -> Observation | None:
+        failing_since: float | None = None
+        while True:
+            try:
+                obs = await self.inner.read()
+            except Exception:
+                if self.ended():
+                    return None
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if now - failing_since > self.patience:
+                    raise
+                await asyncio.sleep(self.retry_seconds)
+                continue
+            failing_since = None
+            if obs is None:
+                return None
+            self.record.add_observation(obs)
+            if not self._warming_up(obs):
+                return obs
+
+
+def stragglers(rates: Mapping[int, float | None], threshold: float) -> dict[int, float | None]:
+    """The stragglers among `rates`: at or above `threshold`, or unusable (None)."""
+    return {r: v for r, v in sorted(rates.items()) if v is None or v >= threshold}

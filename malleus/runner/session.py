@@ -1,0 +1,241 @@
+"""One local run, start to end: launch the trainers, run the controller beside them, watch.
+
+Three tasks share the event loop: the controller (or, in static mode, a plain reader of the
+same metrics), the supervisor (process exits, Ctrl-C, progress), and the stdout reader thread
+that feeds step lines to the record. Whatever ends the run (training done, a rank dead, a
+signal, a failed restart), the trainers are stopped before this returns: none outlives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from malleus.controller import Controller, DecisionEvent, EventKind, TrainerScrapeSource
+
+from .endpoint import Endpoint
+from .prepare import Prepared
+from .processes import RankExited, TrainerProcesses
+from .progress import Progress, ProgressState
+from .record import RecordingSource, RunRecord, parse_step_line, stragglers
+from .sinks import LiveSink, RestartSink
+
+__all__ = ["Outcome", "Session"]
+
+_TICK = 0.2
+_FINISH_GRACE = 60.0
+"""Seconds the other ranks may keep running after one ended cleanly before it is a hang."""
+
+
+@dataclass
+class Outcome:
+    """How the run ended."""
+
+    code: int = 0
+    reason: str = "completed"
+    history: list[dict[str, Any]] = field(default_factory=list)
+    wall_seconds: float = 0.0
+
+
+class Session:
+    """Runs a prepared job; `run()` returns its Outcome with the trainers stopped."""
+
+    def __init__(self, prepared: Prepared, progress: Progress) -> None:
+        self.prepared = prepared
+        self.progress = progress
+        self.record = RunRecord(prepared.tokens_per_step)
+        self.record.total_steps = prepared.total_steps
+        self.procs = TrainerProcesses(prepared.launch, self._on_line)
+        self.controller: Controller | None = None
+        self._fatal: BaseException | None = None
+        self._interrupted = 0
+        self._phase = "starting"
+        self._stop = asyncio.Event()
+
+    # ---- feeds -------------------------------------------------------------------------------
+    def _on_line(self, line: str) -> None:
+        parsed = parse_step_line(line)
+        if parsed is not None:
+            self.record.add_line(parsed)
+
+    def _on_event(self, event: DecisionEvent) -> None:
+        if event.kind == EventKind.PLANNED:
+            return
+        if event.kind == EventKind.REPLANNED:
+            self._phase = "restarting" if self.prepared.options.mode == "restart" else "switching"
+        elif event.kind in (EventKind.MIGRATED, EventKind.REPLAN_FAILED):
+            self._phase = "training"
+        self.progress.message(f"step {event.step}: {event.kind.value}: {event.message}")
+
+    def _set_fatal(self, error: BaseException) -> None:
+        if self._fatal is None:
+            self._fatal = error
+
+    def _signal(self) -> None:
+        self._interrupted += 1
+        self._stop.set()
+        if self._interrupted > 1:  # a second Ctrl-C: no more patience
+            self.procs.terminate(grace=0.5)
+
+    def _ended(self) -> bool:
+        return self._stop.is_set() or (self.procs.all_exited() and not self.procs.expect_exit)
+
+    # ---- the run -----------------------------------------------------------------------------
+    async def run(self) -> Outcome:
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        installed = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(sig, self._signal)
+                installed.append(sig)
+        try:
+            outcome = await self._run()
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+            self.procs.terminate()
+            if self.controller is not None:
+                self.controller.close()
+            self.progress.close()
+        outcome.wall_seconds = time.monotonic() - started
+        if self.controller is not None:
+            outcome.history = self.controller.history
+        return outcome
+
+    async def _run(self) -> Outcome:
+        p = self.prepared
+        self.procs.start(p.workdir / "plans" / f"gen-{p.plan.generation}.json")
+        self.progress.message(
+            f"malleus run {p.job.metadata.name} ({p.options.mode}): {p.world} trainer processes, "
+            f"control on {self.procs.url}, logs in {p.workdir / 'logs'}"
+        )
+        endpoint = Endpoint(self.procs.url, p.token)
+        outcome = await self._wait_ready(endpoint, p.options.init_timeout + 120.0)
+        if outcome is not None:
+            return outcome
+        self._phase = "training"
+        worker = asyncio.ensure_future(self._decide(endpoint))
+        try:
+            return await self._supervise(worker)
+        finally:
+            self._stop.set()
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
+                await asyncio.wait_for(asyncio.shield(worker), timeout=1.0)
+            worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await worker
+
+    async def _wait_ready(self, endpoint: Endpoint, timeout: float) -> Outcome | None:
+        """Until rank 0 serves its endpoint (every rank joined); an Outcome if that fails."""
+        deadline = time.monotonic() + timeout
+        while not await endpoint.healthy():
+            stop = self._check()
+            if stop is not None:
+                return stop
+            if time.monotonic() > deadline:
+                return Outcome(1, f"the trainers did not come up within {timeout:g} s")
+            self._show()
+            await asyncio.sleep(_TICK)
+        return None
+
+    async def _decide(self, endpoint: Endpoint) -> None:
+        """The controller (live, restart) or a plain metrics reader (static)."""
+        p = self.prepared
+        source = RecordingSource(
+            TrainerScrapeSource(
+                self.procs.url, p.token, job=p.job.metadata.name, interval=p.options.scrape_interval
+            ),
+            self.record,
+            self._ended,
+            retry_seconds=p.options.scrape_interval,
+        )
+        if p.options.mode == "static":
+            while not self._stop.is_set() and await source.read() is not None:
+                pass
+            return
+        sink: Any
+        if p.options.mode == "live":
+            sink = LiveSink(self.procs.url, p.token, self.record)
+        else:
+            sink = RestartSink(
+                self.procs,
+                endpoint,
+                self.record,
+                p.workdir / "plans",
+                p.workdir / "checkpoints",
+                on_fatal=self._set_fatal,
+            )
+        self.controller = Controller(
+            source,
+            sink,
+            initial_plan=p.plan,
+            problem_builder=p.problem_builder(),
+            policy=p.policy,
+            on_event=self._on_event,
+            read_retry_seconds=_TICK,
+            ack_timeout_seconds=300.0,
+        )
+        await self.controller.run(self._stop)
+
+    def _check(self) -> Outcome | None:
+        """Is the run over? Signals first, then a failed switch, then the processes."""
+        if self._interrupted:
+            return Outcome(130, "interrupted: trainers stopped")
+        if self._fatal is not None:
+            return Outcome(1, f"plan switch failed: {self._fatal}")
+        failure: RankExited | None = self.procs.failure()
+        if failure is not None:
+            return Outcome(1, str(failure))
+        if not self.procs.expect_exit and self.procs.finished():
+            self.procs.drain()
+            done = self.record.steps_done()
+            if done < self.prepared.total_steps:
+                return Outcome(
+                    1, f"the trainers exited after {done} of {self.prepared.total_steps} steps"
+                )
+            return Outcome(0, "completed")
+        return None
+
+    async def _supervise(self, worker: asyncio.Future[None]) -> Outcome:
+        first_exit: float | None = None
+        while True:
+            outcome = self._check()
+            if outcome is not None:
+                self._show(force=True)
+                return outcome
+            if worker.done() and not worker.cancelled() and worker.exception() is not None:
+                return Outcome(1, f"the controller failed: {worker.exception()!r}")
+            codes = self.procs.codes()
+            if not self.procs.expect_exit and any(c == 0 for c in codes):
+                first_exit = first_exit or time.monotonic()
+                if time.monotonic() - first_exit > _FINISH_GRACE:
+                    stuck = [r for r, c in enumerate(codes) if c is None]
+                    return Outcome(
+                        1,
+                        f"ranks {stuck} still running {_FINISH_GRACE:g} s after the others finished",
+                    )
+            else:
+                first_exit = None
+            self._show()
+            await asyncio.sleep(_TICK)
+
+    def _show(self, force: bool = False) -> None:
+        p = self.prepared
+        last = self.record.latest()
+        self.progress.update(
+            ProgressState(
+                steps_done=self.record.steps_done(),
+                total_steps=p.total_steps,
+                elapsed=time.monotonic() - self.record.started,
+                tokens_per_second=last.tokens_per_second if last else None,
+                generation=self.record.last_generation,
+                stragglers=stragglers(last.rates, p.policy.threshold) if last else {},
+                phase=self._phase,
+            ),
+            force=force,
+        )

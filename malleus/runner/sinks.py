@@ -1,0 +1,188 @@
+"""How a local run switches plans: live (POST /plan, in-place migration) or by restarting.
+
+`LiveSink` is the controller's HTTP sink plus bookkeeping: once the trainers acknowledge, it
+reads which step the new plan took over at and what the migration cost. `RestartSink` is what
+elastic frameworks (TorchElastic, DLRover) do instead: checkpoint, stop every process, relaunch
+all of them under the new plan and resume; its "migration" is the whole downtime, and its bytes
+the checkpoint written and read back. Same controller, same decisions: only the switch differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from malleus.controller.ports import Ack, AckTimeout, PlanRejected
+from malleus.controller.sources import HttpPlanSink
+from malleus.planner.plan import Plan
+
+from .endpoint import Endpoint
+from .processes import TrainerProcesses
+from .record import PlanSwitch, RunRecord
+
+__all__ = [
+    "LiveSink",
+    "RestartSink",
+    "checkpoint_bytes",
+    "latest_checkpoint_step",
+    "switch_from_status",
+]
+
+
+def switch_from_status(
+    status: Mapping[str, Any], generation: int, fallback_step: int
+) -> PlanSwitch:
+    """The switch to `generation` as the trainer's /status reports its last migration
+    (`migration` or `last_migration`: {generation, step, seconds, bytes}); where it does not
+    name this generation's step, `fallback_step` (an upper bound: the step count when seen)."""
+    for key in ("last_migration", "migration"):
+        m = status.get(key)
+        if (
+            isinstance(m, Mapping)
+            and m.get("generation") == generation
+            and m.get("step") is not None
+        ):
+            return PlanSwitch(generation, int(m["step"]), m.get("seconds"), m.get("bytes"))
+    m = status.get("migration")
+    m = m if isinstance(m, Mapping) else {}
+    return PlanSwitch(generation, fallback_step, m.get("seconds"), m.get("bytes"))
+
+
+class LiveSink(HttpPlanSink):
+    """POST /plan to rank 0, wait for the switch, record where and at what cost it happened."""
+
+    def __init__(self, url: str, token: str, record: RunRecord, *, poll_seconds: float = 0.2):
+        super().__init__(url, token, poll_seconds=poll_seconds)
+        self._endpoint = Endpoint(url, token)
+        self._record = record
+
+    async def wait_applied(self, generation: int, timeout: float) -> Ack:
+        ack = await super().wait_applied(generation, timeout)
+        status = await self._endpoint.status() or {}
+        switch = switch_from_status(status, generation, ack.step)
+        self._record.add_switch(switch)
+        return Ack(
+            generation,
+            switch.step,
+            switch.migration_seconds
+            if switch.migration_seconds is not None
+            else ack.migration_seconds,
+            switch.migration_bytes if switch.migration_bytes is not None else ack.migration_bytes,
+        )
+
+
+def latest_checkpoint_step(directory: Path) -> int | None:
+    """The step of the checkpoint `directory/latest` names (`step-00000020` -> 20), or None."""
+    try:
+        name = (directory / "latest").read_text().strip()
+        return int(name.rsplit("-", 1)[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def checkpoint_bytes(directory: Path) -> int:
+    """Bytes of the latest checkpoint (0 if none)."""
+    try:
+        folder = directory / (directory / "latest").read_text().strip()
+    except OSError:
+        return 0
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+@dataclass
+class _Relaunch:
+    generation: int
+    resume_step: int
+    bytes: int
+    started: float
+
+
+class RestartSink:
+    """Switch plans by checkpoint, stop, relaunch with `--plan NEW --resume`."""
+
+    def __init__(
+        self,
+        procs: TrainerProcesses,
+        endpoint: Endpoint,
+        record: RunRecord,
+        plans_dir: Path,
+        checkpoint_dir: Path,
+        *,
+        on_fatal: Callable[[BaseException], None],
+        stop_timeout: float = 180.0,
+        poll_seconds: float = 0.1,
+    ) -> None:
+        self.procs = procs
+        self.endpoint = endpoint
+        self.record = record
+        self.plans_dir = plans_dir
+        self.checkpoint_dir = checkpoint_dir
+        self.on_fatal = on_fatal
+        self.stop_timeout = stop_timeout
+        self.poll_seconds = poll_seconds
+        self._relaunch: _Relaunch | None = None
+
+    def _fatal(self, error: BaseException) -> BaseException:
+        self.procs.expect_exit = False
+        self.on_fatal(error)
+        return error
+
+    async def publish(self, plan: Plan) -> int:
+        path = self.plans_dir / f"gen-{plan.generation}.json"
+        path.write_text(plan.to_json())
+        self.procs.expect_exit = True  # before asking: the exits may come before the answer
+        try:
+            code, body = await self.endpoint.call("POST", "/stop", {"checkpoint": True})
+        except OSError:
+            self.procs.expect_exit = False
+            raise
+        if code not in (200, 202):
+            self.procs.expect_exit = False
+            raise PlanRejected(code, f"POST /stop refused: {body}")
+        deadline = time.monotonic() + self.stop_timeout
+        while self.procs.running():
+            if time.monotonic() > deadline:
+                self.procs.terminate()
+                raise self._fatal(
+                    RuntimeError(f"the trainers did not stop within {self.stop_timeout:g} s")
+                )
+            await asyncio.sleep(self.poll_seconds)
+        bad = [(r, c) for r, c in enumerate(self.procs.codes()) if c]
+        if bad:
+            rank, code = bad[0]
+            raise self._fatal(RuntimeError(f"rank {rank} failed while stopping (code {code})"))
+        step = latest_checkpoint_step(self.checkpoint_dir)
+        if step is None:
+            raise self._fatal(RuntimeError(f"no checkpoint in {self.checkpoint_dir} after stop"))
+        self.procs.start(path, resume=True)  # the event loop's (main) thread: see processes
+        self._relaunch = _Relaunch(
+            plan.generation, step, checkpoint_bytes(self.checkpoint_dir), time.monotonic()
+        )
+        return plan.generation
+
+    async def wait_applied(self, generation: int, timeout: float) -> Ack:
+        job = self._relaunch
+        if job is None or job.generation != generation:
+            raise AckTimeout(f"generation {generation} was not relaunched")
+        deadline = time.monotonic() + timeout
+        while True:
+            failure = self.procs.failure()
+            if failure is not None:
+                raise self._fatal(failure)
+            first = self.record.get(job.resume_step)
+            if first is not None and first.seconds is not None and first.time is not None:
+                break
+            if time.monotonic() > deadline:
+                raise AckTimeout(f"generation {generation}: no step {timeout:g} s after relaunch")
+            await asyncio.sleep(self.poll_seconds)
+        before = self.record.get(job.resume_step - 1)
+        downtime = None
+        if before is not None and before.time is not None:
+            downtime = max(0.0, first.time - first.seconds - before.time)
+        self.record.add_switch(PlanSwitch(generation, job.resume_step, downtime, job.bytes))
+        self._relaunch = None
+        return Ack(generation, job.resume_step, downtime, float(job.bytes))
