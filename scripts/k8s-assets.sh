@@ -17,5 +17,6 @@ for name in etcd apiextensions-apiserver; do
   chmod 0755 "$DEST/$name.tmp"
   mv -f "$DEST/$name.tmp" "$DEST/$name"
 done
-"$DEST/etcd" --version | head -n 1
+version=$("$DEST/etcd" --version)  # no pipe into head: with pipefail, SIGPIPE would fail it
+echo "${version%%$'\n'*}"
 echo "k8s-assets: $DEST ready (export MALLEUS_K8S_ASSETS=$DEST)"

@@ -14,10 +14,11 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 # the real Kubernetes API server (../shared/k8s) and helm/kubectl from PyPI wheels.
 cache=$PWD/.cache
 if [ -z "${MALLEUS_K8S_ASSETS:-}" ] && [ -d ../shared/k8s/bin ] && [ -x scripts/k8s-assets.sh ]; then
-  scripts/k8s-assets.sh "$cache/k8s" && export MALLEUS_K8S_ASSETS=$cache/k8s
+  scripts/k8s-assets.sh "$cache/k8s"   # a failure here stops the run: never skip silently
+  export MALLEUS_K8S_ASSETS=$cache/k8s
 fi
 if [ -z "${MALLEUS_HELM:-}" ] && [ -x scripts/helm-bin.sh ]; then
-  scripts/helm-bin.sh "$cache/bin" "$venv/bin/python" && export MALLEUS_HELM=$cache/bin/helm \
-    MALLEUS_KUBECTL=$cache/bin/kubectl
+  scripts/helm-bin.sh "$cache/bin" "$venv/bin/python"
+  export MALLEUS_HELM=$cache/bin/helm MALLEUS_KUBECTL=$cache/bin/kubectl
 fi
 exec "$venv/bin/python" -m pytest -q "$@"
