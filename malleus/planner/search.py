@@ -4,8 +4,9 @@
    group count; globally, either every combination (small clusters) or one price per extra
    group (`lam`) that each node trades against speed.
 2. For each grouping, score a family of template layouts (templates.py): healthy groups in the
-   fewest stages memory allows, odd groups in special pipelines topped up with healthy ones.
-   Every pipeline is solved exactly (layers.py) and micro-batches are split exactly
+   fewest stages memory allows, odd groups in special pipelines topped up with healthy ones;
+   for the best few groupings with few odd groups, also every split of the odd groups over
+   the best template's pipeline count (healthy groups to the slowest). Every pipeline is solved exactly (layers.py) and micro-batches are split exactly
    (microbatch.py); symmetric pipelines are counted, not enumerated.
 3. Hill-climb the best layouts (localsearch.py), then materialise a few into ranks
    (materialize.py), keeping groups where the previous plan had them.
@@ -40,7 +41,7 @@ from .materialize import materialize
 from .plan import Estimate, Plan
 from .previous import previous_variants
 from .problem import PlanningProblem, ProblemError
-from .templates import template_layouts
+from .templates import partition_layouts, template_layouts
 from .validate import validate_plan
 
 __all__ = ["MIGRATION_SLACK", "default_budget", "plan"]
@@ -52,6 +53,9 @@ _KEEP = 6  # best distinct template layouts that get a hill climb
 # Without a time limit, at least this many layouts are scored before a deadline can cut the
 # templates (resp. each hill climb) short: the answer does not depend on the machine's load.
 _FLOOR_TEMPLATES, _FLOOR_CLIMB = 1500, 400
+# Partition layouts (templates.partition_layouts): for the best few groupings with at most this
+# many odd groups, every split of them over as many pipelines as their best template has.
+_PART_GROUPINGS, _PART_MAX_ODD, _PART_MAX = 3, 10, 1500
 
 
 @dataclass
@@ -111,6 +115,8 @@ def _search(
         gens = active
     found.sort(key=lambda c: c.scored.time)
     _debug(f"templates: {len(groupings)} groupings, {ev.evaluations} layouts")
+    found.extend(_partition_candidates(problem, ev, found, hc, small, clock, t0 + 0.6 * budget))
+    found.sort(key=lambda c: c.scored.time)
     top: list[_Candidate] = []
     for c in found:
         if all(c.scored.layout != t.scored.layout for t in top):
@@ -145,6 +151,42 @@ def _search(
         if found_ils.time < c.scored.time - 1e-9:
             out.insert(0, _Candidate(found_ils, c.grouping))
         _debug(f"explore: {c.scored.time:.2f} -> {found_ils.time:.2f}, {ev.evaluations} layouts")
+    return out
+
+
+def _partition_candidates(
+    problem: PlanningProblem,
+    ev: Evaluator,
+    found: list[_Candidate],
+    hc: Cls,
+    small: bool,
+    clock: _Clock,
+    deadline: float,
+) -> list[_Candidate]:
+    """Partition layouts for the best few groupings (found sorted by time) with few odd groups."""
+    picked: list[_Candidate] = []
+    for c in found:
+        if len(picked) >= _PART_GROUPINGS:
+            break
+        if all(c.grouping.key != p.grouping.key for p in picked):
+            picked.append(c)
+    # without a time limit every partition is scored (at most the cap): load-independent
+    stop = clock.stopper(deadline, _PART_GROUPINGS * _PART_MAX)
+    out: list[_Candidate] = []
+    for c in picked:
+        g = c.grouping
+        P = problem.dp if problem.dp is not None else c.scored.dp
+        if not 2 <= P <= min(len(g.odd), problem.micro_batches) or len(g.odd) > _PART_MAX_ODD:
+            continue
+        odd = [x.cls for x in g.odd]
+        lays = partition_layouts(hc, len(g.healthy), odd, P, problem.layers)
+        for lay in itertools.islice(lays, _PART_MAX):
+            if stop():
+                return out
+            sc = ev.score(lay, refine=small or len(lay) <= 8)
+            if sc is not None:
+                out.append(_Candidate(sc, g))
+    _debug(f"partitions: {len(picked)} groupings, {ev.evaluations} layouts")
     return out
 
 

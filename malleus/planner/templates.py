@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from .evaluate import Evaluator, Layout, PipeKey, merge
 from .layers import Cls
 
-__all__ = ["healthy_depths", "lpt", "special_counts", "template_layouts"]
+__all__ = ["healthy_depths", "lpt", "partition_layouts", "special_counts", "template_layouts"]
 
 
 def healthy_depths(ev: Evaluator, hc: Cls, H: int) -> tuple[int, int] | None:
@@ -195,3 +195,41 @@ def _pool_counts(P: int, p: int, depths: range, B: int, dp: int | None) -> list[
         vals.update((P // S, -(-P // S)))
     vals.add(min(P, room))
     return sorted(q for q in vals if 0 <= q <= min(P, room) and (q > 0 or p > 0))
+
+
+def _partitions(items: list[Cls], bins: int) -> Iterator[list[list[Cls]]]:
+    """Splits of a multiset of classes into exactly `bins` non-empty unlabelled bins (lazily;
+    a split may repeat, but never by placing an item into one of two identical bins)."""
+    cur: list[list[Cls]] = [[] for _ in range(bins)]
+
+    def rec(i: int) -> Iterator[list[list[Cls]]]:
+        if len(items) - i < sum(1 for b in cur if not b):
+            return  # too few items left to fill every bin
+        if i == len(items):
+            yield [list(b) for b in cur]
+            return
+        for j in range(bins):
+            if any(cur[x] == cur[j] for x in range(j)):
+                continue  # the same as an earlier bin: same splits
+            cur[j].append(items[i])
+            yield from rec(i + 1)
+            cur[j].pop()
+
+    yield from rec(0)
+
+
+def partition_layouts(hc: Cls, H: int, odd: list[Cls], pipelines: int, L: int) -> Iterator[Layout]:
+    """Every split of the odd groups over `pipelines` pipelines, healthy groups to the slowest.
+
+    The special-pipeline templates deal odd groups by LPT, which spreads each size class
+    evenly; under tight memory the best layout can instead gather one node's half groups in
+    one pipeline (fewer full groups there) and its small groups in the others. Only for few
+    odd groups: the count grows like pipelines^len(odd) / pipelines!.
+    """
+    seen: set[Layout] = set()
+    for pipes in _partitions(sorted(odd), pipelines):
+        _spread(pipes, hc, H, L)
+        lay = merge((tuple(p), 1) for p in pipes)
+        if lay not in seen:
+            seen.add(lay)
+            yield lay
