@@ -22,12 +22,13 @@ import datetime as dt
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from benchdoc import replace_section  # bench/ is on sys.path when run as a script
 
 from malleus.controller import build_problem
 from malleus.jobspec import load_job
@@ -227,13 +228,8 @@ def notes(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def write_doc(section: str) -> None:
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    pattern = re.compile(r"^## End to end\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(section.rstrip() + "\n\n", text, count=1)
-    else:
-        text = text.rstrip() + "\n\n" + section.rstrip() + "\n"
-    DOC.write_text(text.rstrip() + "\n")
+    """Replace (or append) the "## End to end" section, leaving the others' sections alone."""
+    replace_section("End to end", section, DOC)
 
 
 def main(argv: list[str] | None = None) -> int:

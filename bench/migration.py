@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from benchdoc import replace_section  # bench/ is on sys.path when run as a script
 
 from malleus.planner import Plan, PlanningProblem, migration_mb
 
@@ -311,14 +312,8 @@ def _layout(plan: Plan) -> str:
 
 
 def write_doc(section: str) -> None:
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    pattern = re.compile(r"^## Migration\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section.rstrip() + "\n\n", text, count=1)
-    else:
-        text = text.rstrip() + "\n\n" + section.rstrip() + "\n"
-    DOC.write_text(text.rstrip() + "\n")
+    """Replace (or append) the "## Migration" section, leaving the others' sections alone."""
+    replace_section("Migration", section, DOC)
 
 
 def main(argv: list[str] | None = None) -> int:

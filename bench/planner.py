@@ -17,7 +17,6 @@ import math
 import os
 import platform
 import random
-import re
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from benchdoc import replace_section  # bench/ is on sys.path when run as a script
 
 from malleus.planner import PlanningProblem, plan, validate_plan
 
@@ -235,14 +236,8 @@ def summary(rows: list[Row]) -> list[str]:
 
 
 def write_doc(section: str) -> None:
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    pattern = re.compile(r"^## Planner\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(section.rstrip() + "\n\n", text, count=1)
-    else:
-        text = text.rstrip() + "\n\n" + section.rstrip() + "\n"
-    DOC.write_text(text.rstrip() + "\n")
+    """Replace (or append) the "## Planner" section, leaving the others' sections alone."""
+    replace_section("Planner", section, DOC)
 
 
 def main(argv: list[str] | None = None) -> int:

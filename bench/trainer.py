@@ -20,7 +20,6 @@ import datetime as dt
 import json
 import os
 import platform
-import re
 import statistics
 import sys
 import tempfile
@@ -30,11 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from benchdoc import replace_section  # bench/ is on sys.path when run as a script
+
 if TYPE_CHECKING:
     from malleus.planner import Plan
     from malleus.trainer.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
+
 DOC = ROOT / "docs" / "benchmarks.md"
 TARGET = 0.15  # |measured / predicted - 1|
 
@@ -449,13 +451,7 @@ def miss_reason(r: Row) -> str:
 
 def write_doc(section: str) -> None:
     """Replace (or append) the "## Trainer" section, leaving the others' sections alone."""
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    pattern = re.compile(r"^## Trainer\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section.rstrip() + "\n\n", text, count=1)
-    else:
-        text = text.rstrip() + "\n\n" + section.rstrip() + "\n"
-    DOC.write_text(text.rstrip() + "\n")
+    replace_section("Trainer", section, DOC)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,27 @@
+"""Write one benchmark's section of docs/benchmarks.md, leaving the other sections alone.
+
+Each bench script owns the `## <Title>` section it writes; running one must never clobber
+another's results (several benchmarks may run at once on a shared machine).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+__all__ = ["DOC", "replace_section"]
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+
+
+def replace_section(title: str, section: str, doc: Path = DOC) -> None:
+    """Replace the `## title` section of `doc` with `section` (appended if absent)."""
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        # a function replacement: the section's backslashes are text, not group references
+        text = pattern.sub(lambda _: section.rstrip() + "\n\n", text, count=1)
+    else:
+        text = text.rstrip() + "\n\n" + section.rstrip() + "\n"
+    doc.write_text(text.rstrip() + "\n")
