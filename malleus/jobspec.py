@@ -589,7 +589,9 @@ class EmulationSpec(_Model):
     """Emulated GPU clock for CPU machines."""
 
     enabled: bool = False
-    gpu_profile: str | None = None
+    gpu_profile: (
+        Literal["h100-llama-70b-tp8", "h100-llama-13b-tp4", "a100-llama-7b-tp1", "cpu-tiny"] | None
+    ) = None
     layer_forward_ms: float = 10.0
     layer_backward_ms: float = 20.0
     schedule: list[ScheduleEntry] = Field(default_factory=list)

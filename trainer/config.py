@@ -114,9 +114,19 @@ def from_job(job: Any) -> TrainConfig:
     emu = getattr(spec, "emulation", None)
     emulation = None
     if emu is not None and emu.enabled:
+        forward_s, backward_s = emu.layer_forward_ms / 1000.0, emu.layer_backward_ms / 1000.0
+        if emu.gpu_profile:  # a named profile's per-layer-shard times win over the ms fields
+            from .emulation import GPU_PROFILES
+
+            if emu.gpu_profile not in GPU_PROFILES:
+                raise ValueError(
+                    f"spec.emulation.gpuProfile: unknown profile {emu.gpu_profile!r}; "
+                    f"known: {', '.join(sorted(GPU_PROFILES))}"
+                )
+            forward_s, backward_s = GPU_PROFILES[emu.gpu_profile]
         emulation = EmulationConfig(
-            forward_s=emu.layer_forward_ms / 1000.0,
-            backward_s=emu.layer_backward_ms / 1000.0,
+            forward_s=forward_s,
+            backward_s=backward_s,
             schedule=tuple((e.step, e.rank, e.factor) for e in (emu.schedule or [])),
         )
     ckpt = getattr(spec, "checkpoint", None)

@@ -1,0 +1,46 @@
+"""spec.emulation.gpuProfile: the CRD's names are the trainer's profiles, and a named profile
+sets the emulated clock's per-layer-shard times."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from malleus.jobspec import JobSpecError, load_job
+from malleus.trainer.config import from_job
+from malleus.trainer.emulation import GPU_PROFILES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _job(**emulation: object) -> dict:
+    manifest = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+    manifest["spec"]["emulation"].update(emulation)
+    return manifest
+
+
+def test_crd_enum_lists_exactly_the_trainer_profiles() -> None:
+    crd = yaml.safe_load((ROOT / "crds" / "malleusjob.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    enum = spec["properties"]["emulation"]["properties"]["gpuProfile"]["enum"]
+    assert sorted(enum) == sorted(GPU_PROFILES)
+
+
+@pytest.mark.parametrize("name", sorted(GPU_PROFILES))
+def test_profile_replaces_the_millisecond_fields(name: str) -> None:
+    cfg = from_job(load_job(_job(gpuProfile=name, layerForwardMs=99, layerBackwardMs=99)))
+    assert cfg.emulation is not None
+    assert (cfg.emulation.forward_s, cfg.emulation.backward_s) == GPU_PROFILES[name]
+
+
+def test_without_a_profile_the_millisecond_fields_count() -> None:
+    cfg = from_job(load_job(_job(layerForwardMs=7, layerBackwardMs=14)))
+    assert cfg.emulation is not None
+    assert (cfg.emulation.forward_s, cfg.emulation.backward_s) == pytest.approx((0.007, 0.014))
+
+
+def test_unknown_profile_is_rejected_with_its_path() -> None:
+    with pytest.raises(JobSpecError, match=r"spec\.emulation\.gpuProfile"):
+        load_job(_job(gpuProfile="a100-80gb"))
