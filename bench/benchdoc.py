@@ -6,10 +6,12 @@ another's results (several benchmarks may run at once on a shared machine).
 
 from __future__ import annotations
 
+import os
+import platform
 import re
 from pathlib import Path
 
-__all__ = ["DOC", "replace_section"]
+__all__ = ["DOC", "machine", "replace_section"]
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
@@ -25,3 +27,17 @@ def replace_section(title: str, section: str, doc: Path = DOC) -> None:
     else:
         text = text.rstrip() + "\n\n" + section.rstrip() + "\n"
     doc.write_text(text.rstrip() + "\n")
+
+
+def machine() -> str:
+    """The machine line every benchmark section records: cores, CPU model, Python."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{cores} CPUs (`nproc`), {cpu}, Python {platform.python_version()}"

@@ -21,14 +21,13 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchdoc import replace_section  # bench/ is on sys.path when run as a script
+from benchdoc import machine, replace_section  # bench/ is on sys.path when run as a script
 
 from malleus.controller import build_problem
 from malleus.jobspec import load_job
@@ -101,18 +100,6 @@ def row(report: dict[str, Any], job: Path) -> dict[str, Any]:
             if e["kind"] == "ReplanSkipped" and "less than the migration" in e["message"]
         ),
     }
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{os.cpu_count()} CPUs (`nproc`), {cpu}, Python {platform.python_version()}"
 
 
 def _event(entry: dict[str, Any]) -> str:

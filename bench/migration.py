@@ -26,7 +26,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from benchdoc import replace_section  # bench/ is on sys.path when run as a script
+from benchdoc import machine, replace_section  # bench/ is on sys.path when run as a script
 
 from malleus.planner import Plan, PlanningProblem, migration_mb
 
@@ -220,20 +219,6 @@ def sweep(work: Path) -> list[dict[str, Any]]:
 
 
 # ---- report ----------------------------------------------------------------------------------
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (
-        f"{os.cpu_count()} CPUs, {cpu}, Python {platform.python_version()}, "
-        f"load average {load:.1f} at the end (shared box)"
-    )
 
 
 def _rates(r: dict[int, float | None]) -> str:
@@ -248,7 +233,7 @@ def render(old: Plan, new: Plan, outcomes: list[Outcome], live: Log, rows: list[
         "## Migration",
         "",
         "Command: `.venv/bin/python bench/migration.py`  ",
-        f"Machine: {machine()}  ",
+        f"Machine: {machine()}, load average {os.getloadavg()[0]:.1f} at the end (shared box)  ",
         f"Date: {dt.date.today().isoformat()}",
         "",
         f"8 ranks = 2 nodes x 4 emulated GPUs, tp 2, a GPT of {MODEL['layers']} layers "

@@ -15,17 +15,15 @@ import argparse
 import datetime as dt
 import math
 import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchdoc import replace_section  # bench/ is on sys.path when run as a script
+from benchdoc import machine, replace_section  # bench/ is on sys.path when run as a script
 
 from malleus.planner import PlanningProblem, plan, validate_plan
 
@@ -157,19 +155,6 @@ def run_one(world: int, name: str, data: dict[str, Any]) -> Row:
         seconds,
         cpu,
     )
-
-
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    nproc = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
-    return f"{nproc or os.cpu_count()} CPUs (`nproc`), {cpu}, Python {platform.python_version()}"
 
 
 def fmt(x: float | None, digits: int = 2) -> str:

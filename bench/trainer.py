@@ -19,7 +19,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchdoc import replace_section  # bench/ is on sys.path when run as a script
+from benchdoc import machine, replace_section  # bench/ is on sys.path when run as a script
 
 if TYPE_CHECKING:
     from malleus.planner import Plan
@@ -304,18 +303,6 @@ def describe(p: Plan) -> str:
         parts.append(f"{pipe.micro_batches}: {stages}")
     text = "; ".join(parts)
     return text + (f"; excluded {','.join(map(str, p.excluded))}" if p.excluded else "")
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{os.cpu_count()} CPUs (`nproc`), {cpu}, Python {platform.python_version()}"
 
 
 class LoadSampler:

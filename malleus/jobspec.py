@@ -596,6 +596,17 @@ class EmulationSpec(_Model):
     layer_backward_ms: float = 20.0
     schedule: list[ScheduleEntry] = Field(default_factory=list)
 
+    def layer_seconds(self) -> tuple[float, float]:
+        """(forward, backward) seconds of one layer-shard: the named profile's, else the ms fields.
+
+        The one place both the trainer's clock and `malleus run`'s predictions read them from.
+        """
+        if self.gpu_profile:
+            from malleus.trainer.emulation import GPU_PROFILES  # stdlib-only module
+
+            return GPU_PROFILES[self.gpu_profile]
+        return self.layer_forward_ms / 1000.0, self.layer_backward_ms / 1000.0
+
 
 class MalleusJobSpec(_Model):
     """``spec`` of a MalleusJob."""

@@ -114,16 +114,7 @@ def from_job(job: Any) -> TrainConfig:
     emu = getattr(spec, "emulation", None)
     emulation = None
     if emu is not None and emu.enabled:
-        forward_s, backward_s = emu.layer_forward_ms / 1000.0, emu.layer_backward_ms / 1000.0
-        if emu.gpu_profile:  # a named profile's per-layer-shard times win over the ms fields
-            from .emulation import GPU_PROFILES
-
-            if emu.gpu_profile not in GPU_PROFILES:
-                raise ValueError(
-                    f"spec.emulation.gpuProfile: unknown profile {emu.gpu_profile!r}; "
-                    f"known: {', '.join(sorted(GPU_PROFILES))}"
-                )
-            forward_s, backward_s = GPU_PROFILES[emu.gpu_profile]
+        forward_s, backward_s = emu.layer_seconds()
         emulation = EmulationConfig(
             forward_s=forward_s,
             backward_s=backward_s,

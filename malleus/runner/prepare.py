@@ -220,6 +220,6 @@ def prepare(options: RunOptions, machine: Machine | None = None) -> Prepared:
         needs=needs,
         total_steps=options.steps or spec.training.steps,
         tokens_per_step=spec.training.global_batch_size * cfg.sequence,
-        unit_seconds=(emu.layer_forward_ms + emu.layer_backward_ms) / 1000 if emu.enabled else None,
+        unit_seconds=sum(emu.layer_seconds()) if emu.enabled else None,
         schedule=tuple((e.step, e.rank, e.factor) for e in emu.schedule) if emu.enabled else (),
     )

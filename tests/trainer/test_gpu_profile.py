@@ -30,7 +30,11 @@ def test_crd_enum_lists_exactly_the_trainer_profiles() -> None:
 
 @pytest.mark.parametrize("name", sorted(GPU_PROFILES))
 def test_profile_replaces_the_millisecond_fields(name: str) -> None:
-    cfg = from_job(load_job(_job(gpuProfile=name, layerForwardMs=99, layerBackwardMs=99)))
+    job = load_job(_job(gpuProfile=name, layerForwardMs=99, layerBackwardMs=99))
+    assert (
+        job.spec.emulation.layer_seconds() == GPU_PROFILES[name]
+    )  # what `malleus run` predicts with
+    cfg = from_job(job)
     assert cfg.emulation is not None
     assert (cfg.emulation.forward_s, cfg.emulation.backward_s) == GPU_PROFILES[name]
 
