@@ -29,8 +29,7 @@ from typing import Any
 
 from benchdoc import machine, replace_section  # bench/ is on sys.path when run as a script
 
-from malleus.controller import build_problem
-from malleus.jobspec import load_job
+from malleus.job import ResolvedJob
 from malleus.planner.cost import plan_step_time
 from malleus.planner.plan import Plan
 from malleus.runner.prepare import true_rates
@@ -69,15 +68,15 @@ def modeled_seconds(job: Path, report: dict[str, Any]) -> float | None:
     unit = report["unit_seconds"]
     if unit is None:
         return None
-    spec = load_job(job)
-    tp = spec.spec.parallelism.tp
-    plans = {0: Plan.model_validate(report["initial_plan"])}
+    resolved = ResolvedJob.load(job)
+    initial = Plan.model_validate(report["initial_plan"])
+    plans = {initial.generation: initial}
     for c in report["plan_changes"]:
-        plans[c["generation"]] = Plan.model_validate({"tp": tp, **c["plan"]})
+        plans[c["generation"]] = Plan.model_validate({"tp": resolved.tp, **c["plan"]})
     schedule = tuple((s["step"], s["rank"], s["factor"]) for s in report["schedule"])
     total = 0.0
     for r in report["per_step"]:
-        problem = build_problem(spec, true_rates(schedule, r["step"]))
+        problem = resolved.problem(true_rates(schedule, r["step"]))
         total += plan_step_time(problem, plans[r["generation"]]) * unit
     return total
 

@@ -1,30 +1,55 @@
-"""The `malleus` command: `plan` needs no torch; `train` and `run` import the trainer lazily."""
+"""The `malleus` command: `check` and `plan` need no torch; `train` and `run` start trainers.
+
+Every subcommand judges a job the way the operator does (`ResolvedJob`) and reports bad input
+the same way: `str(BadInput)` on stderr, every fault with its field path, exit 2, no traceback.
+Subcommands import what they need when they run, so `malleus check` works in the operator's
+image and the trainer (torch) loads only for `train`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["main"]
+from malleus.errors import BadInput
+
+if TYPE_CHECKING:
+    from malleus.job import ResolvedJob
+    from malleus.planner import Plan, PlanningProblem
+
+__all__ = ["describe_job", "main"]
+
+_PLAN_INPUT = "MalleusJob or PlanningProblem"
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="malleus", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("plan", help="plan a layout for a PlanningProblem JSON")
-    p.add_argument("problem", help="PlanningProblem JSON file (DESIGN §4.1)")
+    c = sub.add_parser("check", help="judge a MalleusJob as the operator would, show its plan")
+    c.add_argument("job", help="MalleusJob manifest (YAML)")
+    c.add_argument("--json", action="store_true", help="print the verdict as JSON on stdout")
+    c.set_defaults(func=_cmd_check)
+
+    p = sub.add_parser("plan", help="plan a layout for a MalleusJob or a PlanningProblem")
+    p.add_argument("problem", help="MalleusJob manifest (YAML) or PlanningProblem JSON (§4.1)")
+    p.add_argument(
+        "--rates",
+        metavar="RANK=RATE,...",
+        help="what-if straggling rates laid over the input's, e.g. 3=2.5,17=failed "
+        "(failed or null: unusable); a job is then re-planned from its initial plan",
+    )
     p.add_argument("-o", "--output", help="write the Plan JSON here")
     p.set_defaults(func=_cmd_plan)
 
+    from malleus.trainer import cli as trainer_cli  # cheap: torch loads only when it runs
+
     t = sub.add_parser("train", help="train a MalleusJob locally under a plan")
-    try:
-        from malleus.trainer import cli as trainer_cli  # torch is imported only when run
-    except ImportError:  # the operator image has no trainer
-        trainer_cli = None
-    if trainer_cli is not None:
-        trainer_cli.add_arguments(t)
-        t.set_defaults(func=trainer_cli.main)
+    trainer_cli.add_arguments(t)
+    t.set_defaults(func=trainer_cli.main)
 
     from malleus.runner import cli as runner_cli  # torch-free: the trainers are subprocesses
 
@@ -36,15 +61,198 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
-    from malleus.planner.cli import plan_main
+# ---- malleus check ----------------------------------------------------------------------------
 
-    return plan_main(args)
+
+def describe_job(job: ResolvedJob) -> dict[str, Any]:
+    """The resolved job as `check` shows it: what the operator derives from the manifest."""
+    cfg, par = job.model, job.spec.parallelism
+    seconds = job.layer_seconds()
+    return {
+        "name": job.name,
+        "source": job.source,
+        "nodes": job.nodes,
+        "gpus_per_node": job.gpus_per_node,
+        "world": job.world,
+        "model": {
+            "preset": job.spec.model.preset,
+            "layers": cfg.layers,
+            "hidden": cfg.hidden,
+            "heads": cfg.heads,
+            "ffn": cfg.ffn,
+            "vocab": cfg.vocab,
+            "sequence": cfg.sequence,
+            "tied_embeddings": cfg.tied_embeddings,
+        },
+        "parameters": job.parameters,
+        "tp": job.tp,
+        "dp": par.dp,
+        "pp": par.pp,
+        "micro_batch_size": job.micro_batch_size,
+        "micro_batches": job.micro_batches,
+        "tokens_per_step": job.tokens_per_step,
+        "steps": job.steps,
+        "gpu_memory_mib": job.spec.resources.gpu_memory_mib,
+        "emulation": None
+        if seconds is None
+        else {
+            "layer_forward_seconds": seconds[0],
+            "layer_backward_seconds": seconds[1],
+            "gpu_profile": job.spec.emulation.gpu_profile,
+            "schedule": [list(entry) for entry in job.schedule],
+        },
+        "straggler_policy": job.policy.model_dump(mode="json", by_alias=True),
+    }
+
+
+def _job_text(d: dict[str, Any]) -> str:
+    m = d["model"]
+    preset = f"preset {m['preset']}: " if m["preset"] else ""
+    tied = ", tied embeddings" if m["tied_embeddings"] else ""
+    pinned = ", ".join(f"{k} {d[k]}" for k in ("dp", "pp") if d[k] is not None) or "dp, pp free"
+    emu = d["emulation"]
+    if emu is None:
+        clock = "emulation: off (real timings are the rates)"
+    else:
+        profile = f" ({emu['gpu_profile']})" if emu["gpu_profile"] else ""
+        clock = (
+            f"emulation: on{profile}, one layer-shard {emu['layer_forward_seconds'] * 1e3:g} ms "
+            f"forward + {emu['layer_backward_seconds'] * 1e3:g} ms backward, "
+            f"{len(emu['schedule'])} scheduled slowdown(s)"
+        )
+    policy = ", ".join(f"{k} {v}" for k, v in d["straggler_policy"].items())
+    return "\n".join(
+        [
+            f"job {d['name']}: valid",
+            f"world: {d['nodes']} nodes x {d['gpus_per_node']} GPUs = {d['world']} ranks",
+            f"model: {preset}{m['layers']} layers, hidden {m['hidden']}, heads {m['heads']}, "
+            f"ffn {m['ffn']}, vocab {m['vocab']}, sequence {m['sequence']}{tied}; "
+            f"{d['parameters']:,} parameters",
+            f"parallelism: tp {d['tp']}, {pinned}; {d['gpu_memory_mib']} MiB per GPU",
+            f"training: {d['micro_batches']} micro-batches of {d['micro_batch_size']} per step, "
+            f"{d['tokens_per_step']:,} tokens per step, {d['steps']} steps",
+            clock,
+            f"straggler policy: {policy}",
+        ]
+    )
+
+
+def _step_seconds(job: ResolvedJob, plan: Plan) -> float | None:
+    """The plan's predicted step time in emulated seconds; None with real timings."""
+    unit = job.unit_seconds
+    if unit is None or plan.estimate is None:
+        return None
+    return plan.estimate.step_time * unit
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from malleus.job import ResolvedJob
+    from malleus.planner.cli import summary
+
+    try:
+        job = ResolvedJob.load(args.job)
+        plan = job.initial_plan()
+    except BadInput as error:
+        if args.json:
+            faults = [{"path": f.path, "message": f.message} for f in error.faults]
+            print(json.dumps({"valid": False, "source": args.job, "faults": faults}))
+        raise
+    seconds = _step_seconds(job, plan)
+    if args.json:
+        verdict = {
+            "valid": True,
+            "job": describe_job(job),
+            "plan": json.loads(plan.to_json()),
+            "predicted_step_seconds": seconds,
+        }
+        print(json.dumps(verdict, indent=1))
+        return 0
+    print(_job_text(describe_job(job)))
+    print(f"\ninitial plan:\n{summary(job.problem(), plan)}")
+    if seconds is not None:
+        print(f"predicted step time: {seconds:.3f} s on the emulated clock")
+    return 0
+
+
+# ---- malleus plan -----------------------------------------------------------------------------
+
+
+def _documents(path: str) -> list[Any]:
+    """JSON first (a PlanningProblem's floats such as 1e3 are not YAML 1.1 floats), else YAML;
+    a ``.json`` file that is neither is told where its JSON breaks."""
+    from malleus.job import read_documents, read_text
+
+    text = read_text(path, what=_PLAN_INPUT)
+    try:
+        return [json.loads(text)]
+    except json.JSONDecodeError as error:
+        if not path.endswith(".json"):
+            return read_documents(path, what=_PLAN_INPUT)
+        raise BadInput.one(
+            "",
+            f"not valid JSON at line {error.lineno}, column {error.colno}: {error.msg}",
+            path,
+            what=_PLAN_INPUT,
+        ) from None
+
+
+def _job_problem(path: str, rates: dict[int, float | None]) -> tuple[PlanningProblem, Plan]:
+    """The job's initial plan, or with `rates` its re-plan from there, as the controller would."""
+    from malleus.job import ResolvedJob
+    from malleus.planner.cli import check_ranks
+    from malleus.planner.search import plan
+
+    job = ResolvedJob.load(path)
+    check_ranks(rates, job.world)
+    initial = job.initial_plan()
+    if not rates:
+        return job.problem(), initial
+    try:
+        problem = job.problem(rates, previous_plan=initial)
+        return problem, plan(problem, time_limit=float(job.policy.planning_timeout_seconds))
+    except BadInput as error:
+        raise BadInput(error.faults, path, what=error.what) from None
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from malleus.job import KIND
+    from malleus.planner.cli import load_problem, parse_rates, show_plan
+    from malleus.planner.search import plan
+
+    rates = parse_rates(args.rates) if args.rates else {}
+    documents = _documents(args.problem)
+    if any(isinstance(d, dict) and d.get("kind") == KIND for d in documents):
+        problem, result = _job_problem(args.problem, rates)
+    elif len(documents) == 1 and isinstance(documents[0], dict):
+        problem = load_problem(documents[0], args.problem, rates)
+        try:
+            result = plan(problem)
+        except BadInput as error:
+            raise BadInput(error.faults, args.problem, what=error.what) from None
+    else:
+        raise BadInput.one(
+            "",
+            f"expected a {KIND} manifest or a PlanningProblem JSON object",
+            args.problem,
+            what=_PLAN_INPUT,
+        )
+    show_plan(problem, result, args.output, sys.stdout)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; bad input of any of them is printed and exits 2."""
     args = _build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BadInput as error:
+        print(error, file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # `malleus check --json | head`: the reader left; say nothing more (Python's advice:
+        # point stdout at devnull so the interpreter's final flush does not raise again).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .settings import Settings, set_current
+from .settings import Settings
 
 __all__ = ["build_parser", "main"]
 
@@ -68,14 +68,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.kubeconfig:
         # kopf logs in through the kubernetes client, which reads KUBECONFIG on import.
         os.environ["KUBECONFIG"] = args.kubeconfig
-    set_current(
-        Settings.from_env().with_(
-            metrics_port=args.metrics_port,
-            endpoint_template=args.endpoint_template,
-            ack_timeout_seconds=args.ack_timeout,
-            kubeconfig=args.kubeconfig or "",
-            context=args.context or "",
-        )
+    settings = Settings.from_env().with_(
+        metrics_port=args.metrics_port,
+        endpoint_template=args.endpoint_template,
+        ack_timeout_seconds=args.ack_timeout,
+        kubeconfig=args.kubeconfig or "",
+        context=args.context or "",
     )
     import kopf
 
@@ -87,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=args.liveness or None,
+        memo=kopf.Memo(settings=settings),  # the startup handler builds the Context from it
     )
     return 0
 

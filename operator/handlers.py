@@ -1,12 +1,14 @@
 """kopf handlers: thin adapters from kopf's callbacks to the pure modules and `k8s`.
 
-Each handler parses, calls pure logic (`jobs`, `resources`, `status`), writes through `k8s` (or
-kopf's ``patch`` for the job's own status), and posts events. Tests call them directly with
-``patch=kopf.Patch()`` and an in-memory `k8s`.
+Each handler parses, calls pure logic (`jobs`, `resources`, `workers`, `status`, `lifecycle`),
+writes through the `k8s.Cluster` in its memo's `Context` (or kopf's ``patch`` for the job's own
+status), and posts events. Tests call them directly with ``patch=kopf.Patch()`` and a memo
+holding a `Context` aimed at a test API server.
 
 Lifecycle (DESIGN §4.5):
-- create: semantic checks (`jobs.initial_plan`) -> InvalidSpec (Failed, nothing created,
-  `kopf.PermanentError`) or Service + ConfigMap + Secret + worker Pods, phase Pending;
+- startup: the `Context` (API client, settings, metrics) into kopf's memo;
+- create: the job's faults (`ResolvedJob.faults`, then the planner) -> InvalidSpec (Failed,
+  nothing created, `kopf.PermanentError`) or Service + ConfigMap + Secret + worker Pods, phase Pending;
 - pod events: Pending -> Running when every worker runs; Failed (PodFailed) when one fails or
   disappears; Succeeded when all complete;
 - daemon: the decision loop (`daemon.run_job`) while the job is active;
@@ -26,11 +28,15 @@ from typing import Any
 import kopf
 
 from malleus.controller.planning import PlanningTimeout
-from malleus.jobspec import API_GROUP, PLURAL, VERSION, MalleusJob
+from malleus.errors import BadInput
+from malleus.job import API_GROUP, PLURAL, VERSION, Phase, ResolvedJob
 from malleus.planner.plan import Plan
 
-from . import daemon, jobs, k8s, metrics, resources, sink, status
-from .settings import current as current_settings
+from . import daemon, jobs, lifecycle, resources, status, workers
+from .context import MEMO_KEY, Context
+from .k8s import Cluster
+from .metrics import OperatorMetrics
+from .settings import Settings
 
 __all__ = [
     "FINALIZER",
@@ -53,9 +59,12 @@ _POLICY_FIELDS = ("stragglerPolicy", "metrics")
 
 
 @kopf.on.startup()
-async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    """Operator-wide kopf settings, the API client and the metrics server."""
-    ours = current_settings()
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """kopf's settings, and the `Context` (API client, our settings, metrics) into the memo.
+
+    ``python -m malleus.operator`` puts its `Settings` in the memo; under a bare ``kopf run``
+    they come from the environment. A memo that already holds a `Context` (a test's) is kept.
+    """
     settings.persistence.finalizer = FINALIZER
     # The CRD's status schema prunes unknown fields, so kopf's progress lives in annotations.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="malleus.io")
@@ -64,21 +73,29 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     )
     settings.posting.level = logging.WARNING  # our own events tell the story; not every log line
     settings.peering.standalone = True  # one replica (Deployment strategy Recreate)
-    k8s.configure(ours.kubeconfig or None, ours.context or None)
+    if isinstance(memo.get(MEMO_KEY), Context):
+        return
+    ours = memo.get("settings")
+    if not isinstance(ours, Settings):
+        ours = Settings.from_env()
+    cluster = Cluster.connect(ours.kubeconfig or None, ours.context or None)
+    metrics = OperatorMetrics()
     metrics.serve(ours.metrics_port)
+    memo[MEMO_KEY] = Context(cluster=cluster, settings=ours, metrics=metrics)
 
 
 @kopf.on.probe(id="jobs")
-def probe_jobs(**_: Any) -> dict[str, int]:
+def probe_jobs(memo: kopf.Memo, **_: Any) -> dict[str, int]:
     """Part of kopf's liveness answer: the jobs this operator tracks, by phase."""
-    return {k: v for k, v in metrics.PHASES.counts().items() if v}
+    counts = Context.of(memo).metrics.phases.counts()
+    return {phase.value: n for phase, n in counts.items() if n}
 
 
 # ---- create ---------------------------------------------------------------------------------
 
 
 async def ensure_children(
-    job: MalleusJob, ref: resources.JobRef, plan: Plan
+    cluster: Cluster, job: ResolvedJob, ref: resources.JobRef, plan: Plan
 ) -> tuple[list[str], Plan]:
     """Create what is missing (idempotent by name): existing objects are left untouched, so a
     Secret keeps its token and a ConfigMap its newer plan.
@@ -88,12 +105,12 @@ async def ensure_children(
     """
     created: list[str] = []
     token = secrets.token_urlsafe(32)
-    for obj in resources.build_children(job, ref, plan, token):
-        stored, new = await k8s.create(obj)
+    for obj in workers.build_children(job, ref, plan, token):
+        stored, new = await cluster.create(obj)
         if new:
             created.append(f"{obj['kind']}/{obj['metadata']['name']}")
         elif obj["kind"] == "ConfigMap":
-            text = (stored.get("data") or {}).get(sink.PLAN_KEY)
+            text = (stored.get("data") or {}).get(resources.PLAN_KEY)
             if text:
                 plan = Plan.from_json(text)
     return created, plan
@@ -109,36 +126,39 @@ def _describe_plan(plan: Plan) -> str:
 
 
 @kopf.on.create(API_GROUP, VERSION, PLURAL)
-async def on_create(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+async def on_create(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     """Check the job, plan it for healthy GPUs, create its children; or fail it as InvalidSpec.
 
     Returns nothing: kopf would store a result in the status, which the CRD's schema prunes.
     """
+    ctx = Context.of(memo)
     ref = resources.JobRef.from_body(body)
     at = status.now()
     conditions = (body.get("status") or {}).get("conditions") or []
     try:
-        job = jobs.parse_job(body)
+        job = jobs.resolve(body)
         plan, seconds = await jobs.initial_plan(job)
-    except jobs.InvalidSpec as e:
-        message = f"invalid spec: {e}"
-        patch.status.update(status.invalid_spec_status(message, ref.generation, at, conditions))
-        metrics.PHASES.set(ref.namespace, ref.name, "Failed")
-        await k8s.post_event(ref, "Warning", "InvalidSpec", message)
+    except BadInput as e:
+        invalid = status.invalid_spec_status(e.faults, ref.generation, at, conditions)
+        patch.status.update(status.dump(invalid))
+        ctx.metrics.phases.set(ref.namespace, ref.name, Phase.FAILED)
+        message = status.invalid_spec_message(e.faults)
+        await ctx.cluster.post_event(ref, "Warning", "InvalidSpec", message)
         raise kopf.PermanentError(message) from None
     except PlanningTimeout as e:
         raise kopf.TemporaryError(f"initial planning timed out: {e}", delay=30) from None
-    metrics.PLANNING_SECONDS.observe(seconds)
-    created, plan = await ensure_children(job, ref, plan)
-    pods = [resources.pod_name(ref.name, i) for i in range(job.spec.nodes)]
-    gpus = job.spec.nodes * job.spec.gpus_per_node
-    patch.status.update(status.created_status(plan, pods, gpus, ref.generation, at, conditions))
-    metrics.PHASES.set(ref.namespace, ref.name, "Pending")
-    await k8s.post_event(
+    ctx.metrics.planning_seconds.observe(seconds)
+    created, plan = await ensure_children(ctx.cluster, job, ref, plan)
+    pods = [resources.pod_name(ref.name, i) for i in range(job.nodes)]
+    patch.status.update(
+        status.dump(status.created_status(plan, pods, job.world, ref.generation, at, conditions))
+    )
+    ctx.metrics.phases.set(ref.namespace, ref.name, Phase.PENDING)
+    await ctx.cluster.post_event(
         ref,
         "Normal",
         "Created",
-        f"created {len(pods)} worker pod(s) on {gpus} GPU(s); {_describe_plan(plan)}",
+        f"created {len(pods)} worker pod(s) on {job.world} GPU(s); {_describe_plan(plan)}",
     )
     log.info("%s/%s: created %s (planning %.3f s)", ref.namespace, ref.name, created, seconds)
 
@@ -147,9 +167,12 @@ async def on_create(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
 
 
 @kopf.on.update(API_GROUP, VERSION, PLURAL, field="spec")
-async def on_update(body: kopf.Body, diff: kopf.Diff, patch: kopf.Patch, **_: Any) -> None:
+async def on_update(
+    body: kopf.Body, diff: kopf.Diff, patch: kopf.Patch, memo: kopf.Memo, **_: Any
+) -> None:
     """Policy and metrics changes apply live (the daemon restarts on them); nothing else can
     change under running pods, which is said in an event rather than silently ignored."""
+    cluster = Context.of(memo).cluster
     ref = resources.JobRef.from_body(body)
     changed = sorted({".".join(map(str, d[1])) or "spec" for d in diff})
     structural = [
@@ -158,7 +181,7 @@ async def on_update(body: kopf.Body, diff: kopf.Diff, patch: kopf.Patch, **_: An
     if status.phase_of(body.get("status")) in status.TERMINAL_PHASES:
         return
     if structural:
-        await k8s.post_event(
+        await cluster.post_event(
             ref,
             "Warning",
             "SpecChangeIgnored",
@@ -167,7 +190,7 @@ async def on_update(body: kopf.Body, diff: kopf.Diff, patch: kopf.Patch, **_: An
         )
     else:
         patch.status["observedGeneration"] = ref.generation
-        await k8s.post_event(
+        await cluster.post_event(
             ref, "Normal", "PolicyUpdated", f"applied changes to {', '.join(changed)}"
         )
 
@@ -175,69 +198,79 @@ async def on_update(body: kopf.Body, diff: kopf.Diff, patch: kopf.Patch, **_: An
 # ---- pods -----------------------------------------------------------------------------------
 
 
-async def _sync_pods(
+async def sync_pods(
+    ctx: Context,
     namespace: str,
     job_name: str,
     *,
     fresh: Mapping[str, Any] | None = None,
     deleted: list[str] | None = None,
-) -> status.Transition:
+) -> lifecycle.Transition:
     """Recompute the job's phase from its pods and apply it (status patch + events)."""
-    job_body = await k8s.get_job(namespace, job_name)
+    cluster = ctx.cluster
+    job_body = await cluster.get_job(namespace, job_name)
     if job_body is None or (job_body.get("metadata") or {}).get("deletionTimestamp"):
-        return status.Transition()  # the job is going away: its pods do too
+        return lifecycle.Transition()  # the job is going away: its pods do too
     ref = resources.JobRef.from_body(job_body)
     spec = job_body.get("spec") or {}
     expected = [resources.pod_name(job_name, i) for i in range(int(spec.get("nodes") or 0))]
-    pods = await k8s.list_children("Pod", namespace, job_name)
+    pods = await cluster.list_children("Pod", namespace, job_name)
     gone = set(deleted or [])
     pods = [p for p in pods if p.get("metadata", {}).get("name") not in gone]
     if fresh is not None:  # the event's copy is at least as new as the list's
         name = fresh.get("metadata", {}).get("name")
         pods = [p for p in pods if p.get("metadata", {}).get("name") != name] + [dict(fresh)]
-    transition = status.pods_transition(
+    transition = lifecycle.pods_transition(
         job_body.get("status"), pods, expected, ref.generation, status.now(), deleted=list(gone)
     )
-    if transition.status:
-        await k8s.patch_job_status(namespace, job_name, transition.status)
-        phase = transition.status.get("phase")
-        if phase:
-            metrics.PHASES.set(namespace, job_name, phase)
+    if transition.status is not None:
+        await cluster.patch_job_status(namespace, job_name, status.dump(transition.status))
+        if transition.status.phase is not None:
+            ctx.metrics.phases.set(namespace, job_name, transition.status.phase)
     for event in transition.events:
         if event.reason == "PodFailed":
-            metrics.POD_FAILURES.labels(namespace=namespace, job=job_name).inc()
-        await k8s.post_event(ref, event.type, event.reason, event.message)
+            ctx.metrics.pod_failures.labels(namespace=namespace, job=job_name).inc()
+        await cluster.post_event(ref, event.type, event.reason, event.message)
     return transition
 
 
 @kopf.on.event("v1", "pods", labels={"app.kubernetes.io/managed-by": resources.MANAGED_BY})
 async def on_pod_event(
-    event: Mapping[str, Any], body: kopf.Body, namespace: str, labels: Mapping[str, str], **_: Any
+    event: Mapping[str, Any],
+    body: kopf.Body,
+    namespace: str,
+    labels: Mapping[str, str],
+    memo: kopf.Memo,
+    **_: Any,
 ) -> None:
     """A worker pod changed: maybe the job now runs, failed, or completed."""
     job_name = labels.get(resources.JOB_LABEL)
     if not job_name:
         return
+    ctx = Context.of(memo)
     name = body.get("metadata", {}).get("name", "")
     if event.get("type") == "DELETED":
-        await _sync_pods(namespace, job_name, deleted=[name])
+        await sync_pods(ctx, namespace, job_name, deleted=[name])
     else:
-        await _sync_pods(namespace, job_name, fresh=body)
+        await sync_pods(ctx, namespace, job_name, fresh=body)
 
 
 # ---- daemon ---------------------------------------------------------------------------------
 
 
-def _active(status: Mapping[str, Any], **_: Any) -> bool:
-    return (status or {}).get("phase") in ("Pending", "Planning", "Running", "Replanning")
+def _active(body: kopf.Body, **_: Any) -> bool:
+    return status.phase_of(body.get("status")) in status.ACTIVE_PHASES
 
 
 @kopf.daemon(API_GROUP, VERSION, PLURAL, when=_active, cancellation_timeout=30.0)
-async def job_daemon(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
+async def job_daemon(
+    body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any
+) -> None:
     """The decision loop of one job, for as long as it is active."""
+    ctx = Context.of(memo)
     ref = resources.JobRef.from_body(body)
     result = await daemon.run_job(
-        body, stopped, current_settings(), resync=lambda: _sync_pods(ref.namespace, ref.name)
+        ctx, body, stopped, resync=lambda: sync_pods(ctx, ref.namespace, ref.name)
     )
     if result == daemon.SPEC_CHANGED:
         raise kopf.TemporaryError("spec changed; restarting the controller with it", delay=1)
@@ -247,38 +280,41 @@ async def job_daemon(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> 
 
 
 @kopf.on.resume(API_GROUP, VERSION, PLURAL)
-async def on_resume(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+async def on_resume(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     """After an operator restart: pick up where the status says the job is.
 
     A Pending job gets whatever children are missing (existing ones untouched: create is
     idempotent by name). A running job's workers are never re-created (a new worker cannot join
     a running process group); one that vanished while the operator was away fails the job.
     """
+    ctx = Context.of(memo)
     ref = resources.JobRef.from_body(body)
     st = body.get("status") or {}
-    phase = st.get("phase")
-    metrics.PHASES.set(ref.namespace, ref.name, phase)
+    phase = status.phase_of(st)
+    ctx.metrics.phases.set(ref.namespace, ref.name, phase)
     if phase is None or phase in status.TERMINAL_PHASES:
         return  # never handled (on.create will run) or finished
     try:
-        job = jobs.parse_job(body)
-    except jobs.InvalidSpec as e:
+        job = jobs.resolve(body)
+    except BadInput as e:
         log.warning("%s/%s: cannot resume: %s", ref.namespace, ref.name, e)
         return
-    expected = [resources.pod_name(ref.name, i) for i in range(job.spec.nodes)]
-    if phase == "Pending":
+    expected = [resources.pod_name(ref.name, i) for i in range(job.nodes)]
+    if phase == Phase.PENDING:
         plan = status.plan_from_status(st.get("plan"))
         if plan is None:
             plan, _ = await jobs.initial_plan(job)
-        created, _ = await ensure_children(job, ref, plan)
+        created, _ = await ensure_children(ctx.cluster, job, ref, plan)
         if created:
-            await k8s.post_event(ref, "Normal", "Resumed", f"re-created {', '.join(created)}")
-        await _sync_pods(ref.namespace, ref.name)
+            await ctx.cluster.post_event(
+                ref, "Normal", "Resumed", f"re-created {', '.join(created)}"
+            )
+        await sync_pods(ctx, ref.namespace, ref.name)
         return
-    pods = await k8s.list_children("Pod", ref.namespace, ref.name)
+    pods = await ctx.cluster.list_children("Pod", ref.namespace, ref.name)
     present = {p.get("metadata", {}).get("name") for p in pods}
     missing = [n for n in expected if n not in present]
-    await _sync_pods(ref.namespace, ref.name, deleted=missing)
+    await sync_pods(ctx, ref.namespace, ref.name, deleted=missing)
 
 
 # ---- delete ---------------------------------------------------------------------------------
@@ -295,13 +331,14 @@ def _owned_by(obj: Mapping[str, Any], ref: resources.JobRef) -> bool:
 
 
 @kopf.on.delete(API_GROUP, VERSION, PLURAL)
-async def on_delete(body: kopf.Body, **_: Any) -> None:
+async def on_delete(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Delete the job's children (pods first), then let kopf release the finalizer.
 
     Pods are found by label (their count may differ from an edited spec) and by name; the
     Service, ConfigMap and Secret by their fixed names, so the operator needs no right to list
     Secrets. Only objects this job owns are deleted.
     """
+    ctx = Context.of(memo)
     ref = resources.JobRef.from_body(body)
     nodes = int((body.get("spec") or {}).get("nodes") or 0)
     known = {
@@ -313,14 +350,14 @@ async def on_delete(body: kopf.Body, **_: Any) -> None:
     for kind in _CHILD_KINDS:
         found: dict[str, Mapping[str, Any]] = {}
         if kind == "Pod":
-            for obj in await k8s.list_children(kind, ref.namespace, ref.name):
+            for obj in await ctx.cluster.list_children(kind, ref.namespace, ref.name):
                 found[obj["metadata"]["name"]] = obj
         for name in known[kind]:
             if name not in found:
-                obj = await k8s.read(kind, ref.namespace, name)
+                obj = await ctx.cluster.read(kind, ref.namespace, name)
                 if obj is not None:
                     found[name] = obj
         for name, obj in sorted(found.items()):
             if _owned_by(obj, ref):
-                await k8s.delete(kind, ref.namespace, name)
-    metrics.PHASES.forget(ref.namespace, ref.name)
+                await ctx.cluster.delete(kind, ref.namespace, name)
+    ctx.metrics.phases.forget(ref.namespace, ref.name)

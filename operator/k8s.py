@@ -1,20 +1,21 @@
 """The one module that calls the Kubernetes API (kopf's own watching and patching aside).
 
-Handlers and the daemon call only the coroutine functions below, looking them up on this module
-at call time (``k8s.create(...)``, never ``from .k8s import create``), so tests replace exactly
-these functions with an in-memory cluster and nothing else. They take and return plain dicts
-(the JSON the API server speaks), not the kubernetes package's generated models: the dicts are
-what the pure builders produce, what tests assert on, and what stays valid against partial
-emulations of the core API (kmock) that the generated models would reject.
+A `Cluster` holds one API client; the operator makes it at startup (`Cluster.connect`) and
+hands it to the handlers and the daemons through kopf's memo, so nothing here is process-wide
+and a test points a `Cluster` of its own at whatever API server it runs. Calls take and return
+plain dicts (the JSON the API server speaks), not the kubernetes package's generated models:
+the dicts are what the pure builders produce, what tests assert on, and what stays valid against
+partial emulations of the core API (kmock) that the generated models would reject.
 
-The client targets any cluster: in-cluster service-account credentials, or a kubeconfig file
-and context given to `configure` (the end-to-end tests point it at a real API server behind a
-front proxy). Calls run the synchronous kubernetes client in a worker thread.
+A `Cluster` targets any cluster: in-cluster service-account credentials, or a kubeconfig file
+and context (the tests point it at a real API server, or at kmock). Calls run the synchronous
+kubernetes client in a worker thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import datetime as dt
 import json
@@ -25,23 +26,11 @@ from kubernetes import client as kclient
 from kubernetes import config as kconfig
 from kubernetes.client.exceptions import ApiException
 
-from malleus.jobspec import API_GROUP, PLURAL, VERSION
+from malleus.job import API_GROUP, PLURAL, VERSION
 
 from . import resources
 
-__all__ = [
-    "ApiError",
-    "configure",
-    "create",
-    "delete",
-    "get_job",
-    "list_children",
-    "patch",
-    "patch_job_status",
-    "post_event",
-    "read",
-    "read_secret_value",
-]
+__all__ = ["ApiError", "Cluster"]
 
 _KINDS = {
     "Pod": "pod",
@@ -53,7 +42,6 @@ _KINDS = {
 """Core-API kinds the operator manages -> the kubernetes client's method suffix."""
 
 _MERGE_PATCH = "application/merge-patch+json"
-_api_client: kclient.ApiClient | None = None
 
 
 class ApiError(RuntimeError):
@@ -66,50 +54,10 @@ class ApiError(RuntimeError):
         super().__init__(f"Kubernetes API error {status} {reason}: {body[:500]}")
 
 
-def configure(kubeconfig: str | None = None, context: str | None = None) -> None:
-    """Choose the cluster: a kubeconfig (and context), else in-cluster, else the default file.
-
-    Called once at operator startup; the first API call configures lazily otherwise.
-    """
-    global _api_client
-    cfg = kclient.Configuration()
-    if kubeconfig is not None:
-        kconfig.load_kube_config(config_file=kubeconfig, context=context, client_configuration=cfg)
-    else:
-        try:
-            kconfig.load_incluster_config(client_configuration=cfg)
-        except kconfig.ConfigException:
-            kconfig.load_kube_config(context=context, client_configuration=cfg)
-    _api_client = kclient.ApiClient(configuration=cfg)
-
-
-def _client() -> kclient.ApiClient:
-    if _api_client is None:
-        configure()
-    assert _api_client is not None
-    return _api_client
-
-
-def _core() -> kclient.CoreV1Api:
-    return kclient.CoreV1Api(_client())
-
-
-def _custom() -> kclient.CustomObjectsApi:
-    return kclient.CustomObjectsApi(_client())
-
-
 def _decode(response: Any) -> dict[str, Any]:
     data = response.data
     decoded: dict[str, Any] = json.loads(data) if data else {}
     return decoded
-
-
-def _method(verb: str, kind: str) -> Any:
-    try:
-        suffix = _KINDS[kind]
-    except KeyError:
-        raise ValueError(f"k8s: unsupported kind {kind!r}; known: {sorted(_KINDS)}") from None
-    return getattr(_core(), f"{verb}_namespaced_{suffix}")
 
 
 def _error(e: ApiException) -> ApiError:
@@ -120,138 +68,178 @@ async def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return await asyncio.to_thread(fn, *args, _preload_content=False, **kwargs)
 
 
-# ---- generic core objects -------------------------------------------------------------------
+class Cluster:
+    """The API calls the operator makes, on one API client."""
 
+    def __init__(self, api: kclient.ApiClient) -> None:
+        self.api = api
+        self._core = kclient.CoreV1Api(api)
+        self._custom = kclient.CustomObjectsApi(api)
 
-async def create(obj: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
-    """Create ``obj``; if one of that name exists, return it untouched. -> (object, created).
+    @classmethod
+    def connect(cls, kubeconfig: str | None = None, context: str | None = None) -> Cluster:
+        """A kubeconfig (and context), else in-cluster credentials, else the default file."""
+        cfg = kclient.Configuration()
+        if kubeconfig is not None:
+            kconfig.load_kube_config(
+                config_file=kubeconfig, context=context, client_configuration=cfg
+            )
+        else:
+            try:
+                kconfig.load_incluster_config(client_configuration=cfg)
+            except kconfig.ConfigException:
+                kconfig.load_kube_config(context=context, client_configuration=cfg)
+        return cls(kclient.ApiClient(configuration=cfg))
 
-    Idempotent by name, so a restarted operator (or a retried handler) never duplicates a pod
-    and never replaces a Secret's token or a ConfigMap's newer plan.
-    """
-    kind = obj["kind"]
-    ns = obj["metadata"]["namespace"]
-    try:
-        return _decode(await _run(_method("create", kind), ns, dict(obj))), True
-    except ApiException as e:
-        if e.status != 409 or "name" not in obj["metadata"]:
-            raise _error(e) from None
-    existing = await read(kind, ns, obj["metadata"]["name"])
-    if existing is None:  # deleted in between: try once more
+    def close(self) -> None:
+        """Release the client's connection pool."""
+        self.api.close()
+
+    def _method(self, verb: str, kind: str) -> Any:
         try:
-            return _decode(await _run(_method("create", kind), ns, dict(obj))), True
+            suffix = _KINDS[kind]
+        except KeyError:
+            raise ValueError(f"k8s: unsupported kind {kind!r}; known: {sorted(_KINDS)}") from None
+        return getattr(self._core, f"{verb}_namespaced_{suffix}")
+
+    # ---- generic core objects ---------------------------------------------------------------
+
+    async def create(self, obj: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Create ``obj``; if one of that name exists, return it untouched. -> (object, created).
+
+        Idempotent by name, so a restarted operator (or a retried handler) never duplicates a
+        pod and never replaces a Secret's token or a ConfigMap's newer plan.
+        """
+        kind = obj["kind"]
+        ns = obj["metadata"]["namespace"]
+        try:
+            return _decode(await _run(self._method("create", kind), ns, dict(obj))), True
+        except ApiException as e:
+            if e.status != 409 or "name" not in obj["metadata"]:
+                raise _error(e) from None
+        existing = await self.read(kind, ns, obj["metadata"]["name"])
+        if existing is None:  # deleted in between: try once more
+            try:
+                return _decode(await _run(self._method("create", kind), ns, dict(obj))), True
+            except ApiException as e:
+                raise _error(e) from None
+        return existing, False
+
+    async def read(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The object, or None when it does not exist."""
+        try:
+            return _decode(await _run(self._method("read", kind), name, namespace))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise _error(e) from None
+
+    async def list_children(self, kind: str, namespace: str, job: str) -> list[dict[str, Any]]:
+        """Objects of ``kind`` labelled as children of ``job``."""
+        try:
+            result = _decode(
+                await _run(
+                    self._method("list", kind),
+                    namespace,
+                    label_selector=f"{resources.JOB_LABEL}={job}",
+                )
+            )
         except ApiException as e:
             raise _error(e) from None
-    return existing, False
+        items: list[dict[str, Any]] = result.get("items") or []
+        for item in items:  # list items omit these; callers feed them back to builders and tests
+            item.setdefault("kind", kind)
+            item.setdefault("apiVersion", "v1")
+        return items
 
+    async def delete(self, kind: str, namespace: str, name: str) -> bool:
+        """Delete (background propagation); False when it was already gone."""
+        try:
+            await _run(
+                self._method("delete", kind),
+                name,
+                namespace,
+                body={"propagationPolicy": "Background"},
+            )
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise _error(e) from None
+        return True
 
-async def read(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-    """The object, or None when it does not exist."""
-    try:
-        return _decode(await _run(_method("read", kind), name, namespace))
-    except ApiException as e:
-        if e.status == 404:
+    async def patch(
+        self, kind: str, namespace: str, name: str, body: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """JSON merge patch of a core object (e.g. the plan ConfigMap's ``data``)."""
+        try:
+            return _decode(
+                await _run(
+                    self._method("patch", kind),
+                    name,
+                    namespace,
+                    dict(body),
+                    _content_type=_MERGE_PATCH,
+                )
+            )
+        except ApiException as e:
+            raise _error(e) from None
+
+    async def read_secret_value(self, namespace: str, name: str, key: str) -> str | None:
+        """A Secret's value, base64-decoded; None when the Secret or key is missing."""
+        secret = await self.read("Secret", namespace, name)
+        if secret is None:
             return None
-        raise _error(e) from None
+        if key in (secret.get("stringData") or {}):
+            return str(secret["stringData"][key])
+        raw = (secret.get("data") or {}).get(key)
+        return None if raw is None else base64.b64decode(raw).decode()
 
+    # ---- the MalleusJob itself --------------------------------------------------------------
 
-async def list_children(kind: str, namespace: str, job: str) -> list[dict[str, Any]]:
-    """Objects of ``kind`` labelled as children of ``job``."""
-    try:
-        result = _decode(
-            await _run(
-                _method("list", kind), namespace, label_selector=f"{resources.JOB_LABEL}={job}"
+    async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The MalleusJob (with status), or None when it is gone."""
+        try:
+            return _decode(
+                await _run(
+                    self._custom.get_namespaced_custom_object,
+                    API_GROUP,
+                    VERSION,
+                    namespace,
+                    PLURAL,
+                    name,
+                )
             )
-        )
-    except ApiException as e:
-        raise _error(e) from None
-    items: list[dict[str, Any]] = result.get("items") or []
-    for item in items:  # list items omit these; callers feed them back to builders and tests
-        item.setdefault("kind", kind)
-        item.setdefault("apiVersion", "v1")
-    return items
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise _error(e) from None
 
+    async def patch_job_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        """Merge ``status`` into the job's ``.status`` (status subresource); a gone job is ignored.
 
-async def delete(kind: str, namespace: str, name: str) -> bool:
-    """Delete (background propagation); False when it was already gone."""
-    try:
-        await _run(
-            _method("delete", kind), name, namespace, body={"propagationPolicy": "Background"}
-        )
-    except ApiException as e:
-        if e.status == 404:
-            return False
-        raise _error(e) from None
-    return True
-
-
-async def patch(kind: str, namespace: str, name: str, body: Mapping[str, Any]) -> dict[str, Any]:
-    """JSON merge patch of a core object (e.g. the plan ConfigMap's ``data``)."""
-    try:
-        return _decode(
+        Lists (conditions, stragglers, pipelines) are replaced whole by a merge patch, so
+        callers send complete lists (see `status.merge_conditions`).
+        """
+        try:
             await _run(
-                _method("patch", kind), name, namespace, dict(body), _content_type=_MERGE_PATCH
+                self._custom.patch_namespaced_custom_object_status,
+                API_GROUP,
+                VERSION,
+                namespace,
+                PLURAL,
+                name,
+                {"status": dict(status)},
+                _content_type=_MERGE_PATCH,
             )
-        )
-    except ApiException as e:
-        raise _error(e) from None
+        except ApiException as e:
+            if e.status == 404:
+                return
+            raise _error(e) from None
 
-
-async def read_secret_value(namespace: str, name: str, key: str) -> str | None:
-    """A Secret's value, base64-decoded; None when the Secret or key is missing."""
-    import base64
-
-    secret = await read("Secret", namespace, name)
-    if secret is None:
-        return None
-    if key in (secret.get("stringData") or {}):
-        return str(secret["stringData"][key])
-    raw = (secret.get("data") or {}).get(key)
-    return None if raw is None else base64.b64decode(raw).decode()
-
-
-# ---- the MalleusJob itself ------------------------------------------------------------------
-
-
-async def get_job(namespace: str, name: str) -> dict[str, Any] | None:
-    """The MalleusJob (with status), or None when it is gone."""
-    try:
-        return _decode(
-            await _run(
-                _custom().get_namespaced_custom_object, API_GROUP, VERSION, namespace, PLURAL, name
-            )
-        )
-    except ApiException as e:
-        if e.status == 404:
-            return None
-        raise _error(e) from None
-
-
-async def patch_job_status(namespace: str, name: str, status: Mapping[str, Any]) -> None:
-    """Merge ``status`` into the job's ``.status`` (status subresource); a gone job is ignored.
-
-    Lists (conditions, stragglers, pipelines) are replaced whole by a merge patch, so callers
-    send complete lists (see `status.merge_conditions`).
-    """
-    try:
-        await _run(
-            _custom().patch_namespaced_custom_object_status,
-            API_GROUP,
-            VERSION,
-            namespace,
-            PLURAL,
-            name,
-            {"status": dict(status)},
-            _content_type=_MERGE_PATCH,
-        )
-    except ApiException as e:
-        if e.status == 404:
-            return
-        raise _error(e) from None
-
-
-async def post_event(ref: resources.JobRef, type_: str, reason: str, message: str) -> None:
-    """Post an Event on the job; failures are swallowed (events are best effort)."""
-    event = resources.build_event(ref, type_, reason, message, dt.datetime.now(dt.UTC))
-    with contextlib.suppress(ApiException, OSError):
-        await _run(_core().create_namespaced_event, ref.namespace, event)
+    async def post_event(
+        self, ref: resources.JobRef, type_: str, reason: str, message: str
+    ) -> None:
+        """Post an Event on the job; failures are swallowed (events are best effort)."""
+        event = resources.build_event(ref, type_, reason, message, dt.datetime.now(dt.UTC))
+        with contextlib.suppress(ApiException, OSError):
+            await _run(self._core.create_namespaced_event, ref.namespace, event)

@@ -11,7 +11,7 @@ cluster, and keeps `k8s.py` the one place that talks to the API. A job of ``N`` 
   manifest the trainers read);
 - a Secret ``<job>-control`` with the bearer token that guards the trainers' ``POST /plan``;
 - ``N`` worker Pods ``<job>-node-<i>``, one per node, each running ``torchrun`` with
-  ``gpusPerNode`` processes.
+  ``gpusPerNode`` processes (built in `workers`).
 
 Every object carries an ownerReference to the job (the garbage collector deletes them with it)
 and the labels in `job_labels`, by which the operator finds them again after a restart.
@@ -26,36 +26,34 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from malleus.jobspec import API_VERSION, KIND, MalleusJob, dump_job
+from malleus.job import API_VERSION, KIND, ResolvedJob, dump_job
 from malleus.planner.plan import Plan
 
 __all__ = [
     "COMPONENT",
     "CONFIG_MOUNT",
     "CONTROL_PORT_NAME",
-    "GPU_RESOURCE",
+    "JOB_KEY",
     "JOB_LABEL",
     "MANAGED_BY",
     "NODE_LABEL",
+    "PLAN_KEY",
     "RENDEZVOUS_PORT",
-    "RUN_AS_USER",
     "TOKEN_KEY",
     "JobRef",
-    "build_children",
     "build_configmap",
     "build_event",
-    "build_pod",
     "build_secret",
     "build_service",
     "configmap_name",
     "coordinator_host",
     "job_labels",
     "job_manifest",
+    "metadata",
     "owner_reference",
     "pod_name",
     "secret_name",
     "service_name",
-    "torchrun_command",
 ]
 
 MANAGED_BY = "malleus-operator"
@@ -69,10 +67,11 @@ RENDEZVOUS_PORT = 29500
 CONTROL_PORT_NAME = "control"
 CONFIG_MOUNT = "/etc/malleus"
 """Where the ConfigMap (plan.json, job.json) is mounted in every worker."""
-RUN_AS_USER = 1000
-"""The non-root user of the trainer image (Dockerfile's ``malleus`` user)."""
 TOKEN_KEY = "token"
-GPU_RESOURCE = "nvidia.com/gpu"
+PLAN_KEY = "plan.json"
+"""ConfigMap key of the plan in force."""
+JOB_KEY = "job.json"
+"""ConfigMap key of the manifest the trainers run."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +144,8 @@ def owner_reference(ref: JobRef) -> dict[str, Any]:
     }
 
 
-def _metadata(ref: JobRef, name: str, **extra: Any) -> dict[str, Any]:
+def metadata(ref: JobRef, name: str, **extra: Any) -> dict[str, Any]:
+    """Name, namespace, the job's labels and its owner reference: what every child carries."""
     meta: dict[str, Any] = {
         "name": name,
         "namespace": ref.namespace,
@@ -159,12 +159,12 @@ def _metadata(ref: JobRef, name: str, **extra: Any) -> dict[str, Any]:
 # ---- Service, ConfigMap, Secret -------------------------------------------------------------
 
 
-def build_service(job: MalleusJob, ref: JobRef) -> dict[str, Any]:
+def build_service(job: ResolvedJob, ref: JobRef) -> dict[str, Any]:
     """Headless Service giving every worker a stable DNS name (hostname.subdomain)."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(ref, service_name(ref.name)),
+        "metadata": metadata(ref, service_name(ref.name)),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,  # rendezvous must resolve before readiness
@@ -177,9 +177,9 @@ def build_service(job: MalleusJob, ref: JobRef) -> dict[str, Any]:
     }
 
 
-def job_manifest(job: MalleusJob, ref: JobRef) -> dict[str, Any]:
+def job_manifest(job: ResolvedJob, ref: JobRef) -> dict[str, Any]:
     """The manifest the trainers read (``job.json``): apiVersion, kind, name, namespace, spec."""
-    data = dump_job(job)
+    data = dump_job(job.job)
     return {
         "apiVersion": data["apiVersion"],
         "kind": data["kind"],
@@ -188,15 +188,15 @@ def job_manifest(job: MalleusJob, ref: JobRef) -> dict[str, Any]:
     }
 
 
-def build_configmap(job: MalleusJob, ref: JobRef, plan: Plan) -> dict[str, Any]:
+def build_configmap(job: ResolvedJob, ref: JobRef, plan: Plan) -> dict[str, Any]:
     """ConfigMap with the plan in force and the job manifest, mounted in every worker."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(ref, configmap_name(ref.name)),
+        "metadata": metadata(ref, configmap_name(ref.name)),
         "data": {
-            "plan.json": plan.to_json(),
-            "job.json": json.dumps(job_manifest(job, ref), indent=2, sort_keys=True),
+            PLAN_KEY: plan.to_json(),
+            JOB_KEY: json.dumps(job_manifest(job, ref), indent=2, sort_keys=True),
         },
     }
 
@@ -207,185 +207,9 @@ def build_secret(ref: JobRef, token: str) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _metadata(ref, secret_name(ref.name)),
+        "metadata": metadata(ref, secret_name(ref.name)),
         "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
     }
-
-
-# ---- worker pods ----------------------------------------------------------------------------
-
-
-def torchrun_command(job: MalleusJob, ref: JobRef, index: int) -> list[str]:
-    """``torchrun ... -m malleus.trainer job.json --plan plan.json`` on a static rendezvous.
-
-    Static (not c10d/etcd) rendezvous on node 0's stable DNS name: the world never changes size
-    in Malleus (stragglers are re-planned around, not removed), and node ranks are the pod
-    indices, which the plan's global ranks (``node * gpusPerNode + local``) depend on.
-    ``--max-restarts=0``: a worker that dies cannot rejoin the job's process group, so failures
-    go to the operator. Each node's first rank serves the control port (``spec.controlPort``).
-    """
-    cmd = [
-        "torchrun",
-        f"--nnodes={job.spec.nodes}",
-        f"--nproc-per-node={job.spec.gpus_per_node}",
-        f"--node-rank={index}",
-        f"--master-addr={coordinator_host(ref)}",
-        f"--master-port={RENDEZVOUS_PORT}",
-        "--max-restarts=0",
-        "-m",
-        "malleus.trainer",
-        f"{CONFIG_MOUNT}/job.json",
-        f"--plan={CONFIG_MOUNT}/plan.json",
-    ]
-    ckpt = job.spec.checkpoint
-    if ckpt.interval_steps:
-        cmd += [f"--checkpoint-dir={ckpt.path}", f"--checkpoint-every={ckpt.interval_steps}"]
-    return cmd
-
-
-def _env(job: MalleusJob, ref: JobRef, index: int) -> list[dict[str, Any]]:
-    return [
-        {"name": "MALLEUS_JOB_NAME", "value": ref.name},
-        {"name": "MALLEUS_NAMESPACE", "value": ref.namespace},
-        {"name": "MALLEUS_NODE_RANK", "value": str(index)},
-        {"name": "MALLEUS_NODES", "value": str(job.spec.nodes)},
-        {"name": "MALLEUS_GPUS_PER_NODE", "value": str(job.spec.gpus_per_node)},
-        {"name": "MALLEUS_CONTROL_PORT", "value": str(job.spec.control_port)},
-        {"name": "MALLEUS_JOB", "value": f"{CONFIG_MOUNT}/job.json"},
-        {"name": "MALLEUS_PLAN", "value": f"{CONFIG_MOUNT}/plan.json"},
-        {
-            "name": "MALLEUS_CONTROL_TOKEN",
-            "valueFrom": {"secretKeyRef": {"name": secret_name(ref.name), "key": TOKEN_KEY}},
-        },
-        {"name": "MALLEUS_EMULATION", "value": "1" if job.spec.emulation.enabled else "0"},
-        {"name": "HOME", "value": "/tmp"},  # read-only root: caches (torch, triton) go to /tmp
-        {"name": "PYTHONUNBUFFERED", "value": "1"},
-    ]
-
-
-def _resources(job: MalleusJob) -> dict[str, Any]:
-    """Requests = limits (Guaranteed QoS); GPUs unless the emulated clock runs on CPUs."""
-    amounts: dict[str, Any] = {}
-    r = job.spec.resources
-    if r.cpu is not None:
-        amounts["cpu"] = str(r.cpu)
-    if r.memory is not None:
-        amounts["memory"] = str(r.memory)
-    if not job.spec.emulation.enabled:
-        amounts[GPU_RESOURCE] = str(job.spec.gpus_per_node)
-    return {"requests": dict(amounts), "limits": dict(amounts)}
-
-
-def _volumes(job: MalleusJob, ref: JobRef) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    ckpt = job.spec.checkpoint
-    checkpoint_volume: dict[str, Any] = (
-        {"name": "checkpoints", "persistentVolumeClaim": {"claimName": ckpt.claim_name}}
-        if ckpt.claim_name
-        else {"name": "checkpoints", "emptyDir": {}}
-    )
-    volumes = [
-        {"name": "config", "configMap": {"name": configmap_name(ref.name)}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},  # NCCL/gloo shared memory
-        {"name": "tmp", "emptyDir": {}},
-        checkpoint_volume,
-    ]
-    mounts = [
-        {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
-        {"name": "dshm", "mountPath": "/dev/shm"},
-        {"name": "tmp", "mountPath": "/tmp"},
-        {"name": "checkpoints", "mountPath": ckpt.path},
-    ]
-    return volumes, mounts
-
-
-def build_pod(job: MalleusJob, ref: JobRef, index: int) -> dict[str, Any]:
-    """Worker pod of node ``index``: ``gpusPerNode`` trainer processes under torchrun.
-
-    ``restartPolicy: Never``: a restarted worker cannot rejoin the running process group, so a
-    failure is reported on the job instead of being hidden by a restart loop. Without emulation,
-    a required anti-affinity keeps one worker per node (the plan's node = the pod index).
-    """
-    volumes, mounts = _volumes(job, ref)
-    port = job.spec.control_port
-    name = pod_name(ref.name, index)
-    labels = {**job_labels(ref.name), NODE_LABEL: str(index)}
-    spec: dict[str, Any] = {
-        "hostname": name,
-        "subdomain": service_name(ref.name),
-        "restartPolicy": "Never",
-        "enableServiceLinks": False,
-        "automountServiceAccountToken": False,
-        "terminationGracePeriodSeconds": 30,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
-            "runAsGroup": RUN_AS_USER,
-            "fsGroup": RUN_AS_USER,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
-        "containers": [
-            {
-                "name": "trainer",
-                "image": job.spec.image,
-                "imagePullPolicy": "IfNotPresent",
-                "command": torchrun_command(job, ref, index),
-                "env": _env(job, ref, index),
-                "ports": [
-                    {"name": CONTROL_PORT_NAME, "containerPort": port, "protocol": "TCP"},
-                    {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"},
-                ],
-                "resources": _resources(job),
-                "volumeMounts": mounts,
-                "securityContext": {
-                    "allowPrivilegeEscalation": False,
-                    "readOnlyRootFilesystem": True,
-                    "runAsNonRoot": True,
-                    "capabilities": {"drop": ["ALL"]},
-                },
-            }
-        ],
-        "volumes": volumes,
-    }
-    if not job.spec.emulation.enabled:
-        spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
-        spec["affinity"] = {
-            "podAntiAffinity": {
-                "requiredDuringSchedulingIgnoredDuringExecution": [
-                    {
-                        "labelSelector": {"matchLabels": {JOB_LABEL: ref.name}},
-                        "topologyKey": "kubernetes.io/hostname",
-                    }
-                ]
-            }
-        }
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": _metadata(
-            ref,
-            name,
-            labels=labels,
-            annotations={
-                "prometheus.io/scrape": "true",
-                "prometheus.io/port": str(port),
-                "prometheus.io/path": "/metrics",
-            },
-        ),
-        "spec": spec,
-    }
-
-
-def build_children(job: MalleusJob, ref: JobRef, plan: Plan, token: str) -> list[dict[str, Any]]:
-    """Everything a job owns, in creation order: Service, ConfigMap, Secret, then the pods.
-
-    The pods come last because they mount the ConfigMap and read the Secret.
-    """
-    return [
-        build_service(job, ref),
-        build_configmap(job, ref, plan),
-        build_secret(ref, token),
-        *(build_pod(job, ref, i) for i in range(job.spec.nodes)),
-    ]
 
 
 # ---- events ---------------------------------------------------------------------------------

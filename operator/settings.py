@@ -1,8 +1,9 @@
 """Operator-wide settings: from ``MALLEUS_OPERATOR_*`` environment variables or the CLI.
 
-Environment variables (the Helm chart sets them) so the same values reach handlers however kopf
-was started (``python -m malleus.operator``, ``kopf run -m malleus.operator.handlers``, or
-``kopf.testing.KopfRunner`` in tests).
+Environment variables (the Helm chart sets them) so the same values reach the operator however
+kopf was started (``python -m malleus.operator`` hands its settings to kopf's memo; under ``kopf
+run -m malleus.operator.handlers`` the startup handler reads them from the environment). Nothing
+here is process-wide: the handlers get the settings from the memo.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
-__all__ = ["DEFAULT_ENDPOINT", "Settings", "current", "set_current"]
+__all__ = ["DEFAULT_ENDPOINT", "Settings"]
 
 DEFAULT_ENDPOINT = "http://{pod}.{service}.{namespace}.svc:{port}"
 """How the operator reaches a worker's control port: its stable DNS name via the headless
@@ -56,20 +57,3 @@ class Settings:
 
     def with_(self, **changes: object) -> Settings:
         return replace(self, **changes)  # type: ignore[arg-type]
-
-
-_current: Settings | None = None
-
-
-def current() -> Settings:
-    """The settings in force (read from the environment on first use)."""
-    global _current
-    if _current is None:
-        _current = Settings.from_env()
-    return _current
-
-
-def set_current(settings: Settings | None) -> None:
-    """Install settings (None: re-read the environment on next use)."""
-    global _current
-    _current = settings

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from malleus.controller.ports import Observation, RateSource
 from malleus.controller.prometheus import PrometheusSource, default_queries, pod_gpu_rank
 from malleus.controller.sources import TrainerScrapeSource
-from malleus.jobspec import MalleusJob
+from malleus.job import ResolvedJob
 
 from . import resources
 
@@ -40,7 +40,7 @@ class TrackingSource:
 
 
 def rate_source(
-    job: MalleusJob, ref: resources.JobRef, coordinator_url: str, *, timeout: float
+    job: ResolvedJob, ref: resources.JobRef, coordinator_url: str, *, timeout: float
 ) -> RateSource:
     """The source ``spec.metrics`` asks for: the coordinator's /metrics, or Prometheus."""
     metrics = job.spec.metrics

@@ -1,15 +1,16 @@
-"""Pure status computations: conditions, phases, plan summaries, stragglers, pod outcomes.
+"""Pure status computations: conditions, plan summaries, stragglers, and the status patches.
 
-Everything here maps plain data (a job's status dict, pod dicts, a Plan, rates) to a status
-*patch* (a dict merged into ``.status``) and the events to post, so the handlers and the daemon
-stay thin and every transition is unit-tested without a cluster.
+Every status the operator writes is a `malleus.job.MalleusJobStatus` (typed, kept equal to the
+CRD's status schema by a test) holding only the fields it changes, dumped by `dump` into the
+merge patch sent to the status subresource. The handlers and the daemon stay thin and every
+builder is unit-tested without a cluster.
 
 Conditions follow ``metav1.Condition``: one per type, ``lastTransitionTime`` kept unless the
 status flips, ``observedGeneration`` set to the spec generation the operator acted on. Types:
 
 - ``Ready``: True while every worker runs (reason ``Running``); False with ``InvalidSpec``,
   ``PodsPending``, ``PodFailed`` or ``Completed``.
-- ``Straggling``: True when some GPU's rate is at or above the policy threshold.
+- ``Straggling``: True when some GPU is a straggler by the job's policy.
 """
 
 from __future__ import annotations
@@ -17,106 +18,104 @@ from __future__ import annotations
 import datetime as dt
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
+from malleus.errors import Fault
+from malleus.job import (
+    Condition,
+    LastReplan,
+    MalleusJobStatus,
+    Phase,
+    PipelineStatus,
+    PlanStatus,
+    StageStatus,
+    StragglerPolicy,
+    StragglerStatus,
+)
 from malleus.planner.plan import Plan
 
 __all__ = [
     "ACTIVE_PHASES",
+    "READY",
+    "STRAGGLING",
     "TERMINAL_PHASES",
-    "Event",
-    "PodOutcome",
-    "Transition",
     "condition",
     "created_status",
+    "dump",
+    "invalid_spec_message",
     "invalid_spec_status",
     "merge_conditions",
     "now",
     "phase_of",
     "plan_from_status",
     "plan_status",
-    "pod_outcome",
-    "pods_transition",
     "replan_status",
-    "rfc3339",
-    "straggler_status",
+    "stragglers",
     "straggling_condition",
 ]
 
-TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
-ACTIVE_PHASES = frozenset({"Pending", "Planning", "Running", "Replanning"})
+TERMINAL_PHASES = frozenset({Phase.SUCCEEDED, Phase.FAILED})
+ACTIVE_PHASES = frozenset({Phase.PENDING, Phase.RUNNING, Phase.REPLANNING})
 READY = "Ready"
 STRAGGLING = "Straggling"
+_MESSAGE_LIMIT = 32768
+"""metav1.Condition's message limit."""
 
 
 def now() -> dt.datetime:
-    return dt.datetime.now(dt.UTC)
+    """UTC now, to the second: what metav1.Time keeps (so equal times compare equal)."""
+    return dt.datetime.now(dt.UTC).replace(microsecond=0)
 
 
-def rfc3339(t: dt.datetime) -> str:
-    """Seconds-precision UTC timestamp, as metav1.Time serialises."""
-    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def dump(status: MalleusJobStatus) -> dict[str, Any]:
+    """The merge patch of ``status``: only the fields it sets, camelCase, JSON-ready."""
+    return status.model_dump(mode="json", by_alias=True, exclude_none=True, exclude_unset=True)
 
 
-@dataclass(frozen=True)
-class Event:
-    """A Kubernetes event to post on the job."""
-
-    type: str  # Normal | Warning
-    reason: str
-    message: str
-
-
-@dataclass
-class Transition:
-    """What to do about a job: merge ``status`` into ``.status`` and post ``events``."""
-
-    status: dict[str, Any] = field(default_factory=dict)
-    events: list[Event] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.status or self.events)
+def phase_of(status: Mapping[str, Any] | None) -> Phase | None:
+    """The phase of a stored status (None before the operator wrote one)."""
+    raw = (status or {}).get("phase")
+    return Phase(raw) if raw else None
 
 
 # ---- conditions -----------------------------------------------------------------------------
 
 
 def condition(
-    type_: str,
-    status: bool | str,
-    reason: str,
-    message: str,
-    generation: int,
-    at: dt.datetime,
-) -> dict[str, Any]:
-    """A ``metav1.Condition`` dict."""
-    if isinstance(status, bool):
-        status = "True" if status else "False"
-    return {
-        "type": type_,
-        "status": status,
-        "reason": reason,
-        "message": message[:32768],
-        "observedGeneration": generation,
-        "lastTransitionTime": rfc3339(at),
-    }
+    type_: str, status: bool, reason: str, message: str, generation: int, at: dt.datetime
+) -> Condition:
+    """A ``metav1.Condition``."""
+    return Condition(
+        type=type_,
+        status="True" if status else "False",
+        reason=reason,
+        message=message[:_MESSAGE_LIMIT],
+        observed_generation=generation,
+        last_transition_time=at,
+    )
 
 
 def merge_conditions(
-    existing: Iterable[Mapping[str, Any]] | None, *updates: Mapping[str, Any]
-) -> list[dict[str, Any]]:
+    existing: Iterable[Mapping[str, Any] | Condition] | None, *updates: Condition
+) -> list[Condition]:
     """Replace conditions by type, keeping ``lastTransitionTime`` when the status is unchanged.
 
-    The whole list is returned because a merge patch replaces lists wholesale.
+    The whole list is returned because a merge patch replaces lists wholesale. Stored entries
+    that are not conditions (written by someone else) are dropped rather than failing the job.
     """
-    result = [dict(c) for c in (existing or [])]
+    result: list[Condition] = []
+    for old in existing or []:
+        try:
+            result.append(old if isinstance(old, Condition) else Condition.model_validate(old))
+        except ValidationError:
+            continue
     for new in updates:
-        new = dict(new)
         for i, old in enumerate(result):
-            if old.get("type") == new["type"]:
-                if old.get("status") == new["status"] and old.get("lastTransitionTime"):
-                    new["lastTransitionTime"] = old["lastTransitionTime"]
+            if old.type == new.type:
+                if old.status == new.status:
+                    new = new.model_copy(update={"last_transition_time": old.last_transition_time})
                 result[i] = new
                 break
         else:
@@ -124,96 +123,133 @@ def merge_conditions(
     return result
 
 
-def phase_of(status: Mapping[str, Any] | None) -> str | None:
-    return (status or {}).get("phase")
-
-
 # ---- plan and stragglers --------------------------------------------------------------------
 
 
-def plan_status(plan: Plan) -> dict[str, Any]:
-    """The plan as shown in ``.status.plan`` (camelCase; estimate folded into two numbers)."""
-    out: dict[str, Any] = {
-        "generation": plan.generation,
-        "tp": plan.tp,
-        "pipelines": [
-            {
-                "microBatches": p.micro_batches,
-                "stages": [{"ranks": list(s.ranks), "layers": list(s.layers)} for s in p.stages],
-            }
+def plan_status(plan: Plan) -> PlanStatus:
+    """The plan as shown in ``.status.plan`` (its estimate folded into two numbers)."""
+    status = PlanStatus(
+        generation=plan.generation,
+        tp=plan.tp,
+        pipelines=[
+            PipelineStatus(
+                micro_batches=p.micro_batches,
+                stages=[StageStatus(ranks=list(s.ranks), layers=s.layers) for s in p.stages],
+            )
             for p in plan.pipelines
         ],
-        "excluded": sorted(plan.excluded),
-    }
+        excluded=sorted(plan.excluded),
+    )
     est = plan.estimate
     if est is not None:
-        out["predictedStepTime"] = round(est.step_time, 4)
-        if est.uniform_step_time is not None and est.step_time > 0:
-            uniform = est.uniform_step_time
-            if math.isfinite(uniform):
-                out["predictedSpeedup"] = round(uniform / est.step_time, 4)
-    return out
+        status.predicted_step_time = round(est.step_time, 4)
+        uniform = est.uniform_step_time
+        if uniform is not None and est.step_time > 0 and math.isfinite(uniform):
+            status.predicted_speedup = round(uniform / est.step_time, 4)
+    return status
 
 
-def straggler_status(
-    rates: Mapping[int, float | None], threshold: float, gpus_per_node: int
-) -> dict[str, Any]:
-    """``stragglers`` (rate >= threshold, or unusable) and the short ``stragglerSummary``.
+def plan_from_status(plan: Mapping[str, Any] | None) -> Plan | None:
+    """The Plan shown in ``.status.plan`` (the inverse of `plan_status`, estimate aside)."""
+    if not plan:
+        return None
+    try:
+        shown = PlanStatus.model_validate(plan)
+    except ValidationError:
+        return None
+    if not shown.pipelines or shown.tp is None:
+        return None
+    return Plan.model_validate(
+        {
+            "generation": shown.generation or 0,
+            "tp": shown.tp,
+            "pipelines": [
+                {
+                    "micro_batches": p.micro_batches,
+                    "stages": [{"ranks": s.ranks, "layers": s.layers} for s in p.stages],
+                }
+                for p in shown.pipelines
+            ],
+            "excluded": shown.excluded,
+        }
+    )
 
-    Worst first, so the printer column shows what matters: ``"2 (r1 3.0x, r6 2.0x)"``.
-    """
+
+def _slow(
+    rates: Mapping[int, float | None], policy: StragglerPolicy
+) -> list[tuple[int, float | None]]:
+    """The stragglers among ``rates``, worst first (failed ones before any rate)."""
 
     def badness(item: tuple[int, float | None]) -> tuple[float, int]:
         rank, rate = item
         return (-(math.inf if rate is None else rate), rank)
 
-    slow = sorted(((r, v) for r, v in rates.items() if v is None or v >= threshold), key=badness)
-    stragglers: list[dict[str, Any]] = []
-    for rank, rate in slow:
-        entry: dict[str, Any] = {"rank": rank, "node": rank // gpus_per_node}
-        if rate is not None:
-            entry["rate"] = round(rate, 3)
-        stragglers.append(entry)
+    return sorted(((r, v) for r, v in rates.items() if policy.is_straggler(v)), key=badness)
+
+
+def stragglers(
+    rates: Mapping[int, float | None], policy: StragglerPolicy, gpus_per_node: int
+) -> MalleusJobStatus:
+    """``stragglers`` and the short ``stragglerSummary`` (``"2 (r1 3.0x, r6 down)"``).
+
+    Worst first, so the printer column shows what matters.
+    """
+    slow = _slow(rates, policy)
+    entries = [
+        StragglerStatus(
+            rank=rank, node=rank // gpus_per_node, rate=None if rate is None else round(rate, 3)
+        )
+        for rank, rate in slow
+    ]
     if not slow:
         summary = "0"
     else:
         shown = ", ".join(f"r{r} {'down' if v is None else f'{v:.1f}x'}" for r, v in slow[:4])
         more = ", ..." if len(slow) > 4 else ""
         summary = f"{len(slow)} ({shown}{more})"
-    return {"stragglers": stragglers, "stragglerSummary": summary}
+    return MalleusJobStatus(stragglers=entries, straggler_summary=summary)
 
 
 def straggling_condition(
-    rates: Mapping[int, float | None], threshold: float, generation: int, at: dt.datetime
-) -> dict[str, Any]:
-    slow = sorted(r for r, v in rates.items() if v is None or v >= threshold)
+    rates: Mapping[int, float | None], policy: StragglerPolicy, generation: int, at: dt.datetime
+) -> Condition:
+    slow = sorted(r for r, _ in _slow(rates, policy))
     if slow:
         return condition(
             STRAGGLING,
             True,
             "StragglersDetected",
-            f"{len(slow)} GPU(s) at or above rate {threshold}: ranks {slow}",
+            f"{len(slow)} GPU(s) at or above rate {policy.threshold}: ranks {slow}",
             generation,
             at,
         )
     return condition(STRAGGLING, False, "NoStragglers", "every GPU is healthy", generation, at)
 
 
-# ---- create / invalid ------------------------------------------------------------------------
+# ---- create / invalid / re-plan -------------------------------------------------------------
+
+
+def invalid_spec_message(faults: Sequence[Fault]) -> str:
+    """One line per fault, ``path: message``: the condition's, the event's and the status's."""
+    return "invalid spec: " + "; ".join(str(f) for f in faults)
 
 
 def invalid_spec_status(
-    message: str, generation: int, at: dt.datetime, existing: Sequence[Mapping[str, Any]] = ()
-) -> dict[str, Any]:
+    faults: Sequence[Fault],
+    generation: int,
+    at: dt.datetime,
+    existing: Sequence[Mapping[str, Any]] = (),
+) -> MalleusJobStatus:
     """``Failed`` with ``Ready=False/InvalidSpec``: nothing was created."""
-    return {
-        "phase": "Failed",
-        "observedGeneration": generation,
-        "message": message,
-        "conditions": merge_conditions(
+    message = invalid_spec_message(faults)
+    return MalleusJobStatus(
+        phase=Phase.FAILED,
+        observed_generation=generation,
+        message=message,
+        conditions=merge_conditions(
             existing, condition(READY, False, "InvalidSpec", message, generation, at)
         ),
-    }
+    )
 
 
 def created_status(
@@ -223,207 +259,25 @@ def created_status(
     generation: int,
     at: dt.datetime,
     existing: Sequence[Mapping[str, Any]] = (),
-) -> dict[str, Any]:
+) -> MalleusJobStatus:
     """``Pending`` right after the children were created, with the initial plan."""
-    return {
-        "phase": "Pending",
-        "observedGeneration": generation,
-        "plan": plan_status(plan),
-        "pods": list(pods),
-        "gpus": gpus,
-        "step": 0,
-        "stragglers": [],
-        "stragglerSummary": "0",
-        "message": f"created {len(pods)} worker pod(s); waiting for them to run",
-        "conditions": merge_conditions(
+    return MalleusJobStatus(
+        phase=Phase.PENDING,
+        observed_generation=generation,
+        plan=plan_status(plan),
+        pods=list(pods),
+        gpus=gpus,
+        step=0,
+        stragglers=[],
+        straggler_summary="0",
+        message=f"created {len(pods)} worker pod(s); waiting for them to run",
+        conditions=merge_conditions(
             existing,
             condition(READY, False, "PodsPending", "worker pods are starting", generation, at),
         ),
-    }
-
-
-def replan_status(
-    plan: Plan,
-    *,
-    reason: str,
-    at: dt.datetime,
-    planning_seconds: float | None,
-    migration_seconds: float | None,
-    migration_bytes: int | None,
-) -> dict[str, Any]:
-    """``plan`` and ``lastReplan`` after a plan was applied by the trainers."""
-    last: dict[str, Any] = {"time": rfc3339(at), "reason": reason, "generation": plan.generation}
-    if planning_seconds is not None:
-        last["planningSeconds"] = round(planning_seconds, 4)
-    if migration_seconds is not None:
-        last["migrationSeconds"] = round(migration_seconds, 4)
-    if migration_bytes is not None:
-        last["migrationBytes"] = int(migration_bytes)
-    return {"plan": plan_status(plan), "lastReplan": last}
-
-
-# ---- pods -----------------------------------------------------------------------------------
-
-_STUCK_WAITING = frozenset(
-    {
-        "ErrImagePull",
-        "ImagePullBackOff",
-        "InvalidImageName",
-        "CreateContainerConfigError",
-        "CreateContainerError",
-        "CrashLoopBackOff",
-    }
-)
-
-
-@dataclass(frozen=True)
-class PodOutcome:
-    """One worker pod's state as the job sees it: running, pending, succeeded or failed."""
-
-    name: str
-    state: str  # Pending | Running | Succeeded | Failed
-    detail: str = ""
-
-
-def pod_outcome(pod: Mapping[str, Any]) -> PodOutcome:
-    """Classify a pod: Failed on phase Failed or any container terminated non-zero.
-
-    A container that exited non-zero fails the pod even before the kubelet moves the phase,
-    because with torchrun one dead rank means the others will block in a collective.
-    """
-    name = pod.get("metadata", {}).get("name", "?")
-    st = pod.get("status") or {}
-    phase = st.get("phase") or "Pending"
-    for cs in st.get("containerStatuses") or []:
-        term = (cs.get("state") or {}).get("terminated")
-        if term and int(term.get("exitCode", 0)) != 0:
-            why = term.get("reason") or "Error"
-            msg = term.get("message")
-            detail = f"container {cs.get('name')} exited with code {term['exitCode']} ({why})"
-            return PodOutcome(name, "Failed", detail + (f": {msg}" if msg else ""))
-    if phase == "Failed":
-        reason = st.get("reason") or "Failed"
-        return PodOutcome(
-            name, "Failed", f"pod failed ({reason}): {st.get('message', '')}".rstrip(": ")
-        )
-    if phase in ("Running", "Succeeded"):
-        return PodOutcome(name, phase)
-    for cs in st.get("containerStatuses") or []:
-        waiting = (cs.get("state") or {}).get("waiting")
-        if waiting and waiting.get("reason") in _STUCK_WAITING:
-            return PodOutcome(name, "Pending", f"{waiting['reason']}: {waiting.get('message', '')}")
-    return PodOutcome(name, "Pending")
-
-
-def pods_transition(
-    job_status: Mapping[str, Any] | None,
-    pods: Sequence[Mapping[str, Any]],
-    expected: Sequence[str],
-    generation: int,
-    at: dt.datetime,
-    *,
-    deleted: Sequence[str] = (),
-) -> Transition:
-    """The job's phase from its workers' states; empty when nothing changes.
-
-    - any worker failed (or was deleted under a live job) -> ``Failed``/``PodFailed``: the job
-      has no restart policy (a worker cannot rejoin a running process group); the other pods are
-      kept for their logs and the user decides (delete the job, or re-create it from a
-      checkpoint);
-    - every worker succeeded -> ``Succeeded``;
-    - every worker running -> ``Running`` (from ``Pending``);
-    - terminal phases never change.
-    """
-    status = job_status or {}
-    phase = status.get("phase")
-    if phase in TERMINAL_PHASES or phase is None:
-        return Transition()
-    by_name = {p.get("metadata", {}).get("name"): pod_outcome(p) for p in pods}
-    conds = status.get("conditions") or []
-    failed = [o for n, o in by_name.items() if n in expected and o.state == "Failed"]
-    failed += [PodOutcome(n, "Failed", "pod was deleted") for n in deleted if n in expected]
-    if failed:
-        first = failed[0]
-        message = "; ".join(f"{o.name}: {o.detail}" for o in failed)
-        return Transition(
-            status={
-                "phase": "Failed",
-                "message": message,
-                "conditions": merge_conditions(
-                    conds, condition(READY, False, "PodFailed", message, generation, at)
-                ),
-            },
-            events=[Event("Warning", "PodFailed", f"{first.name}: {first.detail}")]
-            + [Event("Warning", "PodFailed", f"{o.name}: {o.detail}") for o in failed[1:]],
-        )
-    states = [by_name[n].state if n in by_name else "Missing" for n in expected]
-    if expected and all(s == "Succeeded" for s in states):
-        msg = f"all {len(expected)} worker pod(s) completed"
-        return Transition(
-            status={
-                "phase": "Succeeded",
-                "message": msg,
-                "conditions": merge_conditions(
-                    conds, condition(READY, False, "Completed", msg, generation, at)
-                ),
-            },
-            events=[Event("Normal", "Succeeded", msg)],
-        )
-    if expected and all(s in ("Running", "Succeeded") for s in states):
-        if phase == "Pending":
-            msg = f"all {len(expected)} worker pod(s) running"
-            return Transition(
-                status={
-                    "phase": "Running",
-                    "message": msg,
-                    "conditions": merge_conditions(
-                        conds, condition(READY, True, "Running", msg, generation, at)
-                    ),
-                },
-                events=[Event("Normal", "Running", msg)],
-            )
-        return Transition()
-    # Some worker still pending: surface why (image pull, config errors) in the condition.
-    stuck = [by_name[n] for n in expected if n in by_name and by_name[n].detail]
-    running = sum(s == "Running" for s in states)
-    msg = f"{running}/{len(expected)} worker pod(s) running"
-    if stuck:
-        msg += "; " + "; ".join(f"{o.name}: {o.detail}" for o in stuck)
-    old = next((c for c in conds if c.get("type") == READY), None)
-    if old is not None and old.get("message") == msg and old.get("reason") == "PodsPending":
-        return Transition()
-    if phase not in ("Pending",):
-        return Transition()  # a running job with a pod not yet "Running" again: wait for failure
-    return Transition(
-        status={
-            "conditions": merge_conditions(
-                conds, condition(READY, False, "PodsPending", msg, generation, at)
-            )
-        }
     )
 
 
-def plan_from_status(plan: Mapping[str, Any] | None) -> Plan | None:
-    """The Plan shown in ``.status.plan`` (the inverse of `plan_status`, estimate aside)."""
-    if not plan or not plan.get("pipelines"):
-        return None
-    try:
-        return Plan.model_validate(
-            {
-                "generation": int(plan.get("generation") or 0),
-                "tp": int(plan["tp"]),
-                "pipelines": [
-                    {
-                        "micro_batches": p["microBatches"],
-                        "stages": [
-                            {"ranks": s["ranks"], "layers": tuple(s["layers"])}
-                            for s in p.get("stages", [])
-                        ],
-                    }
-                    for p in plan["pipelines"]
-                ],
-                "excluded": list(plan.get("excluded") or []),
-            }
-        )
-    except (KeyError, TypeError, ValueError):
-        return None
+def replan_status(plan: Plan, last: LastReplan) -> MalleusJobStatus:
+    """``plan`` and ``lastReplan`` after a plan was applied by the trainers."""
+    return MalleusJobStatus(plan=plan_status(plan), last_replan=last)

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .config import TrainConfig
+from malleus.job import ResolvedJob
+
 from .parallel.optim import AdamState
 
 __all__ = [
@@ -51,14 +52,16 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def _identity(cfg: TrainConfig) -> dict[str, Any]:
-    """What must match for a resume to continue the same training (the plan need not)."""
+def _identity(job: ResolvedJob) -> dict[str, Any]:
+    """What must match for a resume to continue the same training (the plan need not): the
+    model's sizes and its logical shards (tp), the seed, the data and the batch."""
+    training = job.spec.training
     return {
-        "model": asdict(cfg.model),
-        "seed": cfg.seed,
-        "dataset": cfg.dataset,
-        "global_batch": cfg.global_batch,
-        "micro_batch": cfg.micro_batch,
+        "model": asdict(job.model) | {"tp": job.tp},
+        "seed": training.seed,
+        "dataset": training.dataset,
+        "global_batch": training.global_batch_size,
+        "micro_batch": training.micro_batch_size,
     }
 
 
@@ -78,7 +81,7 @@ def _write_text_atomic(path: Path, text: str) -> None:
 def save(
     directory: str | Path,
     step: int,
-    cfg: TrainConfig,
+    job: ResolvedJob,
     rank: int,
     owners: Mapping[str, int],
     params: Mapping[str, Tensor],
@@ -112,11 +115,11 @@ def save(
     if rank == 0:
         manifest = {
             "format": FORMAT,
-            "job": cfg.name,
+            "job": job.name,
             "step": step,
             "plan_generation": generation,
             "saved_at": time.time(),
-            **_identity(cfg),
+            **_identity(job),
             "pieces": {name: f"rank-{owner:05d}.pt" for name, owner in sorted(owners.items())},
         }
         _write_text_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1))
@@ -137,13 +140,13 @@ def latest(directory: str | Path) -> Path | None:
     return path if (path / "manifest.json").exists() else None
 
 
-def read_manifest(path: str | Path, cfg: TrainConfig | None = None) -> dict[str, Any]:
-    """The manifest of a checkpoint; with `cfg`, checks it continues the same training."""
+def read_manifest(path: str | Path, job: ResolvedJob | None = None) -> dict[str, Any]:
+    """The manifest of a checkpoint; with `job`, checks it continues the same training."""
     manifest = json.loads((Path(path) / "manifest.json").read_text())
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {manifest.get('format')}, expected {FORMAT}")
-    if cfg is not None:
-        want = _identity(cfg)
+    if job is not None:
+        want = _identity(job)
         diff = [k for k, v in want.items() if manifest.get(k) != v]
         if diff:
             details = ", ".join(f"{k}: checkpoint {manifest.get(k)} vs job {want[k]}" for k in diff)
@@ -159,11 +162,11 @@ class LoadedPieces:
 
 
 def load_pieces(
-    path: str | Path, names: Iterable[str], cfg: TrainConfig | None = None
+    path: str | Path, names: Iterable[str], job: ResolvedJob | None = None
 ) -> LoadedPieces:
     """Read the named pieces (and restore the RNG), touching only the files that hold them."""
     path = Path(path)
-    manifest = read_manifest(path, cfg)
+    manifest = read_manifest(path, job)
     by_file: dict[str, list[str]] = {}
     for name in names:
         if name not in manifest["pieces"]:

@@ -1,36 +1,38 @@
 """`malleus train JOB.yaml ...` (local processes) and `python -m malleus.trainer JOB.yaml ...`
 (one rank under torchrun). Importing this module is cheap: torch loads only when a command runs.
 
+A job is judged as `malleus check` and `malleus run` judge it (`ResolvedJob.load`, `.check()`,
+then the plan: `--plan`, checked against the job's planning problem, or the job's initial plan,
+generation 1), and bad input is printed as the same `BadInput` text. `malleus train` also checks
+that this machine can carry the job's ranks, as `malleus run` does, before starting any.
+
 Under torchrun (a pod), the checkpoint directory defaults to spec.checkpoint and an existing
 checkpoint there is always resumed, so a recreated worker continues the job.
 
-Exit codes: 0 done, 1 training failed, 2 bad input (manifest, plan) rejected before any
-process or collective starts.
+Exit codes: 0 done, 1 training failed, 2 bad input (manifest, plan, machine) refused before any
+process or collective starts, 130 interrupted (Ctrl-C or SIGTERM: every rank is stopped).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from malleus.errors import BadInput, Fault
+
 if TYPE_CHECKING:
+    from malleus.job import ResolvedJob
     from malleus.planner import Plan
 
-    from .config import TrainConfig
-    from .worker import RunOptions
+    from .config import RunOptions
 
-__all__ = ["BadInput", "add_arguments", "load_inputs", "main", "worker_main"]
-
-
-class BadInput(Exception):
-    """A manifest or plan that cannot run; the message lists every fault."""
+__all__ = ["add_arguments", "load_inputs", "main", "worker_main"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", help="MalleusJob manifest (YAML)")
-    parser.add_argument("--plan", help="Plan JSON to train under (default: the planner's plan)")
+    parser.add_argument("--plan", help="Plan JSON to train under (default: the job's first plan)")
     parser.add_argument(
         "--steps",
         type=int,
@@ -70,31 +72,83 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "on; repeatable. Goes through the coordinator's plan inbox like POST /plan. A plan "
         "whose generation is not above the previous one's is renumbered previous + 1.",
     )
+    parser.add_argument(
+        "--no-resource-check",
+        action="store_true",
+        help="start even if the machine looks too small (malleus train only)",
+    )
 
 
-def load_inputs(args: argparse.Namespace) -> tuple[TrainConfig, Plan]:
-    """The job and the plan, validated (BadInput lists every fault); --switch plans are checked
-    too and left in `args.switch_plans`."""
-    cfg, plan = _job_and_plan(args)
-    args.switch_plans = _switch_plans(cfg, plan, getattr(args, "switch", None) or [])
-    return cfg, plan
+def load_inputs(args: argparse.Namespace, *, pod: bool = False) -> tuple[ResolvedJob, Plan]:
+    """The job and the plan, judged (`BadInput` lists every fault); --switch plans are checked
+    too and left in `args.switch_plans`.
+
+    Locally (`malleus train`) the machine must carry the job's ranks. In a pod (`pod`, one rank
+    of many machines) the checkpoint directory defaults to spec.checkpoint and is resumed.
+    """
+    job = judge(args)
+    if pod:
+        ckpt = job.spec.checkpoint
+        if args.checkpoint_dir is None and ckpt.interval_steps > 0:
+            args.checkpoint_dir, args.checkpoint_every = ckpt.path, ckpt.interval_steps
+        if args.checkpoint_dir is not None:
+            args.resume = True
+    else:
+        _check_machine(job, args)
+    plan = _first_plan(job, args)
+    args.switch_plans = _switch_plans(job, plan, getattr(args, "switch", None) or [])
+    _check_resume(job, args)
+    return job, plan
 
 
-def _read_plan(path: str, what: str) -> Plan:
+def judge(args: argparse.Namespace) -> ResolvedJob:
+    """The job as `malleus check` and `malleus run` judge it, its faults naming the file."""
+    from malleus.job import ResolvedJob
+
+    if args.steps is not None and args.steps < 1:
+        raise BadInput.one("--steps", f"{args.steps}: need at least 1", what="arguments")
+    try:
+        return ResolvedJob.load(args.job).check()
+    except BadInput as error:
+        raise BadInput(error.faults, error.source or args.job, what=error.what) from None
+
+
+def _first_plan(job: ResolvedJob, args: argparse.Namespace) -> Plan:
+    """`--plan`, valid for the job's problem; without it the job's initial plan (generation 1,
+    as the operator and `malleus run` start with)."""
+    from malleus.planner import PlanError, check_plan
+
+    if not args.plan:
+        try:
+            return job.initial_plan()
+        except BadInput as error:
+            raise BadInput(error.faults, error.source or args.job, what=error.what) from None
+    plan = _read_plan(args.plan)
+    try:
+        check_plan(job.problem(), plan)
+    except PlanError as error:
+        raise BadInput(error.faults, args.plan, what="plan") from None
+    return plan
+
+
+def _read_plan(path: str, where: str | None = None) -> Plan:
+    """A Plan JSON file; `BadInput` naming `where` (default: the file) when it is not one."""
     from pydantic import ValidationError
 
+    from malleus.job import read_text
     from malleus.planner import Plan
-    from malleus.planner.problem import validation_faults
 
+    source = where or path
     try:
-        return Plan.from_json(Path(path).read_text())
-    except ValidationError as e:
-        raise BadInput(_bullets(f"{what}: not a Plan", validation_faults(e))) from None
-    except OSError as e:
-        raise BadInput(f"{what}: {e}") from None
+        return Plan.from_json(read_text(path, what="plan"))
+    except BadInput as error:
+        raise BadInput(error.faults, source, what="plan") from None
+    except ValidationError as error:
+        faults = [Fault(".".join(map(str, e["loc"])), e["msg"]) for e in error.errors()]
+        raise BadInput(faults, source, what="plan") from None
 
 
-def _switch_plans(cfg: TrainConfig, first: Plan, specs: list[str]) -> tuple[tuple[int, Plan], ...]:
+def _switch_plans(job: ResolvedJob, first: Plan, specs: list[str]) -> tuple[tuple[int, Plan], ...]:
     """`STEP:PLAN.json` items, sorted by step, validated, generations made increasing."""
     from .plan_inbox import PlanInbox
 
@@ -106,53 +160,26 @@ def _switch_plans(cfg: TrainConfig, first: Plan, specs: list[str]) -> tuple[tupl
         except ValueError:
             step = -1
         if not sep or not path or step < 1:
-            raise BadInput(f"--switch {spec}: expected STEP:PLAN.json with STEP >= 1")
+            raise BadInput.one("--switch", f"{spec}: expected STEP:PLAN.json with STEP >= 1")
         if step in items:
-            raise BadInput(f"--switch {spec}: a second plan for step {step}")
+            raise BadInput.one("--switch", f"{spec}: a second plan for step {step}")
         items[step] = path
     out = []
     generation = first.generation
     for step, path in sorted(items.items()):
-        what = f"--switch {step}:{path}"
-        plan = _read_plan(path, what)
+        where = f"--switch {step}:{path}"
+        plan = _read_plan(path, where)
         generation = max(plan.generation, generation + 1)
         plan = plan.model_copy(update={"generation": generation})
-        code, answer = PlanInbox(cfg.problem(), -1).offer(plan.model_dump())  # as POST /plan
+        code, answer = PlanInbox(job.problem(), -1).offer(plan.model_dump())  # as POST /plan
         if code != 202:
-            raise BadInput(_bullets(f"{what}: invalid plan", answer.get("reasons", [])))
+            faults = [Fault(f["path"], f["message"]) for f in answer.get("faults", [])]
+            raise BadInput(faults or [Fault("", str(answer))], where, what="plan")
         out.append((step, plan))
     return tuple(out)
 
 
-def _job_and_plan(args: argparse.Namespace) -> tuple[TrainConfig, Plan]:
-    from malleus.jobspec import JobSpecError
-    from malleus.planner import PlanError, check_plan
-
-    from .config import load_config
-
-    try:
-        cfg = load_config(args.job)
-    except (JobSpecError, ValueError, OSError) as e:
-        raise BadInput(f"{args.job}: {e}") from None
-    if args.steps is not None:
-        if args.steps < 1:
-            raise BadInput(f"--steps {args.steps}: need at least 1")
-        cfg = cfg.with_steps(args.steps)
-    if args.plan:
-        plan = _read_plan(args.plan, args.plan)
-    else:
-        from malleus.controller.planning import default_planner
-
-        plan = default_planner(cfg.problem())
-    try:
-        check_plan(cfg.problem(), plan)
-    except PlanError as e:
-        raise BadInput(_bullets(f"{args.plan or 'plan'}: invalid plan", e.violations)) from None
-    _check_resume(cfg, args)
-    return cfg, plan
-
-
-def _check_resume(cfg: TrainConfig, args: argparse.Namespace) -> None:
+def _check_resume(job: ResolvedJob, args: argparse.Namespace) -> None:
     """A checkpoint to resume must continue this very training (same model, data, seed)."""
     if not (args.resume and args.checkpoint_dir):
         return
@@ -161,19 +188,16 @@ def _check_resume(cfg: TrainConfig, args: argparse.Namespace) -> None:
     path = latest(args.checkpoint_dir)
     try:
         if path is not None:
-            read_manifest(path, cfg)
+            read_manifest(path, job)
     except (CheckpointError, OSError, ValueError) as e:
-        raise BadInput(f"--resume: {e}") from None
-
-
-def _bullets(head: str, lines: list[str]) -> str:
-    return head + "\n" + "\n".join(f"  - {line}" for line in lines)
+        raise BadInput.one("--resume", str(e), what="arguments") from None
 
 
 def _options(args: argparse.Namespace) -> RunOptions:
-    from .worker import RunOptions
+    from .config import RunOptions
 
     return RunOptions(
+        steps=args.steps,
         until=args.until,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
@@ -185,73 +209,84 @@ def _options(args: argparse.Namespace) -> RunOptions:
     )
 
 
+def _check_machine(job: ResolvedJob, args: argparse.Namespace) -> None:
+    """`malleus run`'s resource check: refuse a job too large for this machine before any of
+    its ranks starts (the same words as `malleus run`)."""
+    if args.no_resource_check:
+        return
+    from malleus.job.resources import probe_machine, require_resources
+
+    require_resources(job, probe_machine(), source=args.job)
+
+
 def main(args: argparse.Namespace) -> int:
     """`malleus train`: all nodes x gpusPerNode ranks as local processes (or --reference)."""
     try:
         if args.reference:
-            return _run_reference(_load_reference(args), args)
-        cfg, plan = load_inputs(args)
+            return _run_reference(judge(args), args)
+        job, plan = load_inputs(args)
     except BadInput as e:
-        print(f"malleus train: {e}", file=sys.stderr)
+        print(e, file=sys.stderr)
         return 2
-    from .launch import spawn_local
+    except KeyboardInterrupt:  # before any rank started
+        print("malleus train: interrupted", file=sys.stderr)
+        return 130
+    from .launch import Interrupted, LaunchError, spawn_local
 
     port = None if args.control_port in (None, -1) else args.control_port
     try:
-        spawn_local(cfg.world, _local_rank, (cfg, plan, _options(args), port, args.init_timeout))
-    except Exception as e:  # a rank failed; its traceback was printed by that process
+        spawn_local(job.world, _local_rank, (job, plan, _options(args), port, args.init_timeout))
+    except Interrupted as e:
+        print(f"malleus train: {e}", file=sys.stderr)
+        return 130
+    except LaunchError as e:  # a rank failed; its traceback was printed by that process
         print(f"malleus train: training failed: {e}", file=sys.stderr)
         return 1
     return 0
 
 
-def _load_reference(args: argparse.Namespace) -> TrainConfig:
-    from malleus.jobspec import JobSpecError
-
-    from .config import load_config
-
-    try:
-        cfg = load_config(args.job)
-    except (JobSpecError, ValueError, OSError) as e:
-        raise BadInput(f"{args.job}: {e}") from None
-    return cfg.with_steps(args.steps) if args.steps is not None else cfg
-
-
-def _run_reference(cfg: TrainConfig, args: argparse.Namespace) -> int:
+def _run_reference(job: ResolvedJob, args: argparse.Namespace) -> int:
     from .reference import train_reference
-    from .worker import _save_atomic
+    from .state import save_atomic
+
+    steps = args.steps if args.steps is not None else job.steps
 
     def log(step: int, loss: float) -> None:
         if not args.quiet and ((step + 1) % max(1, args.log_every) == 0):
-            print(f"[malleus] reference step {step + 1}/{cfg.steps} loss {loss:.4f}", flush=True)
+            print(f"[malleus] reference step {step + 1}/{steps} loss {loss:.4f}", flush=True)
 
-    result = train_reference(cfg, args.until, log)
+    result = train_reference(job, steps=steps, until=args.until, log=log)
     if args.save_model:
-        _save_atomic(result.full_state(), args.save_model)
+        save_atomic(result.full_state(), args.save_model)
         if not args.quiet:
             print(f"[malleus] saved model to {args.save_model}", flush=True)
     return 0
 
 
 def _local_rank(
-    cfg: TrainConfig, plan: Plan, opts: RunOptions, port: int | None, init_timeout: float
+    job: ResolvedJob, plan: Plan, opts: RunOptions, port: int | None, init_timeout: float
 ) -> int:
     from .launch import DistEnv
 
     env = DistEnv.from_env()
-    return _run(cfg, plan, opts, env, port if env.rank == 0 else None, init_timeout)
+    return _run(job, plan, opts, env, port if env.rank == 0 else None, init_timeout)
 
 
 def _run(
-    cfg: TrainConfig, plan: Plan, opts: RunOptions, env: Any, port: int | None, init_timeout: float
+    job: ResolvedJob,
+    plan: Plan,
+    opts: RunOptions,
+    env: Any,
+    port: int | None,
+    init_timeout: float,
 ) -> int:
     import torch.distributed as dist
 
     from malleus.planner import Plan
 
     from .launch import init_distributed, note_writer
+    from .loop import run_rank
     from .services import Services
-    from .worker import run_rank
 
     device = init_distributed(env, init_timeout_s=init_timeout)
     # Every rank validated its own plan; a planner need not be deterministic across
@@ -259,12 +294,13 @@ def _run(
     shared = [plan.to_json() if env.rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)
     plan = Plan.from_json(shared[0])
-    services = Services.create(cfg, env.rank, control_port=port)
+    steps = opts.total_steps(job)
+    services = Services.create(job, env.rank, control_port=port, steps=steps)
     if env.rank == 0:
         services.note = note_writer(env)
     try:
         run_rank(
-            cfg, plan, opts, rank=env.rank, world=env.world_size, device=device, services=services
+            job, plan, opts, rank=env.rank, world=env.world_size, device=device, services=services
         )
     finally:
         services.close()
@@ -274,29 +310,26 @@ def _run(
 
 def worker_main(argv: list[str] | None = None) -> int:
     """One rank under torchrun: validate first (exit 2), then join the job and train."""
+    from .launch import DistEnv, LaunchError, quiet_signals
+
+    quiet_signals()
     parser = argparse.ArgumentParser(prog="python -m malleus.trainer", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        cfg, plan = load_inputs(args)
-    except BadInput as e:
-        print(f"malleus trainer: {e}", file=sys.stderr)
-        return 2
-    from .launch import DistEnv, LaunchError
-
-    try:
         # In a pod, a recreated worker continues from the job's latest checkpoint, if any.
-        if args.checkpoint_dir is None and cfg.checkpoint_dir is not None:
-            args.checkpoint_dir, args.checkpoint_every = cfg.checkpoint_dir, cfg.checkpoint_every
-        if args.checkpoint_dir is not None:
-            args.resume = True
-            _check_resume(cfg, args)
+        job, plan = load_inputs(args, pod=True)
         env = DistEnv.from_env()
-        if env.world_size != cfg.world:
-            raise BadInput(
-                f"WORLD_SIZE({env.world_size}) != nodes({cfg.nodes}) * gpusPerNode({cfg.gpus_per_node})"
+        if env.world_size != job.world:
+            raise BadInput.one(
+                "WORLD_SIZE",
+                f"{env.world_size} != nodes({job.nodes}) * gpusPerNode({job.gpus_per_node})",
+                what="environment",
             )
-    except (LaunchError, BadInput) as e:
+    except BadInput as e:
+        print(e, file=sys.stderr)
+        return 2
+    except LaunchError as e:
         print(f"malleus trainer: {e}", file=sys.stderr)
         return 2
     if args.control_port == -1:
@@ -304,9 +337,9 @@ def worker_main(argv: list[str] | None = None) -> int:
     elif args.control_port is not None:
         port = args.control_port if env.local_rank == 0 else None
     else:
-        port = cfg.control_port if env.local_rank == 0 else None
+        port = job.spec.control_port if env.local_rank == 0 else None
     try:
-        return _run(cfg, plan, _options(args), env, port, args.init_timeout)
+        return _run(job, plan, _options(args), env, port, args.init_timeout)
     except LaunchError as e:
         print(f"malleus trainer: {e}", file=sys.stderr)
         return 1

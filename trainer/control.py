@@ -4,7 +4,8 @@ A stdlib `ThreadingHTTPServer` in a daemon thread, so the training loop never bl
 client and the pod needs no web framework. Reads are open (the kubelet and Prometheus need no
 token); every write (`POST /plan`, `POST /inject`) needs `Authorization: Bearer <token>` from
 the job's Secret, and with no token configured writes are refused, never open by default.
-Also the matching `ControlClient` (urllib, bounded timeouts) for the controller and tests.
+`GET /status` serves a `malleus.job.control.ControlStatus`; the clients of that module are the
+one way to talk to this server.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ import logging
 import math
 import os
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+from malleus.job.control import ControlStatus
 
 from .metrics import CONTENT_TYPE, TrainerMetrics
 from .plan_inbox import PlanInbox
@@ -30,8 +31,6 @@ __all__ = [
     "DEFAULT_PORT",
     "TOKEN_ENV",
     "TOKEN_FILE_ENV",
-    "ControlClient",
-    "ControlError",
     "ControlServer",
     "load_token",
 ]
@@ -118,7 +117,7 @@ class _Handler(BaseHTTPRequestHandler):
                 log.exception("status() failed")
                 self._error(500, "status unavailable")
                 return
-            self._json(200, status)
+            self._json(200, status.model_dump(mode="json"))
         elif path == "/metrics" and c.metrics is not None:
             self._send(200, c.metrics.render(), CONTENT_TYPE)
         elif path in ("/plan", "/stop", "/inject"):
@@ -241,7 +240,7 @@ class _Handler(BaseHTTPRequestHandler):
 class ControlServer:
     """The HTTP control endpoint of one trainer process.
 
-    status: returns the /status JSON. inbox: the plan inbox (coordinator only; None = 404).
+    status: returns the `ControlStatus` served at /status. inbox: the plan inbox (coordinator only; None = 404).
     metrics: served at /metrics. inject: `(rank, factor)` callback, only when emulation is on.
     stop: `POST /stop` body -> (code, answer) (coordinator only: stop at the next step boundary,
     by default with a checkpoint).
@@ -254,7 +253,7 @@ class ControlServer:
         port: int,
         token: str | None,
         *,
-        status: Callable[[], dict[str, Any]],
+        status: Callable[[], ControlStatus],
         inbox: PlanInbox | None,
         metrics: TrainerMetrics | None,
         inject: Callable[[int, float], None] | None,
@@ -312,85 +311,3 @@ class ControlServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-class ControlError(RuntimeError):
-    """A control call that did not return 2xx; `code` and `body` hold the answer."""
-
-    def __init__(self, code: int, body: Any) -> None:
-        self.code, self.body = code, body
-        super().__init__(f"HTTP {code}: {body}")
-
-
-class ControlClient:
-    """Talks to a trainer's control endpoint. Network failures raise `urllib.error.URLError`
-    (or `TimeoutError`); answers are returned as (code, JSON body) or raise ControlError."""
-
-    def __init__(self, base_url: str, token: str | None = None, timeout: float = 5.0) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.token = token
-        self.timeout = timeout
-
-    def _request(
-        self, method: str, path: str, body: bytes | None = None, auth: bool = False
-    ) -> tuple[int, bytes]:
-        req = urllib.request.Request(self.base_url + path, data=body, method=method)
-        if body is not None:
-            req.add_header("Content-Type", "application/json")
-        if auth and self.token:
-            req.add_header("Authorization", f"Bearer {self.token}")
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                return resp.status, resp.read()
-        except urllib.error.HTTPError as e:
-            with e:
-                return e.code, e.read()
-
-    @staticmethod
-    def _decode(raw: bytes) -> Any:
-        try:
-            return json.loads(raw)
-        except ValueError:
-            return {"error": raw.decode(errors="replace")}
-
-    def healthz(self) -> bool:
-        try:
-            return self._request("GET", "/healthz")[0] == 200
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def status(self) -> dict[str, Any]:
-        code, raw = self._request("GET", "/status")
-        if code != 200:
-            raise ControlError(code, self._decode(raw))
-        return self._decode(raw)
-
-    def metrics(self) -> str:
-        code, raw = self._request("GET", "/metrics")
-        if code != 200:
-            raise ControlError(code, self._decode(raw))
-        return raw.decode()
-
-    def post_plan(self, plan: Any) -> tuple[int, Any]:
-        """POST a Plan (or its dict / JSON text); (202, {generation}), (409, ...), (400, ...)."""
-        if hasattr(plan, "model_dump_json"):
-            data = plan.model_dump_json().encode()
-        elif isinstance(plan, (bytes, str)):
-            data = plan.encode() if isinstance(plan, str) else plan
-        else:
-            data = json.dumps(plan).encode()
-        code, raw = self._request("POST", "/plan", data, auth=True)
-        return code, self._decode(raw)
-
-    def stop(self, checkpoint: bool | None = None) -> tuple[int, Any]:
-        """POST /stop: stop at the next step boundary, with a checkpoint unless `checkpoint` is
-        False (None: the trainer's default, a checkpoint when it has a directory).
-        (202, {stopping, checkpoint}) or (400, {error})."""
-        body = json.dumps({} if checkpoint is None else {"checkpoint": checkpoint}).encode()
-        code, raw = self._request("POST", "/stop", body, auth=True)
-        return code, self._decode(raw)
-
-    def inject(self, rank: int, factor: float) -> tuple[int, Any]:
-        body = json.dumps({"rank": rank, "factor": factor}).encode()
-        code, raw = self._request("POST", "/inject", body, auth=True)
-        return code, self._decode(raw)

@@ -6,6 +6,11 @@ error naming MASTER_ADDR:MASTER_PORT, instead of hanging until the collective ti
 Locally, the parent process hosts the rendezvous store on a port the OS picks, so concurrent
 runs (tests) never race for a "free" port; when a child dies it stops the rest and names the
 rank and what the job was doing (a note rank 0 leaves in that store, e.g. during a switch).
+
+Stopping: the launcher alone decides. On its first SIGINT (Ctrl-C) or SIGTERM it sends SIGTERM to
+every rank, gives them `STOP_S` seconds, kills what is left and raises `Interrupted`; a second
+signal meanwhile changes nothing. The ranks die of the signal itself (`quiet_signals`), with no
+Python handler and so no traceback, whatever collective they are blocked in.
 """
 
 from __future__ import annotations
@@ -13,9 +18,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from types import FrameType
 from typing import Any
 
 import torch
@@ -25,9 +33,11 @@ import torch.multiprocessing as mp
 __all__ = [
     "EXTERNAL_STORE_ENV",
     "DistEnv",
+    "Interrupted",
     "LaunchError",
     "init_distributed",
     "note_writer",
+    "quiet_signals",
     "spawn_local",
 ]
 
@@ -35,11 +45,37 @@ EXTERNAL_STORE_ENV = "MALLEUS_EXTERNAL_STORE"  # "1": the store is hosted outsid
 DEFAULT_INIT_TIMEOUT_S = 60.0
 DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
 GRACE_S = 5.0  # after one local rank fails, how long the others may take to fail on their own
+STOP_S = 5.0  # after SIGINT/SIGTERM, how long the ranks may take to exit before being killed
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 NOTE_PREFIX, NOTE_KEY = "malleus/note/", "doing"
 
 
 class LaunchError(RuntimeError):
     """The process group could not be formed."""
+
+
+class Interrupted(Exception):
+    """The launcher got SIGINT or SIGTERM and stopped every rank."""
+
+    def __init__(self, signum: int, stopped: int, killed: int) -> None:
+        self.signum, self.stopped, self.killed = signum, stopped, killed
+        late = f" ({killed} killed after {STOP_S:g} s)" if killed else ""
+        super().__init__(f"interrupted; stopped {stopped} ranks{late}")
+
+
+class _Stop(BaseException):
+    """Raised by the launcher's signal handler to leave the wait for the ranks."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def quiet_signals() -> None:
+    """A rank dies of SIGINT or SIGTERM outright (the default action), so a stopped job prints
+    no KeyboardInterrupt traceback from wherever each rank happened to be."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
 
 
 @dataclass(frozen=True)
@@ -162,11 +198,17 @@ def spawn_local(
     `init_distributed(DistEnv.from_env())` exactly as under torchrun. When a child fails (an
     exception, or death by a signal), the others get `grace_s` seconds to fail on their own
     (printing their errors) and are then terminated; the LaunchError raised names the rank and
-    what the job was doing (the ranks' last note).
+    what the job was doing (the ranks' last note). On SIGINT or SIGTERM (from the main thread
+    only, where Python delivers signals) every child is stopped and `Interrupted` raised.
     """
     host = "127.0.0.1"
     store = dist.TCPStore(host, 0, None, True, wait_for_workers=False)  # lives while we wait
+    handle = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if handle else {}
+    got: list[int] = []
     try:
+        if handle:  # inherited by the children until `_child` runs: no traceback from startup
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         ctx = mp.start_processes(
             _child,
             args=(fn, args, nprocs, host, store.port),
@@ -174,14 +216,46 @@ def spawn_local(
             join=False,
             start_method="spawn",
         )
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            for sig in STOP_SIGNALS:  # the first signal decides; later ones change nothing
+                signal.signal(sig, signal.SIG_IGN)
+            got.append(signum)
+            raise _Stop(signum)
+
+        for sig in previous:
+            signal.signal(sig, on_signal)
         try:
             while not ctx.join(grace_period=grace_s):
                 pass
+        except _Stop as stop:
+            raise Interrupted(stop.signum, *_stop_all(ctx.processes)) from None
         except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+            if got:  # the ranks saw the Ctrl-C before the launcher did
+                raise Interrupted(got[0], *_stop_all(ctx.processes)) from None
             codes = [p.exitcode for p in ctx.processes]
             raise LaunchError(_failure(e, codes, dist.PrefixStore(NOTE_PREFIX, store))) from e
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         del store
+
+
+def _stop_all(processes: list[Any]) -> tuple[int, int]:
+    """SIGTERM every live process, wait up to `STOP_S` in all, SIGKILL the rest.
+
+    Returns (processes stopped, of which killed)."""
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + STOP_S
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+    late = [p for p in alive if p.is_alive()]
+    for p in late:
+        p.kill()
+        p.join()
+    return len(processes), len(late)
 
 
 def _failure(
@@ -228,6 +302,7 @@ def _signal_name(number: int) -> str:
 def _child(
     index: int, fn: Callable[..., Any], args: tuple[Any, ...], world: int, host: str, port: int
 ) -> None:
+    quiet_signals()  # also lets the launcher's death (PR_SET_PDEATHSIG: SIGINT) end this rank
     os.environ.update(
         {
             "RANK": str(index),

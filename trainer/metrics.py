@@ -1,4 +1,4 @@
-"""The trainer's Prometheus metrics (DESIGN §4.4) and the controller's parser for them.
+"""The trainer's Prometheus metrics (DESIGN §4.4) and `parse_rates`, a reader of its exposition.
 
 One registry per trainer object (not prometheus-client's global one), so several ranks or tests
 in one process never collide. The coordinator publishes every rank's rate, since a pod is a node
@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Mapping
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,7 +20,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class TrainerMetrics:
-    """The metrics of DESIGN §4.4 for one trainer process, plus a JSON snapshot for /status."""
+    """The metrics of DESIGN §4.4 for one trainer process (GET /status reads the loop's own
+    state, not these gauges: see `trainer.services`)."""
 
     def __init__(
         self, job: str, rank: int, node: int, registry: CollectorRegistry | None = None
@@ -72,16 +72,6 @@ class TrainerMetrics:
         self._migrations.labels(job=job)
         self._compute.labels(job=job, rank=str(rank)).set(0)
         self._lock = threading.Lock()
-        self._snap: dict[str, Any] = {
-            "job": job,
-            "step": 0,
-            "step_seconds": None,
-            "tokens_per_second": None,
-            "plan_generation": 0,
-            "rates": {},
-            "compute_seconds": {},
-            "migration": {"seconds": None, "bytes": None, "count": 0},
-        }
         self._rate_labels: dict[int, tuple[str, str, str]] = {}
 
     # ---- observations ----------------------------------------------------------------------
@@ -100,10 +90,6 @@ class TrainerMetrics:
         self._tps.labels(job=j).set(tokens_per_second)
         self._compute.labels(job=j, rank=str(self.rank)).set(compute_seconds)
         with self._lock:
-            self._snap.update(
-                step=step, step_seconds=step_seconds, tokens_per_second=tokens_per_second
-            )
-            self._snap["compute_seconds"][self.rank] = compute_seconds
             self._set_rate(self.rank, self.node, rate)
 
     def observe_rates(
@@ -119,7 +105,6 @@ class TrainerMetrics:
                 self._set_rate(rank, nodes[rank], rate)
             for rank, secs in (compute_seconds or {}).items():
                 self._compute.labels(job=self.job, rank=str(rank)).set(secs)
-                self._snap["compute_seconds"][rank] = secs
 
     def _set_rate(self, rank: int, node: int, rate: float | None) -> None:
         labels = (self.job, str(rank), str(node))
@@ -128,41 +113,23 @@ class TrainerMetrics:
             self._rate.remove(*old)
             del self._rate_labels[rank]
         if rate is None:
-            self._snap["rates"].pop(rank, None)
             return
         self._rate.labels(*labels).set(rate)  # NaN: the rank is failed / unusable
         self._rate_labels[rank] = labels
-        self._snap["rates"][rank] = rate if math.isfinite(rate) else None
 
     def observe_plan(self, generation: int) -> None:
         self._generation.labels(job=self.job).set(generation)
-        with self._lock:
-            self._snap["plan_generation"] = generation
 
     def observe_migration(self, seconds: float, bytes_: int) -> None:
         j = self.job
         self._mig_seconds.labels(job=j).set(seconds)
         self._mig_bytes.labels(job=j).set(bytes_)
         self._migrations.labels(job=j).inc()
-        with self._lock:
-            m = self._snap["migration"]
-            m.update(seconds=seconds, bytes=bytes_, count=m["count"] + 1)
 
     # ---- output ---------------------------------------------------------------------------
     def render(self) -> bytes:
         """The Prometheus text exposition (served at GET /metrics with CONTENT_TYPE)."""
         return generate_latest(self.registry)
-
-    def snapshot(self) -> dict[str, Any]:
-        """The latest values as JSON-ready data, for GET /status (rank keys as strings)."""
-        with self._lock:
-            s = dict(self._snap)
-            s["rates"] = {str(k): v for k, v in sorted(self._snap["rates"].items())}
-            s["compute_seconds"] = {
-                str(k): v for k, v in sorted(self._snap["compute_seconds"].items())
-            }
-            s["migration"] = dict(self._snap["migration"])
-        return s
 
 
 def parse_rates(text: str, job: str | None = None) -> dict[int, float]:

@@ -18,6 +18,10 @@ Ownership of the ends (chosen so that tied and untied heads shard alike):
 
 The math (`rms_norm`, `attention`, `swiglu`) is shared by the single-process reference `GPT`
 and the sharded stages, which feed it their local heads / ffn columns.
+
+Sizes come from `malleus.job.ModelConfig` and the number of logical shards from the job's `tp`
+(`ResolvedJob.model`, `ResolvedJob.tp`); the shapes are judged there (`ResolvedJob.faults`), so
+the code here assumes heads, ffn and hidden divide by `tp` and the head size is even.
 """
 
 from __future__ import annotations
@@ -32,10 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from malleus.job import ModelConfig
+
 __all__ = [
     "GPT",
     "NORM_EPS",
-    "GPTConfig",
     "ParamSpec",
     "Piece",
     "apply_rope",
@@ -52,38 +57,6 @@ __all__ = [
 
 NORM_EPS = 1e-5
 ROPE_BASE = 10000.0
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    """Model shape plus the nominal TP degree `tp` (the number of logical shards per layer)."""
-
-    layers: int
-    hidden: int
-    heads: int
-    ffn: int
-    vocab: int
-    sequence: int
-    tied_embeddings: bool = False
-    tp: int = 1
-
-    def __post_init__(self) -> None:
-        faults = []
-        if self.hidden % self.heads:
-            faults.append(f"hidden({self.hidden}) is not divisible by heads({self.heads})")
-        elif (self.hidden // self.heads) % 2:
-            faults.append(
-                f"head size hidden/heads = {self.hidden // self.heads} must be even (rotary)"
-            )
-        for name in ("heads", "ffn", "hidden"):
-            if getattr(self, name) % self.tp:
-                faults.append(f"{name}({getattr(self, name)}) is not divisible by tp({self.tp})")
-        if faults:
-            raise ValueError("invalid model shape: " + "; ".join(faults))
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
 
 
 @dataclass(frozen=True)
@@ -121,7 +94,7 @@ class Piece:
         return tuple(shape)
 
 
-def _layer_specs(cfg: GPTConfig, layer: int) -> list[ParamSpec]:
+def _layer_specs(cfg: ModelConfig, layer: int) -> list[ParamSpec]:
     C, F_ = cfg.hidden, cfg.ffn
     out_std = 0.02 / math.sqrt(2 * cfg.layers)  # GPT-2: residual projections scaled by depth
     p = f"layers.{layer}."
@@ -138,7 +111,7 @@ def _layer_specs(cfg: GPTConfig, layer: int) -> list[ParamSpec]:
     ]
 
 
-def param_specs(cfg: GPTConfig) -> list[ParamSpec]:
+def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     """Every full parameter in canonical order (embedding, layers, final norm, head)."""
     specs = [ParamSpec("embed.weight", (cfg.vocab, cfg.hidden), 1, 0.02, None)]
     for layer in range(cfg.layers):
@@ -150,26 +123,27 @@ def param_specs(cfg: GPTConfig) -> list[ParamSpec]:
 
 
 @functools.cache
-def pieces(cfg: GPTConfig) -> tuple[Piece, ...]:
-    """Every piece in the global order used for collectives: by layer, then shard.
+def pieces(cfg: ModelConfig, tp: int) -> tuple[Piece, ...]:
+    """Every piece of the model cut into `tp` logical shards, in the global order used for
+    collectives: by layer, then shard.
 
     Embedding shards first, then per layer its sharded pieces shard by shard and its replicated
     norms, then the final norm and the head shards.
     """
-    return tuple(_pieces(cfg))
+    return tuple(_pieces(cfg, tp))
 
 
-def _pieces(cfg: GPTConfig) -> Iterator[Piece]:
+def _pieces(cfg: ModelConfig, tp: int) -> Iterator[Piece]:
     specs = param_specs(cfg)
     ends = [sp for sp in specs if sp.layer is None]  # embed, norm, head (in that order)
-    yield from _shards_of(ends[0], cfg.tp)
+    yield from _shards_of(ends[0], tp)
     for layer in range(cfg.layers):
         inner = _layer_specs(cfg, layer)
-        for s in range(cfg.tp):
+        for s in range(tp):
             yield from (Piece(sp, s) for sp in inner if sp.split is not None)
         yield from (Piece(sp, None) for sp in inner if sp.split is None)
     for spec in ends[1:]:
-        yield from _shards_of(spec, cfg.tp)
+        yield from _shards_of(spec, tp)
 
 
 def _shards_of(spec: ParamSpec, tp: int) -> Iterator[Piece]:
@@ -179,37 +153,37 @@ def _shards_of(spec: ParamSpec, tp: int) -> Iterator[Piece]:
         yield from (Piece(spec, s) for s in range(tp))
 
 
-def init_piece(cfg: GPTConfig, seed: int, piece: Piece) -> Tensor:
+def init_piece(piece: Piece, tp: int, seed: int) -> Tensor:
     """A piece's initial value, drawn from its own generator: the same under every plan."""
-    shape = piece.shape(cfg.tp)
+    shape = piece.shape(tp)
     if piece.spec.std is None:
         return torch.ones(shape)
     g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(piece.name.encode())) % 2**62)
     return torch.empty(shape).normal_(0.0, piece.spec.std, generator=g)
 
 
-def join_pieces(cfg: GPTConfig, parts: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def join_pieces(cfg: ModelConfig, tp: int, parts: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Full tensors (canonical names) from a complete set of pieces."""
     out: dict[str, Tensor] = {}
     for spec in param_specs(cfg):
         if spec.split is None:
             out[spec.name] = parts[spec.name]
         else:
-            shards = [parts[f"{spec.name}@{s}"] for s in range(cfg.tp)]
+            shards = [parts[f"{spec.name}@{s}"] for s in range(tp)]
             out[spec.name] = torch.cat(shards, dim=spec.split)
     return out
 
 
-def split_full(cfg: GPTConfig, full: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def split_full(cfg: ModelConfig, tp: int, full: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Pieces from full tensors (inverse of `join_pieces`)."""
     specs = {s.name: s for s in param_specs(cfg)}
     out: dict[str, Tensor] = {}
-    for piece in pieces(cfg):
+    for piece in pieces(cfg, tp):
         t = full[piece.spec.name]
         if piece.shard is None:
             out[piece.name] = t
         else:
-            out[piece.name] = t.chunk(cfg.tp, dim=specs[piece.spec.name].split)[piece.shard]
+            out[piece.name] = t.chunk(tp, dim=specs[piece.spec.name].split)[piece.shard]
     return out
 
 
@@ -283,7 +257,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         C = cfg.hidden
         self.head_dim = cfg.head_dim
@@ -296,7 +270,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.w1 = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
         self.w3 = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
@@ -307,7 +281,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.attn_norm, self.attn = RMSNorm(cfg.hidden), Attention(cfg)
         self.mlp_norm, self.mlp = RMSNorm(cfg.hidden), MLP(cfg)
@@ -320,7 +294,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """The whole model in one process, with the canonical parameter names."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
@@ -334,10 +308,12 @@ class GPT(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     @classmethod
-    def from_seed(cls, cfg: GPTConfig, seed: int) -> GPT:
-        """The model every plan starts from: full tensors joined from the seeded pieces."""
+    def from_seed(cls, cfg: ModelConfig, tp: int, seed: int) -> GPT:
+        """The model every plan of a `tp`-sharded job starts from: full tensors joined from the
+        seeded pieces (each piece draws its own values, so they depend on `tp`)."""
         model = cls(cfg)
-        full = join_pieces(cfg, {p.name: init_piece(cfg, seed, p) for p in pieces(cfg)})
+        parts = {p.name: init_piece(p, tp, seed) for p in pieces(cfg, tp)}
+        full = join_pieces(cfg, tp, parts)
         model.load_full_state(full)
         return model
 

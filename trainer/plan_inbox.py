@@ -4,7 +4,9 @@
 loop reaches a step boundary and `take()`s it, so every rank switches between the same two steps.
 Generations only go up: one not newer than the plan in force, the one pending, or the one being
 applied is stale (409). A newer plan replaces a pending one (the newest wins). Invalid plans are
-refused (400) with every `validate_plan` message, before any collective could start on them.
+refused (400) with every `validate_plan` message as a fault, before any collective could start
+on them. The answers' bodies are what `malleus.job.control`'s clients read: a 409 names the
+generation in force and the newest known, a 400 lists ``faults`` of ``{path, message}``.
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from typing import Any
 
 from pydantic import ValidationError
 
+from malleus.errors import Fault
+from malleus.job.control import PlanFailure
 from malleus.planner.plan import Plan
-from malleus.planner.problem import PlanningProblem, validation_faults
+from malleus.planner.problem import PlanningProblem
 from malleus.planner.validate import validate_plan
 
 __all__ = ["PlanInbox"]
@@ -41,8 +44,7 @@ class PlanInbox:
         self._current = current_generation
         self._pending: Plan | None = None
         self._applying: int | None = None  # taken, not yet applied
-        self._last_error: str | None = None
-        self._applied_at: float | None = None
+        self._failure: PlanFailure | None = None
 
     # ---- state ------------------------------------------------------------------------------
     @property
@@ -63,21 +65,15 @@ class PlanInbox:
             g = max(g, self._pending.generation)
         return g
 
-    def status(self) -> dict[str, Any]:
-        """For /status: generations in force, pending and being applied; the last failure."""
-        with self._lock:
-            return {
-                "current_generation": self._current,
-                "pending_generation": self.pending_generation,
-                "applying_generation": self._applying,
-                "applied_at": self._applied_at,
-                "last_error": self._last_error,
-            }
+    @property
+    def last_failure(self) -> PlanFailure | None:
+        """The latest taken plan that could not be applied (None once a later one is)."""
+        return self._failure
 
     # ---- the HTTP side -----------------------------------------------------------------------
     def offer(self, plan_json: bytes | str | dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """Answer a POST /plan: (202, {generation}), (409, {error, current, pending}) or
-        (400, {error, reasons})."""
+        """Answer a POST /plan: (202, {generation}), (409, {error, generation, newest, pending})
+        or (400, {error, faults})."""
         try:
             if isinstance(plan_json, dict):
                 plan = Plan.model_validate(plan_json)
@@ -86,10 +82,12 @@ class PlanInbox:
                 plan = Plan.from_json(plan_json)
         except (ValueError, UnicodeDecodeError) as e:
             if isinstance(e, ValidationError):
-                reasons = validation_faults(e)
+                faults = [
+                    Fault(".".join(str(x) for x in err["loc"]), err["msg"]) for err in e.errors()
+                ]
             else:
-                reasons = [f"body is not JSON: {e}"]
-            return 400, {"error": "invalid plan", "reasons": reasons}
+                faults = [Fault("", f"body is not JSON: {e}")]
+            return _invalid(faults)
 
         stale = self._stale(plan.generation)
         if stale is not None:
@@ -97,7 +95,7 @@ class PlanInbox:
         reasons = self._violations(plan)
         if reasons:
             log.warning("refused plan generation %d: %s", plan.generation, "; ".join(reasons))
-            return 400, {"error": "invalid plan", "reasons": reasons}
+            return _invalid([_fault(line) for line in reasons])
         with self._lock:
             stale = self._stale_locked(plan.generation)
             if stale is not None:  # a newer plan arrived while this one was being validated
@@ -119,7 +117,8 @@ class PlanInbox:
             return None
         return 409, {
             "error": f"generation {generation} is not newer than {self._newest()}",
-            "current": self._current,
+            "generation": self._current,
+            "newest": self._newest(),
             "pending": self.pending_generation,
         }
 
@@ -148,13 +147,25 @@ class PlanInbox:
                 self._applying = None
             if self._pending is not None and self._pending.generation <= generation:
                 self._pending = None
-            self._applied_at = time.time()
-            self._last_error = None
+            self._failure = None
 
     def failed(self, generation: int, reason: str) -> None:
         """A taken plan could not be applied; its generation may be offered again."""
         with self._lock:
             if self._applying == generation:
                 self._applying = None
-            self._last_error = f"generation {generation}: {reason}"
+            self._failure = PlanFailure(generation=generation, reason=reason)
         log.error("plan generation %d failed: %s", generation, reason)
+
+
+def _fault(line: str) -> Fault:
+    """A `validate_plan` line (``pipelines[0].stages[1].ranks: rank 9 is ...``) as a fault."""
+    head, sep, rest = line.partition(": ")
+    return Fault(head, rest) if sep and " " not in head else Fault("", line)
+
+
+def _invalid(faults: list[Fault]) -> tuple[int, dict[str, Any]]:
+    return 400, {
+        "error": "invalid plan",
+        "faults": [{"path": f.path, "message": f.message} for f in faults],
+    }

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .config import TrainConfig
+from malleus.job import ResolvedJob
+
 from .data import make_source, micro_batch
 from .model import GPT, param_specs
 from .parallel.optim import BETAS, EPS, lr_at
@@ -31,34 +32,46 @@ class ReferenceResult:
 
 
 def train_reference(
-    cfg: TrainConfig, until: int | None = None, log: Callable[[int, float], None] | None = None
+    job: ResolvedJob,
+    *,
+    steps: int | None = None,
+    until: int | None = None,
+    log: Callable[[int, float], None] | None = None,
 ) -> ReferenceResult:
-    """Train from the seeded initial model for `until` (default cfg.steps) steps."""
-    torch.manual_seed(cfg.seed)
-    model = GPT.from_seed(cfg.model, cfg.seed)
-    decay = {s.name for s in param_specs(cfg.model) if s.decay}
+    """Train from the seeded initial model for `until` steps (default: all) of a run of `steps`
+    (default: the job's; the LR schedule's length)."""
+    training = job.spec.training
+    run_steps = steps if steps is not None else job.steps
+    torch.manual_seed(training.seed)
+    model = GPT.from_seed(job.model, job.tp, training.seed)
+    decay = {s.name for s in param_specs(job.model) if s.decay}
     named = dict(model.named_parameters())  # the tied head appears once, as embed.weight
     groups = [
-        {"params": [p for n, p in named.items() if n in decay], "weight_decay": cfg.weight_decay},
+        {
+            "params": [p for n, p in named.items() if n in decay],
+            "weight_decay": training.weight_decay,
+        },
         {"params": [p for n, p in named.items() if n not in decay], "weight_decay": 0.0},
     ]
-    opt = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=BETAS, eps=EPS, foreach=False)
-    source = make_source(cfg.dataset, cfg.model.sequence, cfg.model.vocab, cfg.seed)
-    M = cfg.micro_batches
+    opt = torch.optim.AdamW(groups, lr=training.learning_rate, betas=BETAS, eps=EPS, foreach=False)
+    source = make_source(training.dataset, job.model.sequence, job.model.vocab, training.seed)
+    M = job.micro_batches
     losses = []
-    for step in range(min(cfg.steps, until if until is not None else cfg.steps)):
-        lr = lr_at(step, cfg.learning_rate, cfg.warmup_steps, cfg.steps)
+    for step in range(min(run_steps, until if until is not None else run_steps)):
+        lr = lr_at(step, training.learning_rate, training.warmup_steps, run_steps)
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad()
         total = 0.0
         for j in range(M):
-            x, y = micro_batch(source, step, j, cfg.global_batch, cfg.micro_batch)
+            x, y = micro_batch(
+                source, step, j, training.global_batch_size, training.micro_batch_size
+            )
             loss = model(x, y)
             (loss / M).backward()
             total += float(loss.detach())
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip, foreach=False)
+        if training.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip, foreach=False)
         opt.step()
         losses.append(total / M)
         if log is not None:

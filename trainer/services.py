@@ -3,23 +3,29 @@ and on rank 0 the plan inbox and stop request that the switch protocol reads at 
 
 The loop calls the same few methods whether these are real (emulated clock, Prometheus metrics,
 HTTP control server) or the no-op defaults, so tests and the reference need none of them.
-`WorkerState` is the loop's own thread-safe record of where it is, read by GET /status.
+`WorkerState` is the loop's own thread-safe record of where it is; `Services.status()` joins it
+with the coordinator's inbox and stop request into the `ControlStatus` that GET /status serves.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
-from .config import TrainConfig
+from malleus.job.control import ControlStatus, MigrationRecord
+
 from .plan_inbox import PlanInbox
 from .profiling import RateProfiler
 from .switch import StopControl
 
-__all__ = ["NullClock", "Services", "WorkerState"]
+if TYPE_CHECKING:
+    from malleus.job import ResolvedJob
+
+__all__ = ["LoopState", "NullClock", "Services", "WorkerState"]
 
 log = logging.getLogger(__name__)
 
@@ -40,38 +46,37 @@ class NullClock:
         raise ValueError("slowdowns can be injected only with emulation enabled")
 
 
-class WorkerState:
-    """Where this rank's loop is (plan in force, step, last figures); safe to read from HTTP."""
+@dataclass(frozen=True)
+class LoopState:
+    """Where this rank's loop is: replaced whole on every update, so a reader of /status never
+    sees a step's figures beside another step's generation."""
 
-    def __init__(self, job: str, rank: int) -> None:
+    generation: int = 0
+    """The plan generation in force; 0 until the loop has taken up its first plan."""
+    step: int = 0
+    step_seconds: float | None = None
+    tokens_per_second: float | None = None
+    rates: Mapping[int, float | None] = field(default_factory=dict)
+    """The job's rates of the last step (every rank; None = no figure)."""
+    migration: MigrationRecord | None = None
+
+
+class WorkerState:
+    """The loop's `LoopState`, written by the training thread and read by the HTTP thread."""
+
+    def __init__(self, job: str, world: int, steps: int) -> None:
+        self.job, self.world, self.steps = job, world, steps
         self._lock = threading.Lock()
-        self._data: dict[str, Any] = {
-            "job": job,
-            "rank": rank,
-            "role": None,
-            "generation": None,
-            "step": 0,
-            "loss": None,
-            "grad_norm": None,
-            "lr": None,
-            "step_seconds": None,
-            "tokens_per_second": None,
-            "rates": {},
-            "migration": dict.fromkeys(
-                ("generation", "step", "seconds", "bytes", "minimal_bytes", "transfers")
-            ),
-        }
+        self._state = LoopState()
 
     def update(self, **values: Any) -> None:
+        """Replace some `LoopState` fields (an unknown name is a TypeError, not a new key)."""
         with self._lock:
-            self._data.update(values)
+            self._state = replace(self._state, **values)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> LoopState:
         with self._lock:
-            out = dict(self._data)
-            out["rates"] = {str(k): v for k, v in sorted(self._data["rates"].items())}
-            out["migration"] = dict(self._data["migration"])
-            return out
+            return self._state
 
 
 @dataclass
@@ -93,30 +98,37 @@ class Services:
         return not isinstance(self.clock, NullClock)
 
     @classmethod
-    def null(cls, cfg: TrainConfig, rank: int) -> Services:
-        """Clock and profiler only (emulated when the job says so); no metrics, no HTTP."""
+    def null(cls, job: ResolvedJob, rank: int, *, steps: int | None = None) -> Services:
+        """Clock and profiler only (emulated when the job says so); no metrics, no HTTP.
+        `steps`: the run's length when not the job's (`--steps`)."""
         clock: Any = NullClock()
-        if cfg.emulation is not None:
+        seconds = job.layer_seconds()
+        if seconds is not None:
             from .emulation import EmulatedClock, SlowdownEvent
 
-            schedule = [SlowdownEvent(s, r, f) for s, r, f in cfg.emulation.schedule]
-            clock = EmulatedClock(
-                rank, cfg.emulation.forward_s, cfg.emulation.backward_s, schedule, cfg.tp
-            )
-        svc = cls(WorkerState(cfg.name, rank), clock, RateProfiler(clock.reference_s))
+            schedule = [SlowdownEvent(s, r, f) for s, r, f in job.schedule]
+            clock = EmulatedClock(rank, *seconds, schedule, job.tp)
+        state = WorkerState(job.name, job.world, steps if steps is not None else job.steps)
+        svc = cls(state, clock, RateProfiler(clock.reference_s))
         if rank == 0:  # the coordinator: plans and stop requests enter the job here
-            svc.inbox, svc.stop = PlanInbox(cfg.problem(), 0), StopControl()
+            svc.inbox, svc.stop = PlanInbox(job.problem(), 0), StopControl()
         return svc
 
     @classmethod
     def create(
-        cls, cfg: TrainConfig, rank: int, *, control_port: int | None, host: str = "0.0.0.0"
+        cls,
+        job: ResolvedJob,
+        rank: int,
+        *,
+        control_port: int | None,
+        steps: int | None = None,
+        host: str = "0.0.0.0",
     ) -> Services:
         """Everything, with an HTTP control endpoint on `control_port` when it is not None."""
         from .metrics import TrainerMetrics
 
-        svc = cls.null(cfg, rank)
-        svc.metrics = TrainerMetrics(cfg.name, rank, rank // cfg.gpus_per_node)
+        svc = cls.null(job, rank, steps=steps)
+        svc.metrics = TrainerMetrics(job.name, rank, rank // job.gpus_per_node)
         if control_port is not None:
             from .control import ControlServer, load_token
             from .emulation import InjectionQueue
@@ -135,16 +147,31 @@ class Services:
             ).start()
         return svc
 
-    def status(self) -> dict[str, Any]:
-        out = self.state.snapshot()
-        if self.inbox is not None:  # current/pending/applying generation, last error
-            out.update(self.inbox.status())
-            out["stopping"] = self.stop is not None and self.stop.code != 0
-        if self.metrics is not None:
-            out["metrics"] = self.metrics.snapshot()
-        return out
+    def status(self) -> ControlStatus:
+        """GET /status: this rank's loop, and on the coordinator its inbox and stop request."""
+        st, inbox = self.state.snapshot(), self.inbox
+        return ControlStatus(
+            job=self.state.job,
+            world=self.state.world,
+            generation=st.generation,
+            pending_generation=inbox.pending_generation if inbox is not None else None,
+            step=st.step,
+            steps=self.state.steps,
+            done=st.step >= self.state.steps,
+            stopping=self.stop is not None and self.stop.code != 0,
+            rates={r: _finite(v) for r, v in sorted(st.rates.items())},
+            step_seconds=st.step_seconds,
+            tokens_per_second=st.tokens_per_second,
+            last_migration=st.migration,
+            last_failure=inbox.last_failure if inbox is not None else None,
+        )
 
     def close(self) -> None:
         if self.server is not None:
             self.server.stop()
             self.server = None
+
+
+def _finite(rate: float | None) -> float | None:
+    """NaN (the metrics' "failed") and None ("no figure") both read None in the status."""
+    return rate if rate is not None and math.isfinite(rate) else None

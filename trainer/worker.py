@@ -1,11 +1,12 @@
-"""The per-rank training loop: one process executing its part of a Plan, step by step.
+"""`Trainer`: one rank's part of a Plan (its pieces, optimizer state and layout) and its step.
 
 A step: set the clock, run this stage's 1F1B schedule (or, for an excluded rank, a one-layer
 benchmark), sum gradients per piece across their holders, one world all-reduce carrying the
 gradient norm, the loss, every rank's compute figures and the coordinator's control words, clip,
 AdamW, report; then, at the step boundary, switch to a new plan or stop if rank 0 said so
 (trainer/switch.py). Every rank, excluded ones included, takes part in the world collectives, in
-the same order.
+the same order. Its state in and out (checkpoints, the full model) is trainer/state.py, the run
+around the steps (resume, logs, checkpoints, the final model) trainer/loop.py.
 """
 
 from __future__ import annotations
@@ -14,18 +15,17 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from malleus.job import ResolvedJob
+from malleus.job.control import MigrationRecord
 from malleus.planner import Plan, check_plan
 
-from . import checkpoint
-from .config import TrainConfig
 from .data import make_source, micro_batch
-from .model import init_piece, join_pieces, pieces
+from .model import init_piece, pieces
 from .parallel import migrate
 from .parallel.grad_sync import owned_square_norm, sync_gradients
 from .parallel.groups import GroupCache
@@ -48,7 +48,7 @@ from .switch import (
     settle,
 )
 
-__all__ = ["CALIBRATE_STEP", "RunOptions", "StepReport", "Trainer", "run_rank"]
+__all__ = ["CALIBRATE_STEP", "StepReport", "Trainer"]
 
 log = logging.getLogger(__name__)
 
@@ -71,55 +71,45 @@ class StepReport:
     rates: dict[int, float | None]  # every rank's straggling rate (None: not yet calibrated)
 
 
-@dataclass(frozen=True)
-class RunOptions:
-    """What `run_rank` does around the steps (the job itself is in TrainConfig)."""
-
-    until: int | None = None  # stop after this step count (default: cfg.steps)
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0  # 0: only at the end (when checkpoint_dir is set)
-    resume: bool = False
-    save_model: str | None = None
-    log_every: int = 1
-    quiet: bool = False
-    switches: tuple[tuple[int, Plan], ...] = ()  # (step, plan): in force from that step on
-
-
 class Trainer:
     """One rank's model pieces, optimizer and layout, and the step that trains them."""
 
     def __init__(
         self,
-        cfg: TrainConfig,
+        job: ResolvedJob,
         plan: Plan,
         *,
         rank: int,
         world: int,
         device: torch.device,
+        steps: int | None = None,
         services: Services | None = None,
         groups: GroupCache | None = None,
         migration_timeout_s: float = MIGRATION_TIMEOUT_S,
     ) -> None:
-        if world != cfg.world:
+        if world != job.world:
             raise ValueError(
-                f"world size {world} != nodes({cfg.nodes}) * gpus({cfg.gpus_per_node})"
+                f"world size {world} != nodes({job.nodes}) * gpusPerNode({job.gpus_per_node})"
             )
-        check_plan(cfg.problem(), plan)
-        self.cfg, self.plan, self.rank, self.world, self.device = cfg, plan, rank, world, device
-        self.services = services if services is not None else Services.null(cfg, rank)
+        check_plan(job.problem(), plan)
+        self.job, self.plan, self.rank, self.world, self.device = job, plan, rank, world, device
+        self.model, self.training = job.model, job.spec.training
+        self.steps = steps if steps is not None else job.steps  # the LR schedule's length
+        self.services = services if services is not None else Services.null(job, rank)
         self.groups = groups if groups is not None else GroupCache()
         self.meter = CommMeter(cuda=device.type == "cuda")
         self.timer = LayerTimer(self.services.clock, self.services.profiler, self.meter, device)
-        self.source = make_source(cfg.dataset, cfg.model.sequence, cfg.model.vocab, cfg.seed)
+        tr = self.training
+        self.source = make_source(tr.dataset, job.model.sequence, job.model.vocab, tr.seed)
         self.step = 0
-        self.layout = Layout.from_plan(plan, cfg.model, rank, world)
+        self.layout = Layout.from_plan(plan, job.model, rank, world)
         self.groups.ensure(self.layout.member_sets())  # collective: all ranks, same order
         held = self.layout.held()
         self.params: dict[str, Tensor] = {
-            p.name: init_piece(cfg.model, cfg.seed, p).to(device).requires_grad_() for p in held
+            p.name: init_piece(p, job.tp, tr.seed).to(device).requires_grad_() for p in held
         }
-        self.optim = PieceAdamW(self.params, {p.name: p.spec.decay for p in held}, cfg.weight_decay)
-        self.act_shape = (cfg.micro_batch, cfg.model.sequence, cfg.model.hidden)
+        self.optim = PieceAdamW(self.params, {p.name: p.spec.decay for p in held}, tr.weight_decay)
+        self.act_shape = (tr.micro_batch_size, job.model.sequence, job.model.hidden)
         self.pipeline = self._pipeline(self.layout.place) if self.layout.place else None
         self._bench: StageModel | None = None
         self.migration_timeout_s = migration_timeout_s
@@ -133,7 +123,7 @@ class Trainer:
         )
         if svc.inbox is not None:
             svc.inbox.applied(plan.generation)
-        svc.state.update(role=self.layout.role, generation=plan.generation)
+        svc.state.update(generation=plan.generation)
         if svc.metrics is not None:
             svc.metrics.observe_plan(plan.generation)
 
@@ -141,7 +131,7 @@ class Trainer:
     def _pipeline(self, place: Place) -> PipelineStage:
         group = self.groups.get(place.group) if len(place.group) > 1 else None
         tp = TPGroup(group, place.group, place.index, self.meter)
-        model = StageModel(self.cfg.model, place, self.params, tp, self.device)
+        model = StageModel(self.model, self.job.tp, place, self.params, tp, self.device)
         return PipelineStage(
             model,
             place,
@@ -153,14 +143,13 @@ class Trainer:
         )
 
     def _batch(self, micro: int) -> tuple[Tensor, Tensor]:
-        x, y = micro_batch(
-            self.source, self.step, micro, self.cfg.global_batch, self.cfg.micro_batch
-        )
+        tr = self.training
+        x, y = micro_batch(self.source, self.step, micro, tr.global_batch_size, tr.micro_batch_size)
         return x.to(self.device), y.to(self.device)
 
     # ---- the step ---------------------------------------------------------------------------
     def train_step(self) -> StepReport:
-        cfg, svc = self.cfg, self.services
+        tr, svc = self.training, self.services
         t0 = time.perf_counter()
         svc.clock.set_step(self.step)
         if svc.emulated:
@@ -190,8 +179,8 @@ class Trainer:
             dist.all_reduce(vec)
         stats = vec.tolist()
         norm = math.sqrt(stats[0])
-        lr = lr_at(self.step, cfg.learning_rate, cfg.warmup_steps, cfg.steps)
-        self.optim.step(lr, clip_coefficient(norm, cfg.grad_clip))
+        lr = lr_at(self.step, tr.learning_rate, tr.warmup_steps, self.steps)
+        self.optim.step(lr, clip_coefficient(norm, tr.grad_clip))
 
         seconds = time.perf_counter() - t0
         report = StepReport(
@@ -200,7 +189,7 @@ class Trainer:
             grad_norm=norm,
             lr=lr,
             seconds=seconds,
-            tokens_per_second=cfg.tokens_per_step / seconds,
+            tokens_per_second=self.job.tokens_per_step / seconds,
             compute_seconds=self.timer.seconds,
             rates=self._rates(stats[2 : 2 + W]),
         )
@@ -235,11 +224,11 @@ class Trainer:
         if self.rank == 0 and self.services.note is not None:
             self.services.note(doing)
         try:
-            new = Layout.from_plan(plan, self.cfg.model, self.rank, self.world)
+            new = Layout.from_plan(plan, self.model, self.rank, self.world)
             moves = migrate.plan_transfers(
-                self.layout.roles, new.roles, self.cfg.model, self.cfg.gpus_per_node
+                self.layout.roles, new.roles, self.model, self.job.tp, self.job.gpus_per_node
             )
-            minimal = migrate.minimal_bytes(self.cfg.model, self.plan, plan)
+            minimal = migrate.minimal_bytes(self.model, self.plan, plan)
             exchange = migrate.post(moves, self.rank, self.params, self.optim.state, self.device)
             fault_point("migration", self.rank)
             received = exchange.wait(self.migration_timeout_s)
@@ -292,7 +281,10 @@ class Trainer:
             svc.inbox.applied(m.generation)
         if self.rank == 0 and svc.note is not None:
             svc.note("")
-        svc.state.update(role=self.layout.role, generation=m.generation, migration=m.as_status())
+        record = MigrationRecord(
+            generation=m.generation, step=m.step, seconds=m.seconds, bytes=m.bytes
+        )
+        svc.state.update(generation=m.generation, migration=record)
         if svc.metrics is not None:
             svc.metrics.observe_plan(m.generation)
             svc.metrics.observe_migration(m.seconds, m.bytes)
@@ -311,15 +303,15 @@ class Trainer:
         any layer (and charged to its emulated clock), so it keeps a rate to be re-admitted."""
         if self._bench is None:
             place = Place(-1, 0, 1, 0, (self.rank,), range(1), range(1), 1, 0)
+            tp, seed = self.job.tp, self.training.seed
             params = {
-                p.name: init_piece(self.cfg.model, self.cfg.seed, p)
-                .to(self.device)
-                .requires_grad_()
-                for p in pieces(self.cfg.model)
+                p.name: init_piece(p, tp, seed).to(self.device).requires_grad_()
+                for p in pieces(self.model, tp)
                 if p.spec.layer == 0 and p.shard in (None, 0)
             }
             self._bench = StageModel(
-                self.cfg.model,
+                self.model,
+                tp,
                 place,
                 params,
                 TPGroup(None, (self.rank,), 0, self.meter),
@@ -359,9 +351,6 @@ class Trainer:
         svc = self.services
         svc.state.update(
             step=self.step,
-            loss=report.loss,
-            grad_norm=report.grad_norm,
-            lr=report.lr,
             step_seconds=report.seconds,
             tokens_per_second=report.tokens_per_second,
             rates=report.rates,
@@ -378,160 +367,15 @@ class Trainer:
                 report.compute_seconds,
             )
             if svc.server is not None:  # an endpoint publishes every rank's figures
-                gpn = self.cfg.gpus_per_node
+                gpn = self.job.gpus_per_node
                 svc.metrics.observe_rates(
                     rates,
                     {r: r // gpn for r in range(self.world)},
                     dict(enumerate(compute)),
                 )
 
-    # ---- state in and out -------------------------------------------------------------------
-    def save_checkpoint(self, directory: str | Path) -> Path:
-        """Collective: write a plan-independent checkpoint of the current step."""
-        owners = {name: roles.owner for name, roles in self.layout.roles.items()}
-        return checkpoint.save(
-            directory,
-            self.step,
-            self.cfg,
-            self.rank,
-            owners,
-            self.params,
-            self.optim.state,
-            self.plan.generation,
-        )
-
-    def load_checkpoint(self, path: str | Path) -> None:
-        """Load this rank's pieces (and their Adam state) from a checkpoint of any plan."""
-        loaded = checkpoint.load_pieces(path, list(self.params), self.cfg)
-        with torch.no_grad():
-            for name, p in self.params.items():
-                p.copy_(loaded.params[name])
-                st = self.optim.state[name]
-                st.exp_avg.copy_(loaded.state[name].exp_avg)
-                st.exp_avg_sq.copy_(loaded.state[name].exp_avg_sq)
-                st.step = loaded.state[name].step
-        self.step = loaded.step
-
-    def gather_full(self, dst: int = 0) -> dict[str, Tensor] | None:
-        """Collective: the full model (canonical names and tensors) on `dst`, None elsewhere.
-
-        Each piece comes from its owner, in canonical order, so the result is the same
-        plan-independent state dict whatever the layout.
-        """
-        parts: dict[str, Tensor] = {}
-        for piece in pieces(self.cfg.model):
-            owner = self.layout.roles[piece.name].owner
-            if self.rank == dst:
-                if owner == dst:
-                    parts[piece.name] = self.params[piece.name].detach().cpu().clone()
-                else:
-                    buf = torch.empty(piece.shape(self.cfg.tp), device=self.device)
-                    dist.recv(buf, src=owner)
-                    parts[piece.name] = buf.cpu()
-            elif self.rank == owner:
-                dist.send(self.params[piece.name].detach().contiguous(), dst=dst)
-        return join_pieces(self.cfg.model, parts) if self.rank == dst else None
-
 
 def _backward_ones(y: Tensor, x: Tensor) -> Tensor:
     y.backward(torch.ones_like(y))
     assert x.grad is not None
     return x.grad
-
-
-def _say(text: str) -> None:
-    print(text, flush=True)
-
-
-def run_rank(
-    cfg: TrainConfig,
-    plan: Plan,
-    opts: RunOptions,
-    *,
-    rank: int,
-    world: int,
-    device: torch.device,
-    services: Services | None = None,
-) -> list[StepReport]:
-    """Train this rank from step 0 (or the latest checkpoint) to `opts.until` or cfg.steps."""
-    trainer = Trainer(cfg, plan, rank=rank, world=world, device=device, services=services)
-    speak = rank == 0 and not opts.quiet
-    if opts.resume and opts.checkpoint_dir:
-        path = checkpoint.latest(opts.checkpoint_dir)
-        if path is not None:
-            trainer.load_checkpoint(path)
-            if speak:
-                _say(f"[malleus] resumed from {path} at step {trainer.step}")
-        elif speak:
-            _say(f"[malleus] no checkpoint in {opts.checkpoint_dir}; starting at step 0")
-    if speak:
-        _say(trainer.layout.rank_matrix())
-    until = min(cfg.steps, opts.until if opts.until is not None else cfg.steps)
-    pinned = _pinned_switches(opts.switches, trainer.step, speak)
-    if trainer.services.stop is not None:
-        trainer.services.stop.can_checkpoint = opts.checkpoint_dir is not None
-    reports = []
-    saved = -1
-    while trainer.step < until:
-        due = pinned.pop(trainer.step + 1, None)  # in force from the next step on
-        if due is not None and trainer.coordinator is not None:
-            code, answer = trainer.coordinator.inbox.offer(due.model_dump())
-            if code != 202:  # only a newer plan posted over HTTP can get in the way
-                log.warning("--switch plan generation %d not applied: %s", due.generation, answer)
-        r = trainer.train_step()
-        reports.append(r)
-        m = trainer.last_migration
-        if speak and m is not None and m.step == trainer.step:
-            _say(
-                f"[malleus] switched to plan generation {m.generation} at step {m.step}: "
-                f"moved {m.bytes:,} bytes (minimal {m.minimal_bytes:,}) in {m.seconds:.3f}s"
-            )
-            _say(trainer.layout.rank_matrix())
-        if speak and (trainer.step % opts.log_every == 0 or trainer.step == until):
-            _say(
-                f"[malleus] step {trainer.step}/{cfg.steps} loss {r.loss:.4f} "
-                f"norm {r.grad_norm:.3f} lr {r.lr:.2e} {r.seconds:.3f}s "
-                f"{r.tokens_per_second:,.0f} tok/s"
-            )
-        every = opts.checkpoint_every
-        if opts.checkpoint_dir and every and trainer.step % every == 0:
-            trainer.save_checkpoint(opts.checkpoint_dir)
-            saved = trainer.step
-        if trainer.boundary.stopping:
-            if speak:
-                _say(f"[malleus] stop requested: stopping after step {trainer.step}")
-            break
-    stop = trainer.boundary
-    if opts.checkpoint_dir and saved != trainer.step and (not stop.stopping or stop.checkpoint):
-        path = trainer.save_checkpoint(opts.checkpoint_dir)
-        if speak and stop.stopping:
-            _say(f"[malleus] saved checkpoint {path}")
-    if opts.save_model:
-        full = trainer.gather_full(0)
-        if full is not None:
-            _save_atomic(full, opts.save_model)
-            if speak:
-                _say(f"[malleus] saved model ({len(full)} tensors) to {opts.save_model}")
-    return reports
-
-
-def _pinned_switches(
-    switches: tuple[tuple[int, Plan], ...], start: int, speak: bool
-) -> dict[int, Plan]:
-    """--switch plans by the step they take force at; those due before `start` are skipped
-    (a resumed job runs the plan it was given)."""
-    out = {}
-    for step, plan in switches:
-        if step > start:
-            out[step] = plan
-        elif speak:
-            _say(f"[malleus] --switch {step}: already past (resumed at step {start}); skipped")
-    return out
-
-
-def _save_atomic(obj: object, path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    tmp.replace(path)

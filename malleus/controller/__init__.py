@@ -1,7 +1,9 @@
 """Malleus's controller: the decision loop shared by the operator and the local runner.
 
-rates -> detect a shift (detector) -> plan (planning, problem) -> is it worth the migration
-(decision) -> publish -> wait for the acknowledgement (loop), with the policy's knobs (policy).
+rates -> detect a shift (detector) -> plan (planning) -> is it worth the migration (decision)
+-> publish -> wait for the acknowledgement (loop), with the job's `spec.stragglerPolicy`
+(`malleus.job.StragglerPolicy`) and planning problem (`malleus.job.ResolvedJob.problem`).
+Every decision is a `DecisionEvent` with a typed payload (events).
 Where rates come from and how plans reach the trainers are the ports (RateSource, PlanSink):
 HTTP to the trainers (sources), Prometheus (prometheus), or a simulation (simulate).
 
@@ -10,12 +12,21 @@ No torch and no Kubernetes here; prometheus-client is imported only to parse /me
 
 from .decision import MIB, Decision, MigrationModel, decide, same_layout
 from .detector import Shift, ShiftDetector
-from .events import DecisionEvent, EventKind
+from .events import (
+    DecisionEvent,
+    EventData,
+    EventKind,
+    Migrated,
+    Planned,
+    ReplanFailed,
+    Replanned,
+    ReplanSkipped,
+    StragglerDetected,
+    plan_summary,
+)
 from .loop import Controller, EventCallback, ProblemBuilder
 from .planning import Planner, PlanningTimeout, default_planner, run_planner
-from .policy import StragglerPolicy
 from .ports import Ack, AckTimeout, Observation, PlanRejected, PlanSink, RateSource
-from .problem import build_problem, memory_model
 from .prometheus import PrometheusSource, default_queries
 from .simulate import ManualClock, SimulatedJob
 from .sources import HttpPlanSink, TrainerScrapeSource
@@ -28,28 +39,33 @@ __all__ = [
     "Decision",
     "DecisionEvent",
     "EventCallback",
+    "EventData",
     "EventKind",
     "HttpPlanSink",
     "ManualClock",
+    "Migrated",
     "MigrationModel",
     "Observation",
     "PlanRejected",
     "PlanSink",
+    "Planned",
     "Planner",
     "PlanningTimeout",
     "ProblemBuilder",
     "PrometheusSource",
     "RateSource",
+    "ReplanFailed",
+    "ReplanSkipped",
+    "Replanned",
     "Shift",
     "ShiftDetector",
     "SimulatedJob",
-    "StragglerPolicy",
+    "StragglerDetected",
     "TrainerScrapeSource",
-    "build_problem",
     "decide",
     "default_planner",
     "default_queries",
-    "memory_model",
+    "plan_summary",
     "run_planner",
     "same_layout",
 ]

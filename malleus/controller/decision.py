@@ -20,16 +20,13 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from malleus.job.memory import MIB
+from malleus.job.spec import StragglerPolicy
 from malleus.planner.cost import migration_mb, plan_step_time
 from malleus.planner.plan import Plan
 from malleus.planner.problem import PlanningProblem
 
-from .policy import StragglerPolicy
-
 __all__ = ["MIB", "Decision", "MigrationModel", "decide", "same_layout"]
-
-MIB = 1 << 20
-"""Bytes per MB of the memory model: its capacity comes from `gpuMemoryMiB`, so MB means MiB."""
 
 
 class MigrationModel:

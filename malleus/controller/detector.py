@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .policy import StragglerPolicy
+from malleus.job.spec import StragglerPolicy
 
 __all__ = ["Rates", "Shift", "ShiftDetector"]
 
@@ -128,14 +128,14 @@ class ShiftDetector:
 
     # ---- the rules -------------------------------------------------------------------------
     def _cause(self, believed: float | None, now: float | None) -> str | None:
-        th, hy = self.policy.threshold, self.policy.hysteresis
+        straggler, hy = self.policy.is_straggler, self.policy.hysteresis
         if now is None:
             return None if believed is None else "failed"
         if believed is None:
             return "returned"
-        if believed < th:
-            return "slowed" if now >= th else None
-        if now < th:
+        if not straggler(believed):
+            return "slowed" if straggler(now) else None
+        if not straggler(now):
             return "recovered" if believed - now > hy else None
         return "changed" if abs(now - believed) > hy else None
 

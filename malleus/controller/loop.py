@@ -9,6 +9,11 @@ a job that trains on a stale plan is better than one whose controller crashed.
 State is small and explicit: the plan in force, the detector's believed rates, the time of the
 last applied plan (cooldown) and of the last failure (retry), a calibration of the cost model in
 seconds, and the migration bandwidth learned so far.
+
+The first `warmup_steps` steps observed under each plan (a fresh launch, or right after a switch)
+pay one-off costs (allocations, new process groups, cold caches) that look like stragglers: the
+loop ignores them here, in the one place every caller shares, so the operator and the local
+runner decide on the same input.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from malleus.job.spec import StragglerPolicy
 from malleus.planner.cost import (
     ideal_step_time,
     plan_step_time,
@@ -38,9 +44,17 @@ from malleus.planner.validate import validate_plan
 
 from .decision import MIB, Decision, MigrationModel, decide
 from .detector import Shift, ShiftDetector
-from .events import DecisionEvent, EventKind
+from .events import (
+    DecisionEvent,
+    EventData,
+    Migrated,
+    Planned,
+    ReplanFailed,
+    Replanned,
+    ReplanSkipped,
+    StragglerDetected,
+)
 from .planning import Planner, default_planner, run_planner
-from .policy import StragglerPolicy
 from .ports import Ack, Observation, PlanSink, RateSource
 
 __all__ = ["Controller", "EventCallback", "ProblemBuilder"]
@@ -48,7 +62,7 @@ __all__ = ["Controller", "EventCallback", "ProblemBuilder"]
 log = logging.getLogger(__name__)
 
 ProblemBuilder = Callable[[Mapping[int, "float | None"], "Plan | None"], PlanningProblem]
-"""`builder(rates, plan_in_force) -> PlanningProblem`, e.g. `partial(build_problem, job)`."""
+"""`builder(rates, plan_in_force) -> PlanningProblem`: `malleus.job.ResolvedJob.problem`."""
 EventCallback = Callable[[DecisionEvent], Any]
 """Called with every event; may be a coroutine function. Its failures are logged, not raised."""
 
@@ -61,20 +75,6 @@ class _Pending:
     rates: dict[int, float | None]
     reason: str
     planning_seconds: float
-
-
-def _summary(plan: Plan) -> dict[str, Any]:
-    return {
-        "generation": plan.generation,
-        "pipelines": [
-            {
-                "micro_batches": p.micro_batches,
-                "stages": [{"ranks": s.ranks, "layers": list(s.layers)} for s in p.stages],
-            }
-            for p in plan.pipelines
-        ],
-        "excluded": sorted(plan.excluded),
-    }
 
 
 class Controller:
@@ -96,6 +96,7 @@ class Controller:
         ack_timeout_seconds: float = 600.0,
         planner_grace_seconds: float = 1.0,
         read_retry_seconds: float = 5.0,
+        warmup_steps: int = 2,
         history_limit: int = 1000,
     ) -> None:
         self.source = source
@@ -109,14 +110,16 @@ class Controller:
         self.ack_timeout_seconds = ack_timeout_seconds
         self.planner_grace_seconds = planner_grace_seconds
         self.read_retry_seconds = read_retry_seconds
+        self.warmup_steps = warmup_steps
 
         self.plan: Plan = initial_plan
         """The plan in force (acknowledged by the trainers)."""
         self.detector = ShiftDetector(self.policy, believed=initial_rates)
-        self._history: deque[dict[str, Any]] = deque(maxlen=history_limit)
-        self.last_replan: dict[str, Any] | None = None
+        self._history: deque[DecisionEvent] = deque(maxlen=history_limit)
         self.last_step = -1
         """The last step observed."""
+        self._plan_first_step: int | None = None
+        """The first step observed under the plan in force (None: none yet)."""
 
         self._published = initial_plan.generation
         self._pending: _Pending | None = None
@@ -133,8 +136,8 @@ class Controller:
 
     # ---- public API ------------------------------------------------------------------------
     @property
-    def history(self) -> list[dict[str, Any]]:
-        """Every decision event as a JSON-ready dict, oldest first (the last `history_limit`)."""
+    def history(self) -> list[DecisionEvent]:
+        """Every decision event, oldest first (the last `history_limit`)."""
         return list(self._history)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
@@ -178,6 +181,8 @@ class Controller:
         self.last_step = obs.step
         now = self.clock()
         await self._adopt_if_seen(obs)
+        if self._warming_up(obs):
+            return
         if (
             obs.generation == self.plan.generation
             and obs.step_seconds is not None
@@ -192,20 +197,13 @@ class Controller:
             return
         await self._handle(shift, now)
 
-    def status(self) -> dict[str, Any]:
-        """JSON-ready state for the CR status / `malleus run` output."""
-        smoothed = self.detector.smoothed()
-        return {
-            "generation": self.plan.generation,
-            "step": self.last_step,
-            "plan": _summary(self.plan),
-            "stragglers": {
-                str(r): v for r, v in smoothed.items() if v is None or v >= self.policy.threshold
-            },
-            "believed_rates": {str(r): v for r, v in sorted(self.detector.believed.items())},
-            "last_replan": self.last_replan,
-            "migration_bandwidth_bytes_per_s": self.migration.bandwidth,
-        }
+    def _warming_up(self, obs: Observation) -> bool:
+        """Whether `obs` is one of the first `warmup_steps` observed under the plan in force."""
+        if obs.generation != self.plan.generation:
+            return False
+        if self._plan_first_step is None:
+            self._plan_first_step = obs.step
+        return obs.step - self._plan_first_step < self.warmup_steps
 
     # ---- the decision ----------------------------------------------------------------------
     async def _handle(self, shift: Shift, now: float) -> None:
@@ -225,13 +223,9 @@ class Controller:
             )
             return
         self._deferral_reported = False
-        evidence = {str(r): self._evidence[r] for r in shift.ranks if r in self._evidence}
-        await self._emit(
-            EventKind.STRAGGLER_DETECTED,
-            shift.reason,
-            {**shift.to_dict(), "urgent": shift.urgent, "evidence": evidence},
-        )
+        evidence = {r: self._evidence[r] for r in shift.ranks if r in self._evidence}
         rates = self.detector.smoothed()
+        await self._emit(shift.reason, StragglerDetected(shift, rates, evidence))
         try:
             problem = self.problem_builder(rates, self.plan)
         except Exception as e:
@@ -252,18 +246,16 @@ class Controller:
         violations = validate_plan(problem, new)
         if violations:
             await self._fail(
-                f"the planner's plan is invalid ({len(violations)} violations)",
-                {"violations": violations},
+                f"the planner's plan is invalid ({len(violations)} violations)", violations
             )
             return
 
         decision = self._decide(problem, new, planning_seconds)
         new = self._with_estimate(problem, new, decision, planning_seconds)
         await self._emit(
-            EventKind.PLANNED,
             f"planned in {planning_seconds:.2f} s: step time {decision.new_units:.1f} vs "
             f"{decision.old_units:.1f} (layer-time units), {decision.migration_mb:.1f} MiB to move",
-            {"plan": _summary(new), "decision": decision.to_dict()},
+            Planned(new, decision),
         )
         excluded = [r for r in new.excluded if problem.rate(r) is not None]
         if excluded and not self.policy.allow_exclusion and decision.apply:
@@ -273,7 +265,7 @@ class Controller:
                 reason=f"the plan leaves usable ranks {excluded} idle and allowExclusion is false",
             )
         if not decision.apply:
-            await self._emit(EventKind.REPLAN_SKIPPED, decision.reason, decision.to_dict())
+            await self._emit(decision.reason, ReplanSkipped(decision.reason, decision=decision))
             self.detector.rebase(rates)
             return
         await self._switch(new, rates, shift.reason, planning_seconds, decision)
@@ -331,9 +323,8 @@ class Controller:
         self._published = max(self._published, generation)
         new = new.model_copy(update={"generation": generation})
         await self._emit(
-            EventKind.REPLANNED,
             f"published plan generation {generation}: {decision.reason}",
-            {"generation": generation, "plan": _summary(new), "decision": decision.to_dict()},
+            Replanned(generation, new, decision),
         )
         pending = _Pending(new, rates, reason, planning_seconds)
         try:
@@ -347,27 +338,27 @@ class Controller:
     async def _adopt(self, pending: _Pending, ack: Ack) -> None:
         now = self.clock()
         self.plan = pending.plan
+        self._plan_first_step = None
         self._pending = None
         self._applied_at = now
         self._retry_at = None
         self._step_seconds.clear()
         self.detector.rebase(pending.rates)
         self.migration.observe(ack.migration_bytes, ack.migration_seconds)
-        self.last_replan = {
-            "time": now,
-            "reason": pending.reason,
-            "generation": pending.plan.generation,
-            "planning_seconds": pending.planning_seconds,
-            "migration_seconds": ack.migration_seconds,
-            "migration_bytes": ack.migration_bytes,
-        }
         secs = "?" if ack.migration_seconds is None else f"{ack.migration_seconds:.2f}"
         moved = "?" if ack.migration_bytes is None else f"{ack.migration_bytes / MIB:.1f}"
         await self._emit(
-            EventKind.MIGRATED,
             f"trainers run generation {pending.plan.generation} from step {ack.step}: "
             f"migrated {moved} MiB in {secs} s",
-            ack.to_dict(),
+            Migrated(
+                pending.plan.generation,
+                ack.step,
+                ack.migration_seconds,
+                ack.migration_bytes,
+                pending.plan,
+                pending.reason,
+                pending.planning_seconds,
+            ),
         )
 
     async def _adopt_if_seen(self, obs: Observation) -> None:
@@ -387,18 +378,17 @@ class Controller:
         """A shift that must wait: reported once per wait, then re-examined every step."""
         if not self._deferral_reported:
             self._deferral_reported = True
-            await self._emit(EventKind.REPLAN_SKIPPED, f"{why} ({shift.reason})", shift.to_dict())
+            await self._emit(f"{why} ({shift.reason})", ReplanSkipped(why, shift=shift))
 
-    async def _fail(self, message: str, data: dict[str, Any] | None = None) -> None:
+    async def _fail(self, message: str, violations: list[str] | None = None) -> None:
         self._retry_at = self.clock() + self.policy.cooldown_seconds
         self._deferral_reported = False
-        await self._emit(EventKind.REPLAN_FAILED, message, data or {})
+        await self._emit(message, ReplanFailed(message, tuple(violations or ())))
 
-    async def _emit(self, kind: EventKind, message: str, data: dict[str, Any]) -> None:
-        event = DecisionEvent(
-            kind=kind, step=self.last_step, time=self.clock(), message=message, data=data
-        )
-        self._history.append(event.to_dict())
+    async def _emit(self, message: str, data: EventData) -> None:
+        event = DecisionEvent(step=self.last_step, time=self.clock(), message=message, data=data)
+        kind = event.kind
+        self._history.append(event)
         log.info("%s at step %d: %s", kind.value, self.last_step, message)
         if self.on_event is None:
             return

@@ -16,11 +16,11 @@ import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-from types import ModuleType
 from typing import Protocol
 
 from malleus.planner.plan import Plan
 from malleus.planner.problem import PlanningProblem
+from malleus.planner.search import plan as search_plan
 
 __all__ = ["Planner", "PlanningTimeout", "default_planner", "run_planner"]
 
@@ -35,35 +35,9 @@ class PlanningTimeout(TimeoutError):
     """The planner did not answer within its budget."""
 
 
-def _search() -> Planner | None:
-    """The planner's search: `malleus.planner.plan` when the package exports the function (the
-    name is also that of the `malleus.planner.plan` module, hence the check), else
-    `malleus.planner.search.plan`; None when neither exists."""
-    import malleus.planner as planner_pkg
-
-    fn = getattr(planner_pkg, "plan", None)
-    if callable(fn) and not isinstance(fn, ModuleType):
-        return fn  # type: ignore[no-any-return]
-    try:
-        from malleus.planner.search import plan as search_plan
-    except ImportError:
-        return None
-    return search_plan
-
-
 def default_planner(problem: PlanningProblem, *, time_limit: float | None = None) -> Plan:
-    """The planner's search when available; else the static uniform layout (rates ignored)."""
-    search = _search()
-    if search is not None:
-        return search(problem, time_limit=time_limit)
-    from malleus.planner.cost import uniform_plan
-
-    plan = uniform_plan(problem)
-    if plan is None:
-        raise RuntimeError(
-            "no uniform layout fits this problem, and no planner search is installed"
-        )
-    return plan
+    """The planner's search (`malleus.planner.search.plan`)."""
+    return search_plan(problem, time_limit=time_limit)
 
 
 async def run_planner(

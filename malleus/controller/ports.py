@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from malleus.planner.plan import Plan
 
@@ -40,14 +40,6 @@ class Ack:
     """First step that runs under the new plan (or the step at which the switch was seen)."""
     migration_seconds: float | None
     migration_bytes: float | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "generation": self.generation,
-            "step": self.step,
-            "migration_seconds": self.migration_seconds,
-            "migration_bytes": self.migration_bytes,
-        }
 
 
 class PlanRejected(RuntimeError):

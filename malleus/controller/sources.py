@@ -1,22 +1,20 @@
 """The trainers' own HTTP endpoint as RateSource and PlanSink (DESIGN §4.4).
 
-`TrainerScrapeSource` reads the coordinator's `GET /metrics` (it publishes every rank's rate);
-`HttpPlanSink` posts plans to `POST /plan` and polls `GET /status` for the switch. Plain urllib
-in a worker thread: the local runner has no aiohttp, and the controller must not import the
-trainer package (imports run operator -> controller -> planner; the trainer only shares the
-Plan contract). The exposition text is parsed by prometheus-client's own parser.
+`TrainerScrapeSource` reads the coordinator's `GET /metrics` (it publishes every rank's rate,
+and its series tell "not measured yet" from "failed", which `/status` does not need to);
+`HttpPlanSink` posts plans to `POST /plan` and polls `GET /status` for the switch. Both go
+through `malleus.job.control.AsyncControlClient`, the one client of the control API; the
+exposition text is parsed by prometheus-client's own parser.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
-import urllib.error
-import urllib.request
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable
 
+from malleus.errors import BadInput
+from malleus.job.control import AsyncControlClient, ControlError, ControlStatus
 from malleus.planner.plan import Plan
 
 from .ports import Ack, AckTimeout, Observation, PlanRejected
@@ -65,53 +63,21 @@ def observation_from_metrics(text: str, job: str | None = None) -> Observation |
     )
 
 
-def ack_from_status(status: Mapping[str, Any], generation: int) -> Ack | None:
-    """An Ack if the trainer's /status shows `generation` (or newer) in force, else None.
+def ack_from_status(status: ControlStatus, generation: int) -> Ack | None:
+    """An Ack if the trainers' status shows `generation` (or newer) in force, else None.
 
-    Raises PlanRejected when the trainer reports that applying this generation failed.
-    Reads the metrics snapshot's keys (`plan_generation`, `step`, `migration.{seconds,bytes}`)
-    and the plan inbox's (`current_generation`, `last_error`), whichever are present.
+    Raises PlanRejected when the trainers report that applying this generation failed. The
+    migration figures are the last switch's when it is the switch to the generation in force.
     """
-    current = status.get("current_generation", status.get("plan_generation"))
-    if current is None:
-        current = status.get("generation", -1)
-    error = status.get("last_error")
-    if isinstance(error, str) and error.startswith(f"generation {generation}:"):
-        raise PlanRejected(500, error)
-    if int(current) < generation:
+    failure = status.last_failure
+    if failure is not None and failure.generation == generation:
+        raise PlanRejected(500, f"generation {generation}: {failure.reason}")
+    if status.generation < generation:
         return None
-    migration = status.get("migration") or {}
-    return Ack(
-        generation=int(current),
-        step=int(status.get("step") or 0),
-        migration_seconds=migration.get("seconds", status.get("migration_seconds")),
-        migration_bytes=migration.get("bytes", status.get("migration_bytes")),
-    )
-
-
-class _Http:
-    """Blocking urllib calls, run in a worker thread so the event loop keeps running."""
-
-    def __init__(self, base_url: str, token: str | None, timeout: float) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.token = token
-        self.timeout = timeout
-
-    def _call(self, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
-        req = urllib.request.Request(self.base_url + path, data=body, method=method)
-        if body is not None:
-            req.add_header("Content-Type", "application/json")
-        if self.token:
-            req.add_header("Authorization", f"Bearer {self.token}")
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                return resp.status, resp.read()
-        except urllib.error.HTTPError as e:
-            with e:
-                return e.code, e.read()
-
-    async def call(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
-        return await asyncio.to_thread(self._call, method, path, body)
+    m = status.last_migration
+    if m is not None and m.generation == status.generation:
+        return Ack(status.generation, m.step, m.seconds, float(m.bytes))
+    return Ack(status.generation, status.step, None, None)
 
 
 class TrainerScrapeSource:
@@ -127,7 +93,7 @@ class TrainerScrapeSource:
         timeout: float = 10.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
-        self._http = _Http(url, token, timeout)
+        self.client = AsyncControlClient(url, token, timeout=timeout)
         self.job = job
         self.interval = interval
         self._sleep = sleep
@@ -135,10 +101,7 @@ class TrainerScrapeSource:
 
     async def read(self) -> Observation | None:
         while True:
-            code, raw = await self._http.call("GET", "/metrics")
-            if code != 200:
-                raise RuntimeError(f"GET /metrics answered {code}: {raw[:200]!r}")
-            obs = observation_from_metrics(raw.decode(), self.job)
+            obs = observation_from_metrics(await self.client.metrics_text(), self.job)
             if obs is not None and obs.step > self._last_step:
                 self._last_step = obs.step
                 return obs
@@ -156,29 +119,34 @@ class HttpPlanSink:
         poll_seconds: float = 0.5,
         timeout: float = 10.0,
     ) -> None:
-        self._http = _Http(url, token, timeout)
+        self.client = AsyncControlClient(url, token, timeout=timeout)
         self.poll_seconds = poll_seconds
 
     async def publish(self, plan: Plan) -> int:
-        code, raw = await self._http.call("POST", "/plan", plan.model_dump_json().encode())
+        """POST /plan; a refusal (400, 401, 409, ...) is PlanRejected, silence a ControlError."""
         try:
-            body = json.loads(raw)
-        except ValueError:
-            body = {"error": raw.decode(errors="replace")}
-        if code in (200, 201, 202):
-            return int(body.get("generation", plan.generation))
-        reasons = body.get("reasons") or []
-        raise PlanRejected(code, "; ".join([str(body.get("error", "")), *map(str, reasons)]))
+            return await self.client.post_plan(plan)
+        except BadInput as e:
+            raise PlanRejected(400, "; ".join(map(str, e.faults))) from e
+        except ControlError as e:
+            if e.code is None:
+                raise
+            raise PlanRejected(e.code, str(e)) from e
 
     async def wait_applied(self, generation: int, timeout: float) -> Ack:
+        """Poll /status until `generation` is in force; an endpoint that does not answer for a
+        moment (a busy pod) is polled again until the deadline."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        unreachable: ControlError | None = None
         while True:
-            code, raw = await self._http.call("GET", "/status")
-            if code == 200:
-                ack = ack_from_status(json.loads(raw), generation)
-                if ack is not None:
-                    return ack
+            try:
+                ack = ack_from_status(await self.client.status(), generation)
+            except ControlError as e:
+                ack, unreachable = None, e
+            if ack is not None:
+                return ack
             if loop.time() >= deadline:
-                raise AckTimeout(f"generation {generation} not in force after {timeout:g} s")
+                why = f" (last error: {unreachable})" if unreachable is not None else ""
+                raise AckTimeout(f"generation {generation} not in force after {timeout:g} s{why}")
             await asyncio.sleep(min(self.poll_seconds, max(0.0, deadline - loop.time())))

@@ -1,26 +1,34 @@
-"""`malleus plan PROBLEM.json [-o PLAN.json]`: plan, print a readable summary, write the Plan.
+"""The planner's half of `malleus plan`: `--rates` what-ifs, a readable table, the Plan file.
 
-Bad input (a missing file, broken JSON, an invalid or unplannable problem) exits with status 2
-and one line per fault, never a traceback: the command is used by people and by scripts.
+`malleus plan` (in `malleus/cli.py`) reads the file, since a MalleusJob manifest needs the job
+package, which the planner may not import; everything that needs only the planner is here.
+Bad input raises `BadInput` naming the field or the option (`rates.3`, `--rates`, `--output`).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
+
+from malleus.errors import BadInput
 
 from .cost import group_rate, uniform_plan
 from .plan import Plan
-from .problem import PlanningProblem, ProblemError
-from .search import plan
+from .problem import PlanningProblem
 
-__all__ = ["format_ranks", "plan_main", "summary"]
+__all__ = [
+    "check_ranks",
+    "format_ranks",
+    "load_problem",
+    "parse_rates",
+    "show_plan",
+    "summary",
+    "with_rates",
+]
 
 _MAX_PIPELINES = 32  # beyond this the table shows the first ones and counts the rest
+_UNUSABLE = ("failed", "null")
 
 
 def format_ranks(ranks: list[int]) -> str:
@@ -95,45 +103,83 @@ def summary(problem: PlanningProblem, result: Plan) -> str:
     return "\n".join(lines)
 
 
-def _fail(err: TextIO, faults: list[str]) -> int:
-    print("malleus plan: cannot plan:", file=err)
-    for f in faults:
-        print(f"  {f}", file=err)
-    return 2
+def parse_rates(text: str) -> dict[int, float | None]:
+    """``3=2.5,17=failed`` -> ``{3: 2.5, 17: None}``: what-if rates, `failed`/`null` unusable.
+
+    Every malformed entry is a fault on ``--rates`` (a rate is a slowdown: at least 1.0).
+    """
+    rates: dict[int, float | None] = {}
+    faults: list[str] = []
+    for entry in (e.strip() for e in text.split(",")):
+        rank_text, sep, rate_text = entry.partition("=")
+        try:
+            rank = int(rank_text)
+            if not sep or rank < 0:
+                raise ValueError
+        except ValueError:
+            faults.append(f"{entry!r}: expected RANK=RATE, e.g. 3=2.5 or 17=failed")
+            continue
+        if rate_text.strip().lower() in _UNUSABLE:
+            rates[rank] = None
+            continue
+        try:
+            rate = float(rate_text)
+        except ValueError:
+            rate = math.nan
+        if not (math.isfinite(rate) and rate >= 1.0):
+            faults.append(f"{entry!r}: a rate is a slowdown >= 1.0, or failed")
+        else:
+            rates[rank] = rate
+    if faults:
+        raise BadInput.one("--rates", "; ".join(faults), what="arguments")
+    return rates
 
 
-def plan_main(
-    args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None
-) -> int:
-    """Entry of `malleus plan`: 0 on success, 2 on bad input (message, no traceback)."""
-    out = out or sys.stdout
-    err = err or sys.stderr
-    path = Path(args.problem)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        return _fail(err, [f"{path}: {e.strerror or e}"])
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        return _fail(err, [f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}"])
-    if not isinstance(data, dict):
-        return _fail(
-            err, [f"{path}: a PlanningProblem is a JSON object, not {type(data).__name__}"]
+def check_ranks(rates: dict[int, float | None], world: int) -> None:
+    """`BadInput` on ``--rates`` naming ranks a job of `world` GPUs does not have."""
+    outside = sorted(r for r in rates if r >= world)
+    if outside:
+        raise BadInput.one(
+            "--rates",
+            f"rank{'s' if len(outside) > 1 else ''} {format_ranks(outside)} beyond the "
+            f"{world} GPUs (ranks 0-{world - 1})",
+            what="arguments",
         )
+
+
+def with_rates(problem: PlanningProblem, rates: dict[int, float | None]) -> PlanningProblem:
+    """`problem` with `rates` laid over its own, validated again (an all-failed cluster, say)."""
+    if not rates:
+        return problem
+    return PlanningProblem.load({**dict(problem), "rates": {**problem.rates, **rates}})
+
+
+def load_problem(
+    data: str | dict[str, Any], source: str, rates: dict[int, float | None] | None = None
+) -> PlanningProblem:
+    """A PlanningProblem from JSON text or a mapping, with what-if `rates` (ranks checked on
+    ``--rates``); faults of the problem name `source`."""
     try:
         problem = PlanningProblem.load(data)
-        result = plan(problem)
-    except ProblemError as e:
-        return _fail(err, [f"{path}: {f}" for f in e.faults])
+    except BadInput as error:
+        raise BadInput(error.faults, source, what=error.what) from None
+    check_ranks(rates or {}, problem.world)
+    try:
+        return with_rates(problem, rates or {})
+    except BadInput as error:
+        raise BadInput(error.faults, source, what=error.what) from None
+
+
+def show_plan(problem: PlanningProblem, result: Plan, output: str | None, out: TextIO) -> None:
+    """Print the table; write the Plan JSON to `output` (`BadInput` on ``--output`` if it fails)."""
     print(summary(problem, result), file=out)
-    output = getattr(args, "output", None)
-    if output:
-        try:
-            Path(output).write_text(result.to_json() + "\n")
-        except OSError as e:
-            return _fail(err, [f"{output}: {e.strerror or e}"])
-        print(f"plan written to {output}", file=out)
-    else:
+    if not output:
         print("(use -o PLAN.json to write the plan)", file=out)
-    return 0
+        return
+    try:
+        Path(output).write_text(result.to_json() + "\n")
+    except OSError as error:
+        raise BadInput.one(
+            "--output", f"{output}: {error.strerror or error}", what="arguments"
+        ) from None
+    print(f"plan written to {output}", file=out)

@@ -11,15 +11,46 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-__all__ = ["MemorySpec", "ModelSpec", "PlanningProblem", "ProblemError", "validation_faults"]
+from malleus.errors import BadInput, Fault
+
+__all__ = [
+    "MAX_GPUS",
+    "MAX_LAYERS",
+    "MAX_MICRO_BATCHES",
+    "MAX_RATE",
+    "MemorySpec",
+    "ModelSpec",
+    "PlanningProblem",
+    "ProblemError",
+    "validation_faults",
+]
+
+MAX_RATE = 1000.0
+"""Largest straggling rate the planner takes: a GPU 1000x slower than healthy does no useful
+work (give null for unusable), and unbounded figures (1e307) overflow the cost model.
+`malleus.job.ResolvedJob.problem` clips measured rates to it; a problem written by hand that
+exceeds it is refused."""
+MAX_GPUS = 65536
+"""Largest cluster (nodes x gpus_per_node) planned: bounds the search's time and memory."""
+MAX_LAYERS = 4096
+"""Most layers a model may have (the largest public models have ~200)."""
+MAX_MICRO_BATCHES = 1_000_000
+"""Most micro-batches per step: the micro-batch solver's work grows with it."""
 
 
-class ProblemError(ValueError):
-    """A planning problem that cannot be planned; `faults` holds one message per fault."""
+def _as_fault(text: str) -> Fault:
+    """`"rates.3: must be >= 1"` -> Fault("rates.3", "must be >= 1"); no path -> Fault("", text)."""
+    path, sep, message = text.partition(": ")
+    if sep and path and " " not in path:
+        return Fault(path, message)
+    return Fault("", text)
 
-    def __init__(self, faults: list[str]) -> None:
-        self.faults = list(faults)
-        super().__init__("invalid planning problem:\n" + "\n".join(f"  - {f}" for f in faults))
+
+class ProblemError(BadInput):
+    """A planning problem that cannot be planned; one fault per problem (`BadInput`)."""
+
+    def __init__(self, faults: list[str], source: str | None = None) -> None:
+        super().__init__([_as_fault(f) for f in faults], source, what="PlanningProblem")
 
 
 class _Strict(BaseModel):
@@ -137,6 +168,11 @@ def problem_faults(p: PlanningProblem) -> list[str]:
         faults.append(f"nodes: {p.nodes} is not allowed; need at least 1")
     if p.gpus_per_node < 1:
         faults.append(f"gpus_per_node: {p.gpus_per_node} is not allowed; need at least 1")
+    if p.nodes * p.gpus_per_node > MAX_GPUS:
+        faults.append(
+            f"nodes: {p.nodes} x gpus_per_node {p.gpus_per_node} = {p.nodes * p.gpus_per_node} "
+            f"GPUs; at most {MAX_GPUS} are planned"
+        )
     tp = p.model.tp
     if tp < 1 or tp & (tp - 1):
         faults.append(f"model.tp: {tp} is not a power of two (allowed: 1, 2, 4, 8, ...)")
@@ -145,28 +181,32 @@ def problem_faults(p: PlanningProblem) -> list[str]:
             f"model.tp: {tp} does not divide gpus_per_node ({p.gpus_per_node}); "
             "a TP group must fit in one node"
         )
-    if p.model.layers < 1:
-        faults.append(f"model.layers: {p.model.layers} is not allowed; need at least 1")
+    if not 1 <= p.model.layers <= MAX_LAYERS:
+        faults.append(f"model.layers: {p.model.layers} is not allowed; need 1..{MAX_LAYERS}")
     if p.model.alpha is not None:
         for k, a in enumerate(p.model.alpha):
             if not (math.isfinite(a) and a > 0):
                 faults.append(f"model.alpha[{k}]: {a} is not allowed; need a finite number > 0")
-    if p.micro_batches < 1:
-        faults.append(f"micro_batches: {p.micro_batches} is not allowed; need at least 1")
+    if not 1 <= p.micro_batches <= MAX_MICRO_BATCHES:
+        faults.append(
+            f"micro_batches: {p.micro_batches} is not allowed; need 1..{MAX_MICRO_BATCHES}"
+        )
     world = p.nodes * p.gpus_per_node
+    if world > MAX_GPUS:
+        return faults  # the per-rank checks below would walk every rank
     for rank, rate in sorted(p.rates.items()):
         if not 0 <= rank < world:
             faults.append(
                 f"rates[{rank}]: rank {rank} is out of range; ranks are 0..{world - 1} "
                 f"({p.nodes} nodes x {p.gpus_per_node} GPUs)"
             )
-        if rate is not None and not (math.isfinite(rate) and rate >= 1.0):
+        if rate is not None and not (math.isfinite(rate) and 1.0 <= rate <= MAX_RATE):
             faults.append(
-                f"rates[{rank}]: {rate} is not allowed; a straggling rate is a finite number "
-                ">= 1.0 (1.0 = healthy), or null for an unusable GPU"
+                f"rates[{rank}]: {rate} is not allowed; a straggling rate is a number from 1.0 "
+                f"(healthy) to {MAX_RATE:g}, or null for an unusable GPU"
             )
-    if p.dp is not None and p.dp < 1:
-        faults.append(f"dp: {p.dp} is not allowed; need at least 1 pipeline (or null to choose)")
+    if p.dp is not None and not 1 <= p.dp <= max(world, 1):
+        faults.append(f"dp: {p.dp} is not allowed; need 1..{world} pipelines (or null to choose)")
     if p.memory is not None:
         for name in ("capacity_mb", "layer_mb", "activation_mb", "embedding_mb", "fixed_mb"):
             v = getattr(p.memory, name)
@@ -183,7 +223,7 @@ def validation_faults(e: ValidationError) -> list[str]:
     for err in e.errors():
         inner = (err.get("ctx") or {}).get("error")
         if isinstance(inner, ProblemError):
-            faults.extend(inner.faults)
+            faults.extend(f"{f.path}: {f.message}" if f.path else f.message for f in inner.faults)
             continue
         loc = ".".join(str(x) for x in err["loc"]) or "(root)"
         faults.append(f"{loc}: {err['msg']}")

@@ -6,19 +6,21 @@ each message names where the fault is (pipeline, stage, field) and what is expec
 
 from __future__ import annotations
 
+from malleus.errors import BadInput
+
 from .cost import stage_memory_mb
 from .plan import Plan
-from .problem import PlanningProblem
+from .problem import PlanningProblem, _as_fault
 
 __all__ = ["PlanError", "check_plan", "validate_plan"]
 
 
-class PlanError(ValueError):
+class PlanError(BadInput):
     """A plan that breaks the contract; `violations` holds one message per fault."""
 
-    def __init__(self, violations: list[str]) -> None:
+    def __init__(self, violations: list[str], source: str | None = None) -> None:
         self.violations = list(violations)
-        super().__init__("invalid plan:\n" + "\n".join(f"  - {v}" for v in violations))
+        super().__init__([_as_fault(v) for v in violations], source, what="plan")
 
 
 def validate_plan(problem: PlanningProblem, plan: Plan) -> list[str]:

@@ -8,35 +8,29 @@ Torch-free: the trainers run in their own processes; only they import torch.
 """
 
 from .cli import add_arguments, main, run
-from .prepare import BadRunInput, Mode, Prepared, RunOptions, prepare
+from .prepare import LocalRunOptions, Mode, Prepared, prepare
 from .progress import Progress, ProgressState, bar_text, line_text
 from .record import PlanSwitch, RunRecord, StepRecord, parse_step_line
 from .report import RunFacts, build_report, plan_changes, summary_text
-from .resources import Machine, check_resources, job_needs, probe_machine
 
 __all__ = [
-    "BadRunInput",
-    "Machine",
+    "LocalRunOptions",
     "Mode",
     "PlanSwitch",
     "Prepared",
     "Progress",
     "ProgressState",
     "RunFacts",
-    "RunOptions",
     "RunRecord",
     "StepRecord",
     "add_arguments",
     "bar_text",
     "build_report",
-    "check_resources",
-    "job_needs",
     "line_text",
     "main",
     "parse_step_line",
     "plan_changes",
     "prepare",
-    "probe_machine",
     "run",
     "summary_text",
 ]

@@ -16,10 +16,12 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from .prepare import MODES, BadRunInput, Prepared, RunOptions, ideal_step_seconds, prepare
+from malleus.job import BadInput
+from malleus.job.resources import Machine
+
+from .prepare import MODES, LocalRunOptions, Prepared, ideal_step_seconds, prepare
 from .progress import Progress
 from .report import RunFacts, build_report, summary_text
-from .resources import Machine
 from .session import Outcome, Session
 
 __all__ = ["add_arguments", "main", "make_report", "run", "write_json"]
@@ -54,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    options = RunOptions(
+    options = LocalRunOptions(
         job=args.job,
         mode=args.mode,
         steps=args.steps,
@@ -92,13 +94,13 @@ def write_json(obj: Any, path: str | Path) -> Path:
 def make_report(
     prepared: Prepared, session: Session, outcome: Outcome, started: str, command: str
 ) -> dict[str, Any]:
-    spec = prepared.job.spec
+    job = prepared.job
     facts = RunFacts(
-        job=prepared.job.metadata.name,
+        job=job.name,
         mode=prepared.options.mode,
-        nodes=spec.nodes,
-        gpus_per_node=spec.gpus_per_node,
-        tp=spec.parallelism.tp,
+        nodes=job.nodes,
+        gpus_per_node=job.gpus_per_node,
+        tp=job.tp,
         tokens_per_step=prepared.tokens_per_step,
         window_steps=prepared.policy.window_steps,
         total_steps=prepared.total_steps,
@@ -122,7 +124,7 @@ def make_report(
 
 
 def run(
-    options: RunOptions,
+    options: LocalRunOptions,
     *,
     out: TextIO | None = None,
     err: TextIO | None = None,
@@ -134,8 +136,8 @@ def run(
     err = err or sys.stderr
     try:
         prepared = prepare(options, machine)
-    except BadRunInput as e:
-        print(f"malleus run: {e}", file=err)
+    except BadInput as e:
+        print(e, file=err)
         return 2
     except KeyboardInterrupt:
         return 130

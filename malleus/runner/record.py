@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from malleus.controller.ports import Observation, RateSource
+from malleus.job import INITIAL_GENERATION, StragglerPolicy
 
 __all__ = [
     "PlanSwitch",
@@ -103,14 +104,21 @@ class PlanSwitch:
 class RunRecord:
     """Thread-safe accumulator of step records and plan switches (stdout thread + event loop)."""
 
-    def __init__(self, tokens_per_step: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        tokens_per_step: int,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        initial_generation: int = INITIAL_GENERATION,
+    ) -> None:
         self.tokens_per_step = tokens_per_step
         self._clock = clock
         self.started = clock()
         self._lock = threading.Lock()
         self._steps: dict[int, StepRecord] = {}
-        self._switches: dict[int, PlanSwitch] = {0: PlanSwitch(0, 0)}
-        self.last_generation = 0
+        self._initial = PlanSwitch(initial_generation, 0)
+        self._switches: dict[int, PlanSwitch] = {initial_generation: self._initial}
+        self.last_generation = initial_generation
         """The newest generation the trainers reported (scrapes and acknowledgements)."""
         self.total_steps: int | None = None
 
@@ -155,7 +163,7 @@ class RunRecord:
 
     def generation_at(self, index: int) -> int:
         """The plan generation step `index` ran under (the newest switch at or before it)."""
-        best = 0
+        best = self._initial.generation
         for s in self.switches():
             if s.step <= index:
                 best = max(best, s.generation)
@@ -204,11 +212,10 @@ class RunRecord:
 class RecordingSource:
     """A RateSource that records every observation on its way to the controller.
 
-    It also shields the controller from what is not news. The first `warmup_steps` steps under
-    each plan (a fresh launch, or right after a switch) pay one-off costs (imports, allocations,
-    new groups) that look like stragglers: they are recorded, not passed on. A failed read while
-    the trainers run (rank 0 busy, or between steps at the very end) is retried quietly for up to
-    `patience` seconds; once the trainers are gone (`ended()`), the source ends instead.
+    A failed read while the trainers run (rank 0 busy, or between steps at the very end) is
+    retried quietly for up to `patience` seconds; once the trainers are gone (`ended()`), the
+    source ends instead. (The warm-up steps after a launch or a switch are passed on: the
+    controller itself ignores them, in the cluster as here.)
     """
 
     def __init__(
@@ -217,20 +224,14 @@ class RecordingSource:
         record: RunRecord,
         ended: Callable[[], bool],
         *,
-        warmup_steps: int = 2,
         retry_seconds: float = 0.2,
         patience: float = 60.0,
     ) -> None:
         self.inner = inner
         self.record = record
         self.ended = ended
-        self.warmup_steps = warmup_steps
         self.retry_seconds = retry_seconds
         self.patience = patience
-
-    def _warming_up(self, obs: Observation) -> bool:
-        started = {s.generation: s.step for s in self.record.switches()}.get(obs.generation)
-        return started is not None and (obs.step - 1) - started < self.warmup_steps
 
     async def read(self) -> Observation | None:
         failing_since: float | None = None
@@ -250,10 +251,11 @@ class RecordingSource:
             if obs is None:
                 return None
             self.record.add_observation(obs)
-            if not self._warming_up(obs):
-                return obs
+            return obs
 
 
-def stragglers(rates: Mapping[int, float | None], threshold: float) -> dict[int, float | None]:
-    """The stragglers among `rates`: at or above `threshold`, or unusable (None)."""
-    return {r: v for r, v in sorted(rates.items()) if v is None or v >= threshold}
+def stragglers(
+    rates: Mapping[int, float | None], policy: StragglerPolicy
+) -> dict[int, float | None]:
+    """The stragglers among `rates`, by the policy's one definition."""
+    return {r: v for r, v in sorted(rates.items()) if policy.is_straggler(v)}

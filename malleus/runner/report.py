@@ -10,10 +10,19 @@ of the predicted throughput the new plan delivered.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from malleus.controller.events import (
+    DecisionEvent,
+    Replanned,
+    ReplanSkipped,
+    StragglerDetected,
+    plan_summary,
+)
 
 from .record import PlanSwitch
 
@@ -54,6 +63,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _finite(x: float) -> float | None:
+    """A cost-model step time, None when infinite (a plan that cannot run), as in its JSON."""
+    return x if math.isfinite(x) else None
+
+
 def generation_segments(rows: Sequence[Mapping[str, Any]], tokens_per_step: int) -> list[dict]:
     """Per plan generation: its steps, mean tokens/s (tokens over summed step time), median step."""
     by_gen: dict[int, list[Mapping[str, Any]]] = {}
@@ -75,35 +89,34 @@ def generation_segments(rows: Sequence[Mapping[str, Any]], tokens_per_step: int)
     return out
 
 
-def _events_of(events: Sequence[Mapping[str, Any]], kind: str) -> list[Mapping[str, Any]]:
-    return [e for e in events if e.get("kind") == kind]
-
-
 def plan_changes(
-    events: Sequence[Mapping[str, Any]],
+    events: Sequence[DecisionEvent],
     switches: Sequence[PlanSwitch],
     rows: Sequence[Mapping[str, Any]],
     window_steps: int,
 ) -> list[dict[str, Any]]:
     """Every applied plan change, from the controller's events and the observed switches."""
     applied = {s.generation: s for s in switches}
-    detections = _events_of(events, "StragglerDetected")
+    detections = [e for e in events if isinstance(e.data, StragglerDetected)]
     # Any report of a shift, deferred ones (cooldown) included: each ends a clean stretch.
-    shifts = [e for e in events if "causes" in (e.get("data") or {})]
+    shifts = detections + [
+        e for e in events if isinstance(e.data, ReplanSkipped) and e.data.shift is not None
+    ]
     changes = []
-    for ev in _events_of(events, "Replanned"):
-        gen = int(ev["data"]["generation"])
-        decision = ev["data"].get("decision") or {}
+    for ev in events:
+        if not isinstance(ev.data, Replanned):
+            continue
+        gen, decision = ev.data.generation, ev.data.decision
         shift = max(
-            (d for d in detections if d["step"] <= ev["step"]),
-            key=lambda d: d["step"],
+            (d for d in detections if d.step <= ev.step),
+            key=lambda d: d.step,
             default=None,
         )
-        later = [d for d in shifts if d["step"] > ev["step"]]
+        later = sorted(d.step for d in shifts if d.step > ev.step)
         switch = applied.get(gen)
         step = switch.step if switch is not None else None
         # Clean steps: under this plan, after its first step, before the next shift could begin.
-        end = later[0]["step"] - window_steps if later else None
+        end = later[0] - window_steps if later else None
         clean = [
             r["seconds"]
             for r in rows
@@ -114,21 +127,22 @@ def plan_changes(
             and r.get("seconds")
         ]
         measured = _median(clean)
-        old_units, new_units = decision.get("old_units"), decision.get("new_units")
-        predicted_s = decision.get("new_seconds")
+        predicted_s = decision.new_seconds
         changes.append(
             {
                 "generation": gen,
-                "decided_at_step": ev["step"],
+                "decided_at_step": ev.step,
                 "step_applied": step,
-                "reason": shift["message"] if shift is not None else ev["message"],
-                "decision": ev["message"],
-                "plan": ev["data"].get("plan"),
-                "planning_seconds": decision.get("planning_seconds"),
+                "reason": shift.message if shift is not None else ev.message,
+                "decision": ev.message,
+                "plan": plan_summary(ev.data.plan),
+                "planning_seconds": decision.planning_seconds,
                 "migration_seconds": switch.migration_seconds if switch else None,
                 "migration_bytes": switch.migration_bytes if switch else None,
-                "predicted_speedup": _ratio(old_units, new_units),
-                "measured_speedup": _ratio(decision.get("old_seconds"), measured),
+                "predicted_speedup": _ratio(
+                    _finite(decision.old_units), _finite(decision.new_units)
+                ),
+                "measured_speedup": _ratio(decision.old_seconds, measured),
                 "predicted_step_seconds": predicted_s,
                 "measured_step_seconds": measured,
                 "measured_steps": len(clean),
@@ -142,7 +156,7 @@ def build_report(
     facts: RunFacts,
     rows: Sequence[Mapping[str, Any]],
     switches: Sequence[PlanSwitch],
-    events: Sequence[Mapping[str, Any]],
+    events: Sequence[DecisionEvent],
     *,
     initial_plan: Mapping[str, Any] | None = None,
     ideal_step_seconds: Sequence[float] | None = None,
@@ -183,7 +197,7 @@ def build_report(
         "generations": generation_segments(rows, facts.tokens_per_step),
         "plan_changes": plan_changes(events, switches, rows, facts.window_steps),
         "switches": [asdict(s) for s in switches],
-        "events": list(events),
+        "events": [e.to_dict() for e in events],
         "per_step": list(rows),
     }
 

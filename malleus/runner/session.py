@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from malleus.controller import Controller, DecisionEvent, EventKind, TrainerScrapeSource
+from malleus.job.control import AsyncControlClient
 
-from .endpoint import Endpoint
 from .prepare import Prepared
 from .processes import RankExited, TrainerProcesses
 from .progress import Progress, ProgressState
@@ -37,7 +37,7 @@ class Outcome:
 
     code: int = 0
     reason: str = "completed"
-    history: list[dict[str, Any]] = field(default_factory=list)
+    history: list[DecisionEvent] = field(default_factory=list)
     wall_seconds: float = 0.0
 
 
@@ -47,7 +47,9 @@ class Session:
     def __init__(self, prepared: Prepared, progress: Progress) -> None:
         self.prepared = prepared
         self.progress = progress
-        self.record = RunRecord(prepared.tokens_per_step)
+        self.record = RunRecord(
+            prepared.tokens_per_step, initial_generation=prepared.plan.generation
+        )
         self.record.total_steps = prepared.total_steps
         self.procs = TrainerProcesses(prepared.launch, self._on_line)
         self.controller: Controller | None = None
@@ -111,10 +113,10 @@ class Session:
         p = self.prepared
         self.procs.start(p.workdir / "plans" / f"gen-{p.plan.generation}.json")
         self.progress.message(
-            f"malleus run {p.job.metadata.name} ({p.options.mode}): {p.world} trainer processes, "
+            f"malleus run {p.job.name} ({p.options.mode}): {p.world} trainer processes, "
             f"control on {self.procs.url}, logs in {p.workdir / 'logs'}"
         )
-        endpoint = Endpoint(self.procs.url, p.token)
+        endpoint = AsyncControlClient(self.procs.url, p.token)
         outcome = await self._wait_ready(endpoint, p.options.init_timeout + 120.0)
         if outcome is not None:
             return outcome
@@ -130,10 +132,10 @@ class Session:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await worker
 
-    async def _wait_ready(self, endpoint: Endpoint, timeout: float) -> Outcome | None:
+    async def _wait_ready(self, endpoint: AsyncControlClient, timeout: float) -> Outcome | None:
         """Until rank 0 serves its endpoint (every rank joined); an Outcome if that fails."""
         deadline = time.monotonic() + timeout
-        while not await endpoint.healthy():
+        while not await endpoint.healthz():
             stop = self._check()
             if stop is not None:
                 return stop
@@ -143,12 +145,12 @@ class Session:
             await asyncio.sleep(_TICK)
         return None
 
-    async def _decide(self, endpoint: Endpoint) -> None:
+    async def _decide(self, endpoint: AsyncControlClient) -> None:
         """The controller (live, restart) or a plain metrics reader (static)."""
         p = self.prepared
         source = RecordingSource(
             TrainerScrapeSource(
-                self.procs.url, p.token, job=p.job.metadata.name, interval=p.options.scrape_interval
+                self.procs.url, p.token, job=p.job.name, interval=p.options.scrape_interval
             ),
             self.record,
             self._ended,
@@ -234,7 +236,7 @@ class Session:
                 elapsed=time.monotonic() - self.record.started,
                 tokens_per_second=last.tokens_per_second if last else None,
                 generation=self.record.last_generation,
-                stragglers=stragglers(last.rates, p.policy.threshold) if last else {},
+                stragglers=stragglers(last.rates, p.policy) if last else {},
                 phase=self._phase,
             ),
             force=force,

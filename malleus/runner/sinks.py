@@ -1,7 +1,7 @@
 """How a local run switches plans: live (POST /plan, in-place migration) or by restarting.
 
-`LiveSink` is the controller's HTTP sink plus bookkeeping: once the trainers acknowledge, it
-reads which step the new plan took over at and what the migration cost. `RestartSink` is what
+`LiveSink` is the controller's HTTP sink plus bookkeeping: the trainers' acknowledgement says
+which step the new plan took over at and what the migration cost, and it goes into the record. `RestartSink` is what
 elastic frameworks (TorchElastic, DLRover) do instead: checkpoint, stop every process, relaunch
 all of them under the new plan and resume; its "migration" is the whole downtime, and its bytes
 the checkpoint written and read back. Same controller, same decisions: only the switch differs.
@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from malleus.controller.ports import Ack, AckTimeout, PlanRejected
 from malleus.controller.sources import HttpPlanSink
+from malleus.errors import BadInput
+from malleus.job.control import AsyncControlClient, ControlError
 from malleus.planner.plan import Plan
 
-from .endpoint import Endpoint
 from .processes import TrainerProcesses
 from .record import PlanSwitch, RunRecord
 
@@ -29,27 +29,7 @@ __all__ = [
     "RestartSink",
     "checkpoint_bytes",
     "latest_checkpoint_step",
-    "switch_from_status",
 ]
-
-
-def switch_from_status(
-    status: Mapping[str, Any], generation: int, fallback_step: int
-) -> PlanSwitch:
-    """The switch to `generation` as the trainer's /status reports its last migration
-    (`migration` or `last_migration`: {generation, step, seconds, bytes}); where it does not
-    name this generation's step, `fallback_step` (an upper bound: the step count when seen)."""
-    for key in ("last_migration", "migration"):
-        m = status.get(key)
-        if (
-            isinstance(m, Mapping)
-            and m.get("generation") == generation
-            and m.get("step") is not None
-        ):
-            return PlanSwitch(generation, int(m["step"]), m.get("seconds"), m.get("bytes"))
-    m = status.get("migration")
-    m = m if isinstance(m, Mapping) else {}
-    return PlanSwitch(generation, fallback_step, m.get("seconds"), m.get("bytes"))
 
 
 class LiveSink(HttpPlanSink):
@@ -57,22 +37,14 @@ class LiveSink(HttpPlanSink):
 
     def __init__(self, url: str, token: str, record: RunRecord, *, poll_seconds: float = 0.2):
         super().__init__(url, token, poll_seconds=poll_seconds)
-        self._endpoint = Endpoint(url, token)
         self._record = record
 
     async def wait_applied(self, generation: int, timeout: float) -> Ack:
         ack = await super().wait_applied(generation, timeout)
-        status = await self._endpoint.status() or {}
-        switch = switch_from_status(status, generation, ack.step)
-        self._record.add_switch(switch)
-        return Ack(
-            generation,
-            switch.step,
-            switch.migration_seconds
-            if switch.migration_seconds is not None
-            else ack.migration_seconds,
-            switch.migration_bytes if switch.migration_bytes is not None else ack.migration_bytes,
+        self._record.add_switch(
+            PlanSwitch(ack.generation, ack.step, ack.migration_seconds, ack.migration_bytes)
         )
+        return ack
 
 
 def latest_checkpoint_step(directory: Path) -> int | None:
@@ -107,7 +79,7 @@ class RestartSink:
     def __init__(
         self,
         procs: TrainerProcesses,
-        endpoint: Endpoint,
+        client: AsyncControlClient,
         record: RunRecord,
         plans_dir: Path,
         checkpoint_dir: Path,
@@ -117,7 +89,7 @@ class RestartSink:
         poll_seconds: float = 0.1,
     ) -> None:
         self.procs = procs
-        self.endpoint = endpoint
+        self.client = client
         self.record = record
         self.plans_dir = plans_dir
         self.checkpoint_dir = checkpoint_dir
@@ -136,13 +108,13 @@ class RestartSink:
         path.write_text(plan.to_json())
         self.procs.expect_exit = True  # before asking: the exits may come before the answer
         try:
-            code, body = await self.endpoint.call("POST", "/stop", {"checkpoint": True})
-        except OSError:
+            await self.client.stop(checkpoint=True)
+        except (BadInput, ControlError) as e:
             self.procs.expect_exit = False
-            raise
-        if code not in (200, 202):
-            self.procs.expect_exit = False
-            raise PlanRejected(code, f"POST /stop refused: {body}")
+            code = 400 if isinstance(e, BadInput) else e.code
+            if code is None:  # nothing answered: not a refusal
+                raise
+            raise PlanRejected(code, f"POST /stop refused: {e}") from e
         deadline = time.monotonic() + self.stop_timeout
         while self.procs.running():
             if time.monotonic() > deadline:

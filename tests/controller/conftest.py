@@ -1,5 +1,7 @@
 """Shared pieces for the controller tests: a real MalleusJob, its problem builder, a planner.
 
+The builder is `ResolvedJob.problem`, the one every caller of the controller hands it.
+
 The planner here is deliberately simple and exact for what it does (one-stage pipelines, one
 per healthy TP group, micro-batches dealt greedily to whichever group finishes them soonest),
 so the tests depend on the controller's behaviour and not on the real search's tuning.
@@ -7,15 +9,14 @@ so the tests depend on the controller's behaviour and not on the real search's t
 
 from __future__ import annotations
 
-import functools
 import heapq
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
 
-from malleus.controller import ManualClock, SimulatedJob, StragglerPolicy, build_problem
-from malleus.jobspec import MalleusJob, load_job
+from malleus.controller import ManualClock, SimulatedJob
+from malleus.job import MalleusJob, ResolvedJob, StragglerPolicy, load_job
 from malleus.planner import Pipeline, Plan, PlanningProblem, Stage, uniform_plan
 from malleus.planner.cost import group_rate
 
@@ -98,7 +99,7 @@ def job() -> MalleusJob:
 def builder(
     job: MalleusJob,
 ) -> Callable[[Mapping[int, float | None], Plan | None], PlanningProblem]:
-    return functools.partial(build_problem, job)
+    return ResolvedJob.of(job).problem
 
 
 @pytest.fixture

@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from malleus.controller import MIB, MigrationModel, StragglerPolicy, decide
+from malleus.controller import MIB, MigrationModel, decide
+from malleus.job import StragglerPolicy
 from malleus.planner import Plan, plan_step_time
 
 from .conftest import TWO_STAGE, greedy_planner

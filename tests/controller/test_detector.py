@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from malleus.controller import Shift, ShiftDetector, StragglerPolicy
+from malleus.controller import Shift, ShiftDetector
+from malleus.job import StragglerPolicy
 
 POLICY = StragglerPolicy()  # threshold 1.2, hysteresis 0.3, window 5
 

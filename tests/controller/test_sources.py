@@ -1,8 +1,8 @@
 """TrainerScrapeSource and HttpPlanSink against the trainer's real control server.
 
-The server side is the trainer's own code (ControlServer, TrainerMetrics, PlanInbox, all
-torch-free); a thread stands in for the training loop's step boundary, taking plans from the
-inbox and reporting the switch, exactly as the coordinator will.
+The server side is the trainer's own code (ControlServer, TrainerMetrics, PlanInbox and the
+status its Services build); a thread stands in for the training loop's step boundary, taking
+plans from the inbox and reporting the switch, exactly as the coordinator does.
 """
 
 from __future__ import annotations
@@ -15,19 +15,22 @@ from typing import Any
 import pytest
 
 from malleus.controller import (
+    Ack,
     AckTimeout,
     Controller,
     EventKind,
     HttpPlanSink,
     PlanRejected,
-    StragglerPolicy,
     TrainerScrapeSource,
 )
 from malleus.controller.sources import ack_from_status, observation_from_metrics
+from malleus.job import StragglerPolicy
+from malleus.job.control import ControlStatus, MigrationRecord, PlanFailure
 from malleus.planner import Plan
 from malleus.trainer.control import ControlServer
 from malleus.trainer.metrics import TrainerMetrics
 from malleus.trainer.plan_inbox import PlanInbox
+from malleus.trainer.services import Services, WorkerState
 
 from .conftest import greedy_planner
 
@@ -41,11 +44,13 @@ class Coordinator:
     def __init__(self, builder: Any, plan: Plan) -> None:
         self.metrics = TrainerMetrics(JOB, rank=0, node=0)
         self.inbox = PlanInbox(builder({}, None), plan.generation)
+        self.services = Services(WorkerState(JOB, world=8, steps=1000), inbox=self.inbox)
+        self.services.state.update(generation=plan.generation)
         self.server = ControlServer(
             "127.0.0.1",
             0,
             TOKEN,
-            status=lambda: {**self.metrics.snapshot(), **self.inbox.status()},
+            status=self.services.status,
             inbox=self.inbox,
             metrics=self.metrics,
             inject=None,
@@ -84,6 +89,10 @@ class Coordinator:
                 self.metrics.observe_migration(0.25, 4_000_000)
                 self.metrics.observe_plan(plan.generation)
                 self.inbox.applied(plan.generation)
+                done = MigrationRecord(
+                    generation=plan.generation, step=self.step, seconds=0.25, bytes=4_000_000
+                )
+                self.services.state.update(generation=plan.generation, migration=done)
                 self.applied.append(plan)
 
 
@@ -134,6 +143,7 @@ def test_plan_sink_publishes_and_waits_for_the_switch(
         assert await sink.publish(plan) == 1
         ack = await sink.wait_applied(1, timeout=5)
         assert (ack.generation, ack.migration_seconds, ack.migration_bytes) == (1, 0.25, 4e6)
+        assert ack.step == coordinator.step  # the first step under the new plan
         with pytest.raises(PlanRejected) as stale:
             await sink.publish(plan)
         assert stale.value.status == 409
@@ -151,17 +161,25 @@ def test_plan_sink_publishes_and_waits_for_the_switch(
     assert [p.generation for p in coordinator.applied] == [1]
 
 
-def test_ack_from_status_reads_the_trainers_snapshot() -> None:
-    status = {"plan_generation": 2, "step": 40, "migration": {"seconds": 1.5, "bytes": 10}}
-    assert ack_from_status(status, 3) is None
-    ack = ack_from_status(status, 2)
-    assert ack is not None and (ack.step, ack.migration_seconds, ack.migration_bytes) == (
-        40,
-        1.5,
-        10,
-    )
-    with pytest.raises(PlanRejected, match="out of memory"):
-        ack_from_status({"current_generation": 1, "last_error": "generation 2: out of memory"}, 2)
+def status(**over: Any) -> ControlStatus:
+    base: dict[str, Any] = dict(
+        job=JOB, world=8, generation=2, pending_generation=None, step=40, steps=100,
+        done=False, stopping=False, rates={}, step_seconds=1.0, tokens_per_second=10.0,
+        last_migration=MigrationRecord(generation=2, step=37, seconds=1.5, bytes=10),
+        last_failure=None,
+    )  # fmt: skip
+    return ControlStatus(**(base | over))
+
+
+def test_ack_from_status_reads_the_trainers_status() -> None:
+    assert ack_from_status(status(), 3) is None
+    ack = ack_from_status(status(), 2)
+    assert ack == Ack(generation=2, step=37, migration_seconds=1.5, migration_bytes=10.0)
+    older = status(last_migration=MigrationRecord(generation=1, step=5, seconds=1.0, bytes=1))
+    assert ack_from_status(older, 2) == Ack(2, 40, None, None)  # no figures for this switch
+    failed = status(generation=1, last_failure=PlanFailure(generation=2, reason="out of memory"))
+    with pytest.raises(PlanRejected, match="generation 2: out of memory"):
+        ack_from_status(failed, 2)
 
 
 def test_the_controller_over_http(

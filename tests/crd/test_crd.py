@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from malleus.jobspec import (
+from malleus.job import (
     MalleusJob,
     load_job,
     validate_manifest,
 )
-from tests.jobspec.cases import EXAMPLES, BadCase, bad_cases, base_manifest, load_yaml
+from tests.job.cases import EXAMPLES, BadCase, bad_cases, base_manifest, load_yaml
 
 if TYPE_CHECKING:
     from tests.k8s.apiserver import ApiServer
@@ -85,7 +85,7 @@ def test_discovery(k8s_apiserver: ApiServer) -> None:
 def test_example_accepted_and_defaulted_alike(
     k8s_apiserver: ApiServer, k8s_namespace: str, path: Any
 ) -> None:
-    """The server accepts each example and defaults it exactly as malleus.jobspec does."""
+    """The server accepts each example and defaults it exactly as malleus.job does."""
     manifest = load_yaml(path)
     stored = created(k8s_apiserver, k8s_namespace, manifest)
     local, faults = validate_manifest(manifest)
@@ -135,7 +135,7 @@ def test_unknown_fields_pruned(k8s_apiserver: ApiServer, k8s_namespace: str) -> 
     assert stored["spec"]["emulation"]["schedule"] == [{"step": 1, "rank": 1, "factor": 2}]
     lenient, faults = validate_manifest(manifest, strict=False)
     assert faults == [] and lenient["spec"] == stored["spec"]
-    # kubectl's default (Strict) field validation rejects them, as malleus.jobspec does.
+    # kubectl's default (Strict) field validation rejects them, as malleus.job does.
     manifest["metadata"]["name"] = "strict"
     response = k8s_apiserver.client.post(
         collection(k8s_namespace), json=manifest, params={"fieldValidation": "Strict"}

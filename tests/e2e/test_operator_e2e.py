@@ -24,8 +24,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,6 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pytest
 import yaml
 
+from malleus.job.control import ControlClient, ControlError
 from tests.e2e.pods import LocalKubelet, listen_port
 from tests.k8s.apiserver import ApiServerError, wait_until
 
@@ -260,22 +259,6 @@ def _exactly(n: int, items: list[_T]) -> list[_T] | None:
     return items if len(items) == n else None
 
 
-def _http(url: str, body: dict[str, Any] | None = None, token: str | None = None) -> Any:
-    """GET (or POST ``body``) JSON; returns (code, parsed body)."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method="GET" if data is None else "POST")
-    if data is not None:
-        req.add_header("Content-Type", "application/json")
-    if token is not None:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, json.loads(e.read() or b"{}")
-
-
 # ---- tests ----------------------------------------------------------------------------------
 
 
@@ -365,10 +348,12 @@ def test_a_job_runs_replans_around_a_straggler_and_is_deleted(
     assert coordinator == f"http://127.0.0.1:{port}"  # where the operator's template points
 
     # A straggler: writes need the Secret's token.
-    inject = {"rank": STRAGGLER, "factor": FACTOR}
-    assert _http(coordinator + "/inject", inject)[0] == 401
-    assert _http(coordinator + "/inject", inject, token="wrong")[0] == 401
-    assert _http(coordinator + "/inject", inject, token=token) == (200, inject)
+    for refused in (None, "wrong"):
+        with ControlClient(coordinator, refused) as client, pytest.raises(ControlError) as e:
+            client.inject(STRAGGLER, FACTOR)
+        assert e.value.code == 401
+    with ControlClient(coordinator, token) as client:
+        client.inject(STRAGGLER, FACTOR)
 
     def replanned() -> dict[str, Any] | None:
         """The status once a plan made for the straggler is in force (migrated)."""
@@ -394,8 +379,9 @@ def test_a_job_runs_replans_around_a_straggler_and_is_deleted(
     assert conditions["Ready"]["status"] == "True", conditions
     generation = after["plan"]["generation"]
     # The trainers run that plan (their own word), the ConfigMap holds it, training goes on.
-    code, coord = _http(coordinator + "/status")
-    assert code == 200 and coord["current_generation"] >= generation, coord
+    with ControlClient(coordinator) as client:
+        coord = client.status()
+    assert coord.generation >= generation, coord
     cm = store.get("configmaps", ns, f"{JOB}-config")
     assert json.loads(cm["data"]["plan.json"])["generation"] >= generation
     world.wait(

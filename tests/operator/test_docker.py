@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from malleus.operator import resources
+from malleus.operator import workers
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "docker-install.sh"
@@ -56,7 +56,7 @@ def test_two_images_both_non_root() -> None:
     assert _user(stages["operator"]) == f"{values['podSecurityContext']['runAsUser']}:" + str(
         values["podSecurityContext"]["runAsGroup"]
     )
-    assert _user(stages["trainer"]) == f"{resources.RUN_AS_USER}:{resources.RUN_AS_USER}"
+    assert _user(stages["trainer"]) == f"{workers.RUN_AS_USER}:{workers.RUN_AS_USER}"
 
 
 def test_operator_image_has_no_torch_and_the_charts_entrypoint() -> None:

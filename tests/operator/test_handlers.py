@@ -1,4 +1,4 @@
-"""kopf handlers called directly with ``patch=kopf.Patch()`` against the in-memory `k8s`."""
+"""kopf handlers called directly with ``patch=kopf.Patch()``, over HTTP against kmock."""
 
 from __future__ import annotations
 
@@ -8,41 +8,43 @@ from typing import Any
 import kopf
 import pytest
 
-from malleus.operator import handlers, metrics, resources
+from malleus.job import Phase
+from malleus.operator import handlers, resources
+from malleus.operator.context import Context
 from malleus.planner.plan import Plan
+from tests.operator.kube import KINDS, Kube
 
 
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-def create(cluster: Any, body: dict[str, Any]) -> tuple[kopf.Patch, list[str]]:
+def create(kube: Kube, memo: kopf.Memo, body: dict[str, Any]) -> tuple[kopf.Patch, list[str]]:
     """Run on_create as kopf would; returns the patch and the names of the objects created."""
-    cluster.add_job(body)
-    before = set(cluster.objects)
+    kube.add_job(body)
+    before = set(kube.names())
     patch = kopf.Patch()
-    run(handlers.on_create(body=body, patch=patch))
-    result = sorted(f"{k}/{n}" for (k, _, n) in set(cluster.objects) - before)
-    # what kopf would do with the patch: merge it into the stored job
-    cluster.job("ml", body["metadata"]["name"]).setdefault("status", {}).update(
-        patch.get("status", {})
-    )
+    run(handlers.on_create(body=body, patch=patch, memo=memo))
+    result = sorted(f"{k}/{n}" for k, n in set(kube.names()) - before)
+    kube.merge_status("ml", body["metadata"]["name"], patch.get("status", {}))
     return patch, result
 
 
-def test_create_makes_service_configmap_secret_and_pods(cluster: Any, make_job: Any) -> None:
+def test_create_makes_service_configmap_secret_and_pods(
+    kube: Kube, memo: kopf.Memo, ctx: Context, make_job: Any
+) -> None:
     training = {"globalBatchSize": 24, "microBatchSize": 2, "steps": 10, "learningRate": 0.001}
-    patch, result = create(cluster, make_job(nodes=3, training=training))
-    assert [o["metadata"]["name"] for o in cluster.of_kind("Pod")] == [
+    patch, result = create(kube, memo, make_job(nodes=3, training=training))
+    assert [o["metadata"]["name"] for o in kube.of_kind("Pod")] == [
         "demo-node-0",
         "demo-node-1",
         "demo-node-2",
     ]
-    assert len(cluster.of_kind("Service")) == 1
-    assert len(cluster.of_kind("ConfigMap")) == 1
-    assert len(cluster.of_kind("Secret")) == 1
-    for obj in cluster.objects.values():
-        if obj["kind"] != "MalleusJob":
+    assert len(kube.of_kind("Service")) == 1
+    assert len(kube.of_kind("ConfigMap")) == 1
+    assert len(kube.of_kind("Secret")) == 1
+    for kind in ("Pod", "Service", "ConfigMap", "Secret"):
+        for obj in kube.of_kind(kind):
             assert obj["metadata"]["ownerReferences"][0]["uid"] == "uid-1234"
     st = patch["status"]
     assert st["phase"] == "Pending"
@@ -50,44 +52,54 @@ def test_create_makes_service_configmap_secret_and_pods(cluster: Any, make_job: 
     assert st["pods"] == ["demo-node-0", "demo-node-1", "demo-node-2"]
     assert st["gpus"] == 12
     assert st["conditions"][0]["reason"] == "PodsPending"
-    assert cluster.reasons() == ["Created"]
+    assert kube.reasons() == ["Created"]
     assert len(result) == 6
     # the ConfigMap holds the same plan the status shows
-    cm = cluster.of_kind("ConfigMap")[0]
+    cm = kube.of_kind("ConfigMap")[0]
     assert Plan.from_json(cm["data"]["plan.json"]).generation == st["plan"]["generation"]
-    assert metrics.PHASES.counts()["Pending"] == 1
+    assert ctx.metrics.phases.counts()[Phase.PENDING] == 1
 
 
-def test_create_is_idempotent_and_keeps_the_token(cluster: Any, make_job: Any) -> None:
-    create(cluster, make_job())
-    token = cluster.of_kind("Secret")[0]["data"]["token"]
-    creates = sum(1 for c in cluster.calls if c[0] == "create")
-    _, result = create(cluster, make_job())  # a retried handler, or a restart
+def test_create_is_idempotent_and_keeps_the_token(
+    kube: Kube, memo: kopf.Memo, make_job: Any
+) -> None:
+    create(kube, memo, make_job())
+    token = kube.of_kind("Secret")[0]["data"]["token"]
+    creates = kube.requests("create")
+    _, result = create(kube, memo, make_job())  # a retried handler, or a restart
     assert result == []
-    assert cluster.of_kind("Secret")[0]["data"]["token"] == token
-    assert len(cluster.of_kind("Pod")) == 2
-    assert sum(1 for c in cluster.calls if c[0] == "create") == 2 * creates  # attempted, no-op
+    assert kube.of_kind("Secret")[0]["data"]["token"] == token
+    assert len(kube.of_kind("Pod")) == 2
+    # every child attempted again (a no-op), plus one more Created event
+    assert kube.requests("create") == 2 * creates
 
 
-def test_a_retried_create_shows_the_plan_the_pods_got(cluster: Any, make_job: Any) -> None:
-    create(cluster, make_job())
-    cm = cluster.objects[("ConfigMap", "ml", "demo-config")]
+def test_a_retried_create_shows_the_plan_the_pods_got(
+    kube: Kube, memo: kopf.Memo, make_job: Any
+) -> None:
+    create(kube, memo, make_job())
+    cm = kube.get("ConfigMap", "ml", "demo-config")
+    assert cm is not None
     cm["data"]["plan.json"] = cm["data"]["plan.json"].replace('"generation": 1', '"generation": 5')
-    patch, _ = create(cluster, make_job())
+    kube.put("ConfigMap", cm)
+    patch, _ = create(kube, memo, make_job())
     assert patch["status"]["plan"]["generation"] == 5
 
 
-def test_each_job_gets_its_own_random_token(cluster: Any, make_job: Any) -> None:
-    create(cluster, make_job(name="a", uid="u-a"))
-    create(cluster, make_job(name="b", uid="u-b"))
-    a, b = (s["data"]["token"] for s in cluster.of_kind("Secret"))
+def test_each_job_gets_its_own_random_token(kube: Kube, memo: kopf.Memo, make_job: Any) -> None:
+    create(kube, memo, make_job(name="a", uid="u-a"))
+    create(kube, memo, make_job(name="b", uid="u-b"))
+    a, b = (s["data"]["token"] for s in kube.of_kind("Secret"))
     assert a != b and len(a) >= 40
 
 
 @pytest.mark.parametrize(
     ("spec", "needle"),
     [
-        ({"parallelism": {"tp": 2, "dp": 1, "pp": 2}}, "does not match the GPU count"),
+        (
+            {"parallelism": {"tp": 2, "dp": 1, "pp": 2}},
+            "spec.parallelism: dp(1) * pp(2) * tp(2) = 4 does not match the GPU count",
+        ),
         (
             {
                 "nodes": 1,
@@ -95,19 +107,22 @@ def test_each_job_gets_its_own_random_token(cluster: Any, make_job: Any) -> None
                 "model": {"preset": "llama-70b"},
                 "parallelism": {"tp": 1},
             },
-            "fits",
+            "no parallel layout of this job fits its GPUs",
         ),
-        ({"parallelism": {"tp": 8}}, "spec.parallelism.tp"),
+        (
+            {"parallelism": {"tp": 8}},
+            "spec.parallelism.tp: spec.parallelism.tp must divide spec.gpusPerNode",
+        ),
     ],
 )
 def test_invalid_spec_fails_and_creates_nothing(
-    cluster: Any, make_job: Any, spec: dict[str, Any], needle: str
+    kube: Kube, memo: kopf.Memo, ctx: Context, make_job: Any, spec: dict[str, Any], needle: str
 ) -> None:
     body = make_job(generation=3, **spec)
-    cluster.add_job(body)
+    kube.add_job(body)
     patch = kopf.Patch()
     with pytest.raises(kopf.PermanentError, match="invalid spec"):
-        run(handlers.on_create(body=body, patch=patch))
+        run(handlers.on_create(body=body, patch=patch, memo=memo))
     st = patch["status"]
     assert st["phase"] == "Failed"
     assert st["observedGeneration"] == 3
@@ -115,46 +130,81 @@ def test_invalid_spec_fails_and_creates_nothing(
     assert (cond["type"], cond["status"], cond["reason"]) == ("Ready", "False", "InvalidSpec")
     assert cond["observedGeneration"] == 3
     assert needle in cond["message"]
-    assert [o for o in cluster.objects.values() if o["kind"] != "MalleusJob"] == []
-    assert cluster.reasons() == ["InvalidSpec"]
-    assert cluster.events[0]["type"] == "Warning"
+    assert kube.names() == []
+    assert kube.reasons() == ["InvalidSpec"]
+    assert kube.events[0]["type"] == "Warning"
+    assert needle in kube.events[0]["message"]
+    assert ctx.metrics.phases.counts()[Phase.FAILED] == 1
+
+
+def test_a_slow_initial_planner_times_out_into_a_retry(
+    kube: Kube, memo: kopf.Memo, make_job: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first plan runs off the event loop under the policy's budget: a planner that
+    overruns it makes kopf retry later instead of freezing the operator."""
+    import time
+
+    from malleus.operator import jobs
+
+    def slow(problem: Any, *, time_limit: float | None = None) -> Plan:
+        time.sleep(3)
+        raise AssertionError("too late to matter")
+
+    original = jobs.initial_plan
+    monkeypatch.setattr(jobs, "initial_plan", lambda job: original(job, planner=slow))
+    body = make_job(stragglerPolicy={"planningTimeoutSeconds": 1})
+    kube.add_job(body)
+    started = time.monotonic()
+    with pytest.raises(kopf.TemporaryError, match="timed out"):
+        run(handlers.on_create(body=body, patch=kopf.Patch(), memo=memo))
+    assert time.monotonic() - started < 2.9  # budget + grace, not the planner's 3 s
+    assert kube.names() == []
 
 
 # ---- pods -----------------------------------------------------------------------------------
 
 
-def pod_event(cluster: Any, name: str, type_: str = "MODIFIED") -> None:
-    body = cluster.objects.get(("Pod", "ml", name)) or {"metadata": {"name": name}}
+def pod_event(kube: Kube, memo: kopf.Memo, name: str, type_: str = "MODIFIED") -> None:
+    body = kube.get("Pod", "ml", name) or {"metadata": {"name": name}}
     labels = body.get("metadata", {}).get("labels") or {resources.JOB_LABEL: "demo"}
     run(
         handlers.on_pod_event(
-            event={"type": type_, "object": body}, body=body, namespace="ml", labels=labels
+            event={"type": type_, "object": body},
+            body=body,
+            namespace="ml",
+            labels=labels,
+            memo=memo,
         )
     )
 
 
-def test_running_pods_make_the_job_running(cluster: Any, make_job: Any) -> None:
-    create(cluster, make_job())
-    cluster.set_pod_phase("ml", "demo-node-0", "Running")
-    pod_event(cluster, "demo-node-0")
-    assert cluster.job("ml", "demo")["status"]["phase"] == "Pending"
-    cluster.set_pod_phase("ml", "demo-node-1", "Running")
-    pod_event(cluster, "demo-node-1")
-    st = cluster.job("ml", "demo")["status"]
+def test_running_pods_make_the_job_running(
+    kube: Kube, memo: kopf.Memo, ctx: Context, make_job: Any
+) -> None:
+    create(kube, memo, make_job())
+    kube.set_pod_phase("ml", "demo-node-0", "Running")
+    pod_event(kube, memo, "demo-node-0")
+    assert kube.job("ml", "demo")["status"]["phase"] == "Pending"
+    kube.set_pod_phase("ml", "demo-node-1", "Running")
+    pod_event(kube, memo, "demo-node-1")
+    st = kube.job("ml", "demo")["status"]
     assert st["phase"] == "Running"
     ready = next(c for c in st["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "True"
-    assert cluster.reasons() == ["Created", "Running"]
-    assert metrics.PHASES.counts()["Running"] == 1
+    assert kube.reasons() == ["Created", "Running"]
+    assert ctx.metrics.phases.counts()[Phase.RUNNING] == 1
 
 
-def test_a_failed_pod_fails_the_job_and_keeps_the_others(cluster: Any, make_job: Any) -> None:
-    create(cluster, make_job())
+def test_a_failed_pod_fails_the_job_and_keeps_the_others(
+    kube: Kube, memo: kopf.Memo, ctx: Context, make_job: Any
+) -> None:
+    create(kube, memo, make_job())
     for name in ("demo-node-0", "demo-node-1"):
-        cluster.set_pod_phase("ml", name, "Running")
-    pod_event(cluster, "demo-node-1")
-    before = metrics.POD_FAILURES.labels(namespace="ml", job="demo")._value.get()
-    cluster.set_pod_phase(
+        kube.set_pod_phase("ml", name, "Running")
+    pod_event(kube, memo, "demo-node-1")
+    failures = ctx.metrics.pod_failures.labels(namespace="ml", job="demo")
+    assert failures._value.get() == 0
+    kube.set_pod_phase(
         "ml",
         "demo-node-1",
         "Running",
@@ -162,72 +212,81 @@ def test_a_failed_pod_fails_the_job_and_keeps_the_others(cluster: Any, make_job:
             {"name": "trainer", "state": {"terminated": {"exitCode": 1, "reason": "Error"}}}
         ],
     )
-    pod_event(cluster, "demo-node-1")
-    st = cluster.job("ml", "demo")["status"]
+    pod_event(kube, memo, "demo-node-1")
+    st = kube.job("ml", "demo")["status"]
     assert st["phase"] == "Failed"
     ready = next(c for c in st["conditions"] if c["type"] == "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "PodFailed")
-    assert cluster.reasons()[-1] == "PodFailed"
-    assert len(cluster.of_kind("Pod")) == 2  # kept for their logs
-    assert metrics.POD_FAILURES.labels(namespace="ml", job="demo")._value.get() == before + 1
+    assert kube.reasons()[-1] == "PodFailed"
+    assert len(kube.of_kind("Pod")) == 2  # kept for their logs
+    assert failures._value.get() == 1
     # terminal: later events change nothing
-    n = len(cluster.events)
-    pod_event(cluster, "demo-node-0")
-    assert len(cluster.events) == n
+    n = len(kube.events)
+    pod_event(kube, memo, "demo-node-0")
+    assert len(kube.events) == n
 
 
-def test_a_deleted_worker_fails_a_running_job(cluster: Any, make_job: Any) -> None:
-    create(cluster, make_job())
+def test_a_deleted_worker_fails_a_running_job(kube: Kube, memo: kopf.Memo, make_job: Any) -> None:
+    create(kube, memo, make_job())
     for name in ("demo-node-0", "demo-node-1"):
-        cluster.set_pod_phase("ml", name, "Running")
-    pod_event(cluster, "demo-node-1")
-    gone = cluster.objects.pop(("Pod", "ml", "demo-node-0"))
+        kube.set_pod_phase("ml", name, "Running")
+    pod_event(kube, memo, "demo-node-1")
+    gone = kube.get("Pod", "ml", "demo-node-0")
+    assert gone is not None
+    kube.remove("Pod", "ml", "demo-node-0")
     run(
         handlers.on_pod_event(
             event={"type": "DELETED"},
             body=gone,
             namespace="ml",
             labels=gone["metadata"]["labels"],
+            memo=memo,
         )
     )
-    assert cluster.job("ml", "demo")["status"]["phase"] == "Failed"
+    assert kube.job("ml", "demo")["status"]["phase"] == "Failed"
 
 
-def test_pod_events_of_a_deleting_job_are_ignored(cluster: Any, make_job: Any) -> None:
-    create(cluster, make_job())
-    cluster.job("ml", "demo")["metadata"]["deletionTimestamp"] = "2025-01-01T00:00:00Z"
-    cluster.set_pod_phase("ml", "demo-node-0", "Failed")
-    pod_event(cluster, "demo-node-0")
-    assert cluster.job("ml", "demo")["status"]["phase"] == "Pending"
+def test_pod_events_of_a_deleting_job_are_ignored(
+    kube: Kube, memo: kopf.Memo, make_job: Any
+) -> None:
+    create(kube, memo, make_job())
+    job = kube.job("ml", "demo")
+    job["metadata"]["deletionTimestamp"] = "2025-01-01T00:00:00Z"
+    kube.put("MalleusJob", job)
+    kube.set_pod_phase("ml", "demo-node-0", "Failed")
+    pod_event(kube, memo, "demo-node-0")
+    assert kube.job("ml", "demo")["status"]["phase"] == "Pending"
 
 
-def test_completed_pods_complete_the_job(cluster: Any, make_job: Any) -> None:
-    create(cluster, make_job())
+def test_completed_pods_complete_the_job(kube: Kube, memo: kopf.Memo, make_job: Any) -> None:
+    create(kube, memo, make_job())
     for name in ("demo-node-0", "demo-node-1"):
-        cluster.set_pod_phase("ml", name, "Running")
-    pod_event(cluster, "demo-node-0")
+        kube.set_pod_phase("ml", name, "Running")
+    pod_event(kube, memo, "demo-node-0")
     for name in ("demo-node-0", "demo-node-1"):
-        cluster.set_pod_phase("ml", name, "Succeeded")
-    pod_event(cluster, "demo-node-1")
-    assert cluster.job("ml", "demo")["status"]["phase"] == "Succeeded"
-    assert cluster.reasons()[-1] == "Succeeded"
+        kube.set_pod_phase("ml", name, "Succeeded")
+    pod_event(kube, memo, "demo-node-1")
+    assert kube.job("ml", "demo")["status"]["phase"] == "Succeeded"
+    assert kube.reasons()[-1] == "Succeeded"
 
 
 # ---- delete ---------------------------------------------------------------------------------
 
 
-def test_delete_removes_every_child_and_nothing_else(cluster: Any, make_job: Any) -> None:
-    create(cluster, make_job())
-    create(cluster, make_job(name="other", uid="u-other"))
+def test_delete_removes_every_child_and_nothing_else(
+    kube: Kube, memo: kopf.Memo, ctx: Context, make_job: Any
+) -> None:
+    create(kube, memo, make_job())
+    create(kube, memo, make_job(name="other", uid="u-other"))
     stranger = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": "demo-config-backup", "namespace": "ml"},
     }
-    run(cluster.create(stranger))
-    run(handlers.on_delete(body=cluster.job("ml", "demo")))
-    left = sorted((k, n) for (k, _, n) in cluster.objects if k != "MalleusJob")
-    assert left == [
+    run(ctx.cluster.create(stranger))
+    deletes = len(list(kube.emulator))
+    run(handlers.on_delete(body=kube.job("ml", "demo"), memo=memo))
+    assert kube.names() == [
         ("ConfigMap", "demo-config-backup"),
         ("ConfigMap", "other-config"),
         ("Pod", "other-node-0"),
@@ -235,118 +294,155 @@ def test_delete_removes_every_child_and_nothing_else(cluster: Any, make_job: Any
         ("Secret", "other-control"),
         ("Service", "other"),
     ]
-    deleted = [c[1] for c in cluster.calls if c[0] == "delete"]
-    assert deleted[0][0] == "Pod"  # workers first
+    deleted = [r for r in list(kube.emulator)[deletes:] if r.action == "DELETE"]
+    assert deleted[0].resource == KINDS["Pod"]  # workers first
+    assert len(deleted) == 5
 
 
-def test_delete_of_an_invalid_job_spares_same_named_objects(cluster: Any, make_job: Any) -> None:
+def test_delete_of_an_invalid_job_spares_same_named_objects(
+    kube: Kube, memo: kopf.Memo, ctx: Context, make_job: Any
+) -> None:
     body = make_job(parallelism={"tp": 2, "dp": 1, "pp": 2})
-    cluster.add_job(body)
+    kube.add_job(body)
     with pytest.raises(kopf.PermanentError):
-        run(handlers.on_create(body=body, patch=kopf.Patch()))
+        run(handlers.on_create(body=body, patch=kopf.Patch(), memo=memo))
     users_service = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": "demo", "namespace": "ml"},
     }
-    run(cluster.create(users_service))
-    run(handlers.on_delete(body=body))
-    assert ("Service", "ml", "demo") in cluster.objects
+    run(ctx.cluster.create(users_service))
+    run(handlers.on_delete(body=body, memo=memo))
+    assert kube.get("Service", "ml", "demo") is not None
 
 
 # ---- resume ---------------------------------------------------------------------------------
 
 
-def test_resume_of_a_running_job_recreates_nothing(cluster: Any, make_job: Any) -> None:
-    create(cluster, make_job())
+def test_resume_of_a_running_job_recreates_nothing(
+    kube: Kube, memo: kopf.Memo, ctx: Context, make_job: Any
+) -> None:
+    create(kube, memo, make_job())
     for name in ("demo-node-0", "demo-node-1"):
-        cluster.set_pod_phase("ml", name, "Running")
-    pod_event(cluster, "demo-node-0")
-    creates = sum(1 for c in cluster.calls if c[0] == "create")
-    patch = kopf.Patch()
-    run(handlers.on_resume(body=cluster.job("ml", "demo"), patch=patch))
-    assert sum(1 for c in cluster.calls if c[0] == "create") == creates
-    assert cluster.job("ml", "demo")["status"]["phase"] == "Running"
-    assert metrics.PHASES.counts()["Running"] == 1
+        kube.set_pod_phase("ml", name, "Running")
+    pod_event(kube, memo, "demo-node-0")
+    creates = kube.requests("create")
+    run(handlers.on_resume(body=kube.job("ml", "demo"), patch=kopf.Patch(), memo=memo))
+    assert kube.requests("create") == creates
+    assert kube.job("ml", "demo")["status"]["phase"] == "Running"
+    assert ctx.metrics.phases.counts()[Phase.RUNNING] == 1
 
 
-def test_resume_notices_a_worker_lost_while_away(cluster: Any, make_job: Any) -> None:
-    create(cluster, make_job())
+def test_resume_notices_a_worker_lost_while_away(
+    kube: Kube, memo: kopf.Memo, make_job: Any
+) -> None:
+    create(kube, memo, make_job())
     for name in ("demo-node-0", "demo-node-1"):
-        cluster.set_pod_phase("ml", name, "Running")
-    pod_event(cluster, "demo-node-0")
-    del cluster.objects[("Pod", "ml", "demo-node-1")]
-    run(handlers.on_resume(body=cluster.job("ml", "demo"), patch=kopf.Patch()))
-    st = cluster.job("ml", "demo")["status"]
+        kube.set_pod_phase("ml", name, "Running")
+    pod_event(kube, memo, "demo-node-0")
+    kube.remove("Pod", "ml", "demo-node-1")
+    run(handlers.on_resume(body=kube.job("ml", "demo"), patch=kopf.Patch(), memo=memo))
+    st = kube.job("ml", "demo")["status"]
     assert st["phase"] == "Failed"
     assert "demo-node-1" in st["message"]
-    assert ("Pod", "ml", "demo-node-1") not in cluster.objects  # not re-created
+    assert kube.get("Pod", "ml", "demo-node-1") is None  # not re-created
 
 
-def test_resume_of_a_pending_job_completes_its_children(cluster: Any, make_job: Any) -> None:
-    create(cluster, make_job())
-    token = cluster.of_kind("Secret")[0]["data"]["token"]
-    cm = cluster.objects[("ConfigMap", "ml", "demo-config")]
+def test_resume_of_a_pending_job_completes_its_children(
+    kube: Kube, memo: kopf.Memo, make_job: Any
+) -> None:
+    create(kube, memo, make_job())
+    token = kube.of_kind("Secret")[0]["data"]["token"]
+    cm = kube.get("ConfigMap", "ml", "demo-config")
+    assert cm is not None
     cm["data"]["plan.json"] = cm["data"]["plan.json"].replace('"generation": 1', '"generation": 7')
-    del cluster.objects[("Pod", "ml", "demo-node-1")]
-    run(handlers.on_resume(body=cluster.job("ml", "demo"), patch=kopf.Patch()))
-    assert ("Pod", "ml", "demo-node-1") in cluster.objects
-    assert cluster.of_kind("Secret")[0]["data"]["token"] == token
+    kube.put("ConfigMap", cm)
+    kube.remove("Pod", "ml", "demo-node-1")
+    run(handlers.on_resume(body=kube.job("ml", "demo"), patch=kopf.Patch(), memo=memo))
+    assert kube.get("Pod", "ml", "demo-node-1") is not None
+    assert kube.of_kind("Secret")[0]["data"]["token"] == token
     # the ConfigMap (with its newer plan) was left alone
-    plan = Plan.from_json(cluster.objects[("ConfigMap", "ml", "demo-config")]["data"]["plan.json"])
-    assert plan.generation == 7
-    assert cluster.reasons()[-1] == "Resumed"
+    cm = kube.get("ConfigMap", "ml", "demo-config")
+    assert cm is not None
+    assert Plan.from_json(cm["data"]["plan.json"]).generation == 7
+    assert kube.reasons()[-1] == "Resumed"
 
 
-def test_resume_of_a_finished_job_does_nothing(cluster: Any, make_job: Any) -> None:
+def test_resume_of_a_finished_job_does_nothing(
+    kube: Kube, memo: kopf.Memo, ctx: Context, make_job: Any
+) -> None:
     body = make_job(status={"phase": "Succeeded"})
-    cluster.add_job(body)
-    run(handlers.on_resume(body=body, patch=kopf.Patch()))
-    assert cluster.calls == []
-    assert metrics.PHASES.counts()["Succeeded"] == 1
+    kube.add_job(body)
+    run(handlers.on_resume(body=body, patch=kopf.Patch(), memo=memo))
+    assert list(kube.emulator) == []
+    assert ctx.metrics.phases.counts()[Phase.SUCCEEDED] == 1
 
 
 # ---- update ---------------------------------------------------------------------------------
 
 
-def test_policy_changes_apply_structural_ones_are_refused(cluster: Any, make_job: Any) -> None:
+def test_policy_changes_apply_structural_ones_are_refused(
+    kube: Kube, memo: kopf.Memo, make_job: Any
+) -> None:
     body = make_job(generation=2, status={"phase": "Running"})
-    cluster.add_job(body)
+    kube.add_job(body)
     patch = kopf.Patch()
     diff = [("change", ("stragglerPolicy", "threshold"), 1.2, 1.5)]
-    run(handlers.on_update(body=body, diff=diff, patch=patch))
+    run(handlers.on_update(body=body, diff=diff, patch=patch, memo=memo))
     assert patch["status"]["observedGeneration"] == 2
-    assert cluster.reasons() == ["PolicyUpdated"]
+    assert kube.reasons() == ["PolicyUpdated"]
     diff = [("change", ("nodes",), 2, 4)]
-    run(handlers.on_update(body=body, diff=diff, patch=kopf.Patch()))
-    assert cluster.reasons()[-1] == "SpecChangeIgnored"
-    assert cluster.events[-1]["type"] == "Warning"
+    run(handlers.on_update(body=body, diff=diff, patch=kopf.Patch(), memo=memo))
+    assert kube.reasons()[-1] == "SpecChangeIgnored"
+    assert kube.events[-1]["type"] == "Warning"
 
 
 def test_daemon_runs_only_for_active_jobs() -> None:
-    assert handlers._active(status={"phase": "Running"})
-    assert handlers._active(status={"phase": "Pending"})
-    assert not handlers._active(status={"phase": "Failed"})
-    assert not handlers._active(status={})
+    assert handlers._active(body={"status": {"phase": "Running"}})
+    assert handlers._active(body={"status": {"phase": "Pending"}})
+    assert not handlers._active(body={"status": {"phase": "Failed"}})
+    assert not handlers._active(body={"status": {}})
 
 
 def test_the_job_daemon_resyncs_the_pods_of_a_pending_job(
-    cluster: Any, make_job: Any, monkeypatch: pytest.MonkeyPatch
+    kube: Kube, memo: kopf.Memo, make_job: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """job_daemon hands run_job a resync that re-derives the phase from the pods."""
-    create(cluster, make_job())
+    create(kube, memo, make_job())
     for name in ("demo-node-0", "demo-node-1"):
-        cluster.set_pod_phase("ml", name, "Running")  # before the job had a phase: no-op event
-    stored = cluster.job("ml", "demo")
+        kube.set_pod_phase("ml", name, "Running")  # before the job had a phase: no-op event
+    stored = kube.job("ml", "demo")
     assert stored["status"]["phase"] == "Pending"
     seen: dict[str, Any] = {}
 
-    async def run_job(body: Any, stopped: Any, settings: Any, **kwargs: Any) -> None:
+    async def run_job(ctx: Any, body: Any, stopped: Any, **kwargs: Any) -> None:
         seen.update(kwargs)
         await kwargs["resync"]()
 
     monkeypatch.setattr(handlers.daemon, "run_job", run_job)
-    run(handlers.job_daemon(body=stored, stopped=None))
+    run(handlers.job_daemon(body=stored, stopped=None, memo=memo))
     assert seen["resync"] is not None
-    assert stored["status"]["phase"] == "Running"
-    assert cluster.reasons()[-1] == "Running"
+    assert kube.job("ml", "demo")["status"]["phase"] == "Running"
+    assert kube.reasons()[-1] == "Running"
+
+
+def test_startup_puts_a_context_in_the_memo(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """Settings from the memo (as ``python -m malleus.operator`` passes them), a cluster from
+    their kubeconfig, fresh metrics; kopf's settings as the CRD's status schema needs them."""
+    from malleus.operator.context import MEMO_KEY
+    from malleus.operator.settings import Settings
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: t\n"
+        "clusters: [{name: t, cluster: {server: 'http://127.0.0.1:1'}}]\n"
+        "contexts: [{name: t, context: {cluster: t, user: u}}]\nusers: [{name: u, user: {}}]\n"
+    )
+    memo = kopf.Memo(settings=Settings(metrics_port=0, kubeconfig=str(kubeconfig)))
+    kopf_settings = kopf.OperatorSettings()
+    run(handlers.configure(settings=kopf_settings, memo=memo))
+    ctx = Context.of(memo)
+    assert ctx.settings.kubeconfig == str(kubeconfig)
+    assert ctx.cluster.api.configuration.host == "http://127.0.0.1:1"
+    assert kopf_settings.persistence.finalizer == handlers.FINALIZER
+    assert isinstance(memo[MEMO_KEY], Context)

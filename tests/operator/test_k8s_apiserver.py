@@ -1,4 +1,5 @@
-"""`k8s.py` against the real API server: every status the operator writes passes the CRD schema.
+"""`k8s.Cluster` against the real API server: every status the operator writes passes the CRD
+schema, and the job's children go through the test cluster's front proxy.
 
 The pure status functions are unit-tested elsewhere; here their output goes through the real
 ``/status`` subresource (validation, pruning, CEL) and is read back unchanged, so a field the
@@ -9,11 +10,15 @@ test instead of vanishing in a cluster. Skips without ``MALLEUS_K8S_ASSETS``.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from malleus.operator import jobs, k8s, status
+from malleus.errors import Fault
+from malleus.job import LastReplan, MalleusJobStatus, Phase, StragglerPolicy
+from malleus.operator import jobs, lifecycle, resources, status, workers
+from malleus.operator.k8s import Cluster
 from malleus.operator.resources import JobRef
 from malleus.planner.plan import Estimate
 
@@ -22,19 +27,19 @@ if TYPE_CHECKING:
 
 
 @pytest.fixture
-def real_k8s(
-    k8s_apiserver: ApiServer, malleus_crd: dict[str, Any], monkeypatch: pytest.MonkeyPatch
-) -> ApiServer:
-    """`k8s` configured for the test API server (restored afterwards)."""
-    monkeypatch.setattr(k8s, "_api_client", None)
-    k8s.configure(str(k8s_apiserver.kubeconfig))
-    return k8s_apiserver
+def real_k8s(k8s_apiserver: ApiServer, malleus_crd: dict[str, Any]) -> Iterator[Cluster]:
+    """A `Cluster` on the test API server."""
+    cluster = Cluster.connect(str(k8s_apiserver.kubeconfig))
+    yield cluster
+    cluster.close()
 
 
-def _round_trip(namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+def _round_trip(
+    cluster: Cluster, namespace: str, name: str, patch: dict[str, Any]
+) -> dict[str, Any]:
     async def go() -> dict[str, Any]:
-        await k8s.patch_job_status(namespace, name, patch)
-        job = await k8s.get_job(namespace, name)
+        await cluster.patch_job_status(namespace, name, patch)
+        job = await cluster.get_job(namespace, name)
         assert job is not None
         got: dict[str, Any] = job["status"]
         return got
@@ -43,62 +48,66 @@ def _round_trip(namespace: str, name: str, patch: dict[str, Any]) -> dict[str, A
 
 
 def test_every_status_shape_is_accepted_and_kept(
-    real_k8s: ApiServer, k8s_namespace: str, make_job: Any
+    real_k8s: Cluster, k8s_apiserver: ApiServer, k8s_namespace: str, make_job: Any
 ) -> None:
     body = make_job(namespace=k8s_namespace)
     for key in ("uid", "generation", "resourceVersion"):
         del body["metadata"][key]
     url = f"/apis/malleus.io/v1alpha1/namespaces/{k8s_namespace}/malleusjobs"
-    assert real_k8s.client.post(url, json=body).status_code == 201
-    stored = asyncio.run(k8s.get_job(k8s_namespace, "demo"))
+    assert k8s_apiserver.client.post(url, json=body).status_code == 201
+    stored = asyncio.run(real_k8s.get_job(k8s_namespace, "demo"))
     assert stored is not None
     ref = JobRef.from_body(stored)
-    plan, _ = asyncio.run(jobs.initial_plan(jobs.parse_job(stored)))
+    plan, _ = asyncio.run(jobs.initial_plan(jobs.resolve(stored)))
     plan = plan.model_copy(update={"estimate": Estimate(step_time=40.0, uniform_step_time=90.0)})
     t = status.now()
     pods = ["demo-node-0", "demo-node-1"]
-    running = status.pods_transition(
+    policy = StragglerPolicy()
+    running = lifecycle.pods_transition(
         {"phase": "Pending"},
         [{"metadata": {"name": n}, "status": {"phase": "Running"}} for n in pods],
         pods,
         ref.generation,
         t,
     ).status
-    patches = [
+    assert running is not None
+    observed = status.stragglers({3: 2.5, 5: None}, policy, 4)
+    observed.step = 5
+    observed.tokens_per_second = 100.5
+    observed.conditions = status.merge_conditions(
+        running.conditions,
+        status.straggling_condition({3: 2.5, 5: None}, policy, ref.generation, t),
+    )
+    last = LastReplan(
+        time=t,
+        reason="rank 3 slowed (1.00 -> 2.50)",
+        generation=2,
+        planning_seconds=0.0123,
+        migration_seconds=1.5,
+        migration_bytes=123456789,
+    )
+    typed = [
         status.created_status(plan, pods, 8, ref.generation, t),
         running,
-        {
-            **status.straggler_status({3: 2.5, 5: None}, 1.2, 4),
-            "step": 5,
-            "tokensPerSecond": 100.5,
-            "conditions": status.merge_conditions(
-                running["conditions"],
-                status.straggling_condition({3: 2.5, 5: None}, 1.2, ref.generation, t),
-            ),
-        },
-        {"phase": "Replanning", "message": "published plan generation 2"},
-        status.replan_status(
-            plan.model_copy(update={"generation": 2}),
-            reason="rank 3 slowed (1.00 -> 2.50)",
-            at=t,
-            planning_seconds=0.0123,
-            migration_seconds=1.5,
-            migration_bytes=123456789,
+        observed,
+        MalleusJobStatus(phase=Phase.REPLANNING, message="published plan generation 2"),
+        status.replan_status(plan.model_copy(update={"generation": 2}), last),
+        status.invalid_spec_status(
+            [Fault("spec.parallelism.tp", "heads(4) is not divisible by tp(8)")], 1, t
         ),
-        status.invalid_spec_status("invalid spec: heads(4) is not divisible by tp(8)", 1, t),
     ]
-    for patch in patches:
-        got = _round_trip(k8s_namespace, "demo", patch)
+    for patch in map(status.dump, typed):
+        got = _round_trip(real_k8s, k8s_namespace, "demo", patch)
         for key, value in patch.items():
             assert got.get(key) == value, f"{key}: sent {value!r}, stored {got.get(key)!r}"
 
 
 def test_a_missing_job_reads_as_none_and_its_status_patch_is_ignored(
-    real_k8s: ApiServer, k8s_namespace: str
+    real_k8s: Cluster, k8s_namespace: str
 ) -> None:
     async def go() -> None:
-        assert await k8s.get_job(k8s_namespace, "absent") is None
-        await k8s.patch_job_status(k8s_namespace, "absent", {"phase": "Running"})  # ignored
+        assert await real_k8s.get_job(k8s_namespace, "absent") is None
+        await real_k8s.patch_job_status(k8s_namespace, "absent", {"phase": "Running"})  # ignored
 
     asyncio.run(go())
 
@@ -108,21 +117,17 @@ def test_core_objects_through_the_cluster_proxy(
     malleus_crd: dict[str, Any],
     k8s_namespace: str,
     make_job: Any,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The children of a job, created, found, patched and deleted through `k8s` (the real
+    """The children of a job, created, found, patched and deleted through a `Cluster` (the real
     server for the job, the test cluster's emulated core API for the rest)."""
-    from malleus.operator import resources
-
-    monkeypatch.setattr(k8s, "_api_client", None)
-    k8s.configure(str(k8s_cluster.kubeconfig))
+    k8s = Cluster.connect(str(k8s_cluster.kubeconfig))
     ns = k8s_namespace
-    job = jobs.parse_job(make_job(namespace=ns))
+    job = jobs.resolve(make_job(namespace=ns))
     ref = JobRef(namespace=ns, name="demo", uid="uid-1234", generation=1)
 
     async def go() -> None:
         plan, _ = await jobs.initial_plan(job)
-        children = resources.build_children(job, ref, plan, "tok-1")
+        children = workers.build_children(job, ref, plan, "tok-1")
         for obj in children:
             _, created = await k8s.create(obj)
             assert created
@@ -141,6 +146,9 @@ def test_core_objects_through_the_cluster_proxy(
         assert not await k8s.delete("Pod", ns, "demo-node-1")
         assert await k8s.read("Pod", ns, "demo-node-1") is None
 
-    asyncio.run(go())
+    try:
+        asyncio.run(go())
+    finally:
+        k8s.close()
     events = k8s_cluster.core.list("events", ns)
     assert [(e["reason"], e["involvedObject"]["name"]) for e in events] == [("PodFailed", "demo")]

@@ -4,28 +4,19 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
 
+from malleus.job import Phase
 from malleus.operator import __main__ as cli
 from malleus.operator import metrics, settings
 
-OPERATOR_MODULES = [
-    "__main__",
-    "daemon",
-    "handlers",
-    "jobs",
-    "k8s",
-    "metrics",
-    "resources",
-    "settings",
-    "sink",
-    "sources",
-    "status",
-    "trainers",
-]
+OPERATOR_MODULES = sorted(
+    p.stem for p in (Path(__file__).resolve().parents[2] / "operator").glob("*.py")
+)
 
 
 def test_help_runs_without_a_cluster() -> None:
@@ -69,24 +60,38 @@ def test_main_runs_kopf_standalone_with_the_given_namespaces(
     assert kw["standalone"] is True
     assert kw["clusterwide"] is False and list(kw["namespaces"]) == ["ml", "research"]
     assert kw["liveness_endpoint"] == "http://0.0.0.0:8080/healthz"
-    assert settings.current().ack_timeout_seconds == 12.0
-    assert settings.current().metrics_port == 0
+    ours = kw["memo"]["settings"]  # handed to the startup handler, not kept in a global
+    assert ours.ack_timeout_seconds == 12.0
+    assert ours.metrics_port == 0
     calls.clear()
     cli.main(["--liveness", ""])
     assert calls[0]["clusterwide"] is True and calls[0]["liveness_endpoint"] is None
 
 
 def test_operator_metrics_are_exposed() -> None:
-    metrics.PHASES.set("ml", "a", "Running")
-    metrics.PHASES.set("ml", "b", "Running")
-    metrics.PHASES.set("ml", "c", "Failed")
-    metrics.PHASES.forget("ml", "c")
-    metrics.REPLANS.labels(namespace="ml", job="a").inc()
-    metrics.PLANNING_SECONDS.observe(0.3)
-    text = generate_latest(metrics.REGISTRY).decode()
+    m = metrics.OperatorMetrics()
+    m.phases.set("ml", "a", Phase.RUNNING)
+    m.phases.set("ml", "b", Phase.RUNNING)
+    m.phases.set("ml", "c", Phase.FAILED)
+    m.phases.forget("ml", "c")
+    m.replans.labels(namespace="ml", job="a").inc()
+    m.planning_seconds.observe(0.3)
+    text = generate_latest(m.registry).decode()
     assert 'malleus_operator_jobs{phase="Running"} 2.0' in text
     assert 'malleus_operator_jobs{phase="Failed"} 0.0' in text
+    # one gauge per phase the CRD knows, and no other
+    shown = {
+        line.split('"')[1]
+        for line in text.splitlines()
+        if line.startswith("malleus_operator_jobs{")
+    }
+    assert shown == {p.value for p in Phase}
     assert 'malleus_operator_replans_total{job="a",namespace="ml"}' in text
     assert "malleus_operator_planning_seconds_bucket" in text
     assert "# TYPE malleus_operator_pod_failures_total counter" in text
     assert "# TYPE malleus_operator_replan_failures_total counter" in text
+    # a second operator in the same process counts on its own
+    assert (
+        'malleus_operator_jobs{phase="Running"} 0.0'
+        in generate_latest(metrics.OperatorMetrics().registry).decode()
+    )

@@ -1,4 +1,5 @@
-"""The pure manifest builders: what every worker pod, the Service, ConfigMap and Secret hold."""
+"""The pure manifest builders (`resources`, `workers`): what every worker pod, the Service,
+ConfigMap and Secret hold."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from malleus.operator import jobs, resources
+from malleus.job import ResolvedJob
+from malleus.operator import jobs, resources, workers
 from malleus.operator.resources import JobRef
 from malleus.planner.plan import Pipeline, Plan, Stage
 
@@ -26,11 +28,11 @@ PLAN = Plan(
 
 
 def _job(make_job: Any, **spec: Any) -> Any:
-    return jobs.parse_job(make_job(**spec))
+    return jobs.resolve(make_job(**spec))
 
 
 def _children(make_job: Any, **spec: Any) -> list[dict[str, Any]]:
-    return resources.build_children(_job(make_job, **spec), REF, PLAN, "s3cret-token")
+    return workers.build_children(_job(make_job, **spec), REF, PLAN, "s3cret-token")
 
 
 def _pods(children: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -187,7 +189,7 @@ def test_configmap_holds_the_plan_and_the_job(make_job: Any) -> None:
     assert job["metadata"] == {"name": "demo", "namespace": "ml"}
     assert job["spec"]["nodes"] == 2
     # the trainers' manifest round-trips through the same parser
-    assert jobs.parse_job(job).spec.nodes == 2
+    assert jobs.resolve(job).nodes == 2
 
 
 def test_secret_holds_the_token_base64(make_job: Any) -> None:
@@ -239,12 +241,11 @@ def test_manifests_validate_against_the_kubernetes_openapi_schema(make_job: Any)
 
 
 def test_the_worker_command_and_files_fit_the_trainer_cli(make_job: Any, tmp_path: Any) -> None:
-    """What the pods run parses with the trainer's own argparse and loads with its config
-    reader (the ConfigMap's job.json and plan.json, as mounted)."""
+    """What the pods run parses with the trainer's own argparse, and the ConfigMap's job.json
+    and plan.json (as mounted) load as the trainer loads them."""
     import argparse
 
     cli = pytest.importorskip("malleus.trainer.cli")
-    config = pytest.importorskip("malleus.trainer.config")  # imports torch (the model config)
     spec = {"checkpoint": {"intervalSteps": 5}}
     children = _children(make_job, **spec)
     cm = children[1]
@@ -258,6 +259,5 @@ def test_the_worker_command_and_files_fit_the_trainer_cli(make_job: Any, tmp_pat
         [a.replace(resources.CONFIG_MOUNT, str(tmp_path)) for a in args_after_module]
     )
     assert args.checkpoint_every == 5 and args.checkpoint_dir == "/checkpoints"
-    cfg = config.load_config(args.job)
-    assert cfg.name == "demo"
+    assert ResolvedJob.load(args.job).check().name == "demo"  # strictly, as the trainer reads it
     assert Plan.from_json((tmp_path / "plan.json").read_text()) == PLAN

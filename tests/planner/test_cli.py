@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import io
 import json
 import subprocess
@@ -13,15 +13,17 @@ import pytest
 
 from malleus.cli import main
 from malleus.planner import Plan, PlanningProblem, validate_plan
-from malleus.planner.cli import format_ranks, plan_main
+from malleus.planner.cli import format_ranks, parse_rates
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "problems"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples" / "problems"
 
 
-def run(problem: Path, output: Path | None = None) -> tuple[int, str, str]:
+def run(problem: Path, output: Path | None = None, *extra: str) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    args = argparse.Namespace(problem=str(problem), output=str(output) if output else None)
-    code = plan_main(args, out, err)
+    argv = ["plan", str(problem), *(["-o", str(output)] if output else []), *extra]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
     return code, out.getvalue(), err.getvalue()
 
 
@@ -83,8 +85,8 @@ def test_previous_plan_reports_migration(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "expect"),
     [
-        ('{"nodes": 2,\n  "gpus_per_node" 4}', "invalid JSON at line 2, column 19"),
-        ("[1, 2]", "a PlanningProblem is a JSON object, not list"),
+        ('{"nodes": 2,\n  "gpus_per_node" 4}', "not valid JSON at line 2, column 19"),
+        ("[1, 2]", "expected a MalleusJob manifest or a PlanningProblem JSON object"),
         (
             '{"nodes": 1, "gpus_per_node": 4, "model": {"layers": 4, "tp": 3}, "micro_batches": 0}',
             "model.tp: 3 is not a power of two",
@@ -118,9 +120,9 @@ def test_several_faults_one_per_line(tmp_path: Path) -> None:
 
 def test_missing_file_and_unwritable_output(tmp_path: Path) -> None:
     code, _, err = run(tmp_path / "nope.json")
-    assert code == 2 and "No such file or directory" in err
+    assert code == 2 and err.endswith("nope.json (1 fault):\n  - <input>: no such file\n")
     code, _, err = run(EXAMPLES / "small.json", tmp_path / "no-such-dir" / "plan.json")
-    assert code == 2 and "no-such-dir" in err
+    assert code == 2 and "  - --output: " in err and "no-such-dir" in err
 
 
 def test_no_traceback_from_the_process(tmp_path: Path) -> None:
@@ -133,7 +135,7 @@ def test_no_traceback_from_the_process(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 2
-    assert "invalid JSON at line 1" in proc.stderr
+    assert "not valid JSON at line 1" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
@@ -141,3 +143,49 @@ def test_format_ranks() -> None:
     assert format_ranks([0, 1, 2, 3, 6, 8, 9]) == "0-3,6,8-9"
     assert format_ranks([5]) == "5"
     assert format_ranks([]) == ""
+
+
+def test_a_job_manifest_gets_the_operators_initial_plan() -> None:
+    code, out, err = run(ROOT / "examples" / "tiny-cpu.yaml")
+    assert code == 0, err
+    assert out.startswith("2 nodes x 4 GPUs, tp 2, 8 layers, 8 micro-batches -> ")
+    assert "(generation 1)" in out and "migration: none (no previous plan)" in out
+
+
+def test_what_if_rates_replan_a_job_from_its_initial_plan(tmp_path: Path) -> None:
+    target = tmp_path / "plan.json"
+    code, out, err = run(ROOT / "examples" / "tiny-cpu.yaml", target, "--rates", "3=2.5,5=failed")
+    assert code == 0, err
+    assert "(generation 2)" in out and "from generation 1" in out
+    result = Plan.from_json(target.read_text())
+    used = {r for p in result.pipelines for s in p.stages for r in s.ranks}
+    assert 5 not in used and 5 not in result.excluded  # unusable: neither used nor excluded
+
+
+def test_what_if_rates_lay_over_a_problems_own(tmp_path: Path) -> None:
+    target = tmp_path / "plan.json"
+    code, _, err = run(EXAMPLES / "small.json", target, "--rates", "0=failed")
+    assert code == 0, err
+    result = Plan.from_json(target.read_text())
+    assert 0 not in {r for p in result.pipelines for s in p.stages for r in s.ranks}
+
+
+def test_rates_parse_ranks_rates_and_failures() -> None:
+    assert parse_rates("3=2.5, 17=failed,4=null,5=1") == {3: 2.5, 17: None, 4: None, 5: 1.0}
+
+
+@pytest.mark.parametrize(
+    ("rates", "expect"),
+    [
+        ("3", "'3': expected RANK=RATE"),
+        ("x=2", "'x=2': expected RANK=RATE"),
+        ("3=0.5", "'3=0.5': a rate is a slowdown >= 1.0"),
+        ("3=inf", "'3=inf': a rate is a slowdown >= 1.0"),
+        ("8=2,9=1", "ranks 8-9 beyond the 8 GPUs (ranks 0-7)"),
+    ],
+)
+def test_bad_rates_exit_2_naming_the_option(rates: str, expect: str) -> None:
+    for source in (ROOT / "examples" / "tiny-cpu.yaml", EXAMPLES / "small.json"):
+        code, out, err = run(source, None, "--rates", rates)
+        assert (code, out) == (2, "")
+        assert err.startswith("invalid arguments (1 fault):\n  - --rates: ") and expect in err

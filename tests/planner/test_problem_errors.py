@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from malleus.errors import Fault
 from malleus.planner import PlanningProblem, ProblemError, plan
 
 
@@ -25,7 +26,7 @@ def base(**over: Any) -> dict[str, Any]:
 def faults_of(data: dict[str, Any] | str) -> list[str]:
     with pytest.raises(ProblemError) as e:
         PlanningProblem.load(data)
-    return e.value.faults
+    return [str(f) for f in e.value.faults]
 
 
 @pytest.mark.parametrize(
@@ -38,7 +39,12 @@ def faults_of(data: dict[str, Any] | str) -> list[str]:
         ({"rates": {"2": float("nan")}}, "rates[2]: nan is not allowed"),
         ({"rates": {"8": 2.0}}, "rates[8]: rank 8 is out of range; ranks are 0..7"),
         ({"rates": {"-1": 2.0}}, "rates[-1]: rank -1 is out of range"),
-        ({"micro_batches": 0}, "micro_batches: 0 is not allowed; need at least 1"),
+        ({"micro_batches": 0}, "micro_batches: 0 is not allowed; need 1..1000000"),
+        ({"micro_batches": 10**15}, "micro_batches: 1000000000000000 is not allowed"),
+        ({"rates": {"2": 1e307}}, "rates[2]: 1e+307 is not allowed; a straggling rate is a number"),
+        ({"model": {"layers": 10**6, "tp": 2}}, "model.layers: 1000000 is not allowed"),
+        ({"nodes": 10**6}, "at most 65536 are planned"),
+        ({"dp": 9}, "dp: 9 is not allowed; need 1..8 pipelines"),
         ({"model": {"layers": 0, "tp": 2}}, "model.layers: 0 is not allowed"),
         ({"dp": 0}, "dp: 0 is not allowed"),
         ({"rates": dict.fromkeys(map(str, range(8)))}, "every GPU is unusable"),
@@ -69,7 +75,7 @@ def test_no_layout_fits_memory_says_how_far() -> None:
     )
     with pytest.raises(ProblemError) as e:
         plan(p)
-    (fault,) = e.value.faults
+    (fault,) = [str(f) for f in e.value.faults]
     m = re.search(r"smallest per-GPU need is (\d+) MB with (\d+) stages of (\S+) layers", fault)
     assert m, fault
     assert (int(m.group(1)), int(m.group(2)), m.group(3)) == (26, 4, "2")
@@ -89,5 +95,5 @@ def test_more_pinned_pipelines_than_micro_batches() -> None:
     with pytest.raises(ProblemError) as e:
         plan(p)
     assert e.value.faults == [
-        "dp: 5 pipelines need at least 5 micro-batches; the step has 3",
+        Fault("dp", "5 pipelines need at least 5 micro-batches; the step has 3"),
     ]

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from malleus.runner import Machine, RunOptions, run
+from malleus.job.resources import Machine
+from malleus.runner import LocalRunOptions, run
 from malleus.runner.processes import TrainerProcesses
 
 from .conftest import manifest, write_job
@@ -37,7 +38,7 @@ def bad_manifest() -> dict:
 
 def call(tmp_path: Path, job: str, steps: int | None = None) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    options = RunOptions(job=job, steps=steps, workdir=str(tmp_path / "work"), progress="none")
+    options = LocalRunOptions(job=job, steps=steps, workdir=str(tmp_path / "work"), progress="none")
     code = run(options, out=out, err=err, machine=BIG)
     return code, out.getvalue(), err.getvalue()
 
@@ -46,7 +47,7 @@ def call(tmp_path: Path, job: str, steps: int | None = None) -> tuple[int, str, 
 def test_a_malformed_manifest_lists_every_fault_with_its_field_path(tmp_path: Path) -> None:
     code, out, err = call(tmp_path, write_job(tmp_path / "bad.yaml", bad_manifest()))
     assert code == 2 and out == ""
-    assert err.startswith("malleus run: invalid MalleusJob in ")
+    assert err.startswith(f"invalid MalleusJob in {tmp_path / 'bad.yaml'} (")
     lines = err.splitlines()
     assert any(ln.strip().startswith("- spec.parallelism.tp:") for ln in lines)
     assert any(ln.strip().startswith("- spec.training.learningRate:") for ln in lines)
@@ -58,7 +59,7 @@ def test_a_malformed_manifest_lists_every_fault_with_its_field_path(tmp_path: Pa
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (None, "No such file or directory"),
+        (None, "job.yaml (1 fault):\n  - <input>: no such file"),
         ("spec: [unclosed", "not valid YAML"),
         ("kind: Pod\napiVersion: v1\n", "kind: must be"),
     ],
@@ -78,16 +79,18 @@ def test_a_machine_too_small_is_refused_saying_what_is_needed(tmp_path: Path) ->
     job = write_job(tmp_path / "job.yaml", manifest(nodes=2, gpus=4))
     small = Machine(cpus=1, memory_mib=512.0)
     out, err = io.StringIO(), io.StringIO()
-    code = run(RunOptions(job=job, progress="none"), out=out, err=err, machine=small)
+    code = run(LocalRunOptions(job=job, progress="none"), out=out, err=err, machine=small)
     assert code == 2
-    assert "cannot run runner-test (8 ranks)" in err.getvalue()
-    assert "CPU cores: needs 2" in err.getvalue() and "memory: needs" in err.getvalue()
+    lines = err.getvalue().splitlines()
+    assert lines[0] == f"invalid MalleusJob in {job} (2 faults):"
+    assert lines[1].startswith("  - machine: too small for 8 ranks: CPU cores: needs 2 ")
+    assert lines[2].startswith("  - machine: too small for 8 ranks: memory: needs ")
 
 
 @pytest.mark.usefixtures("nothing_starts")
 def test_bad_steps_exit_2(tmp_path: Path) -> None:
     code, _, err = call(tmp_path, write_job(tmp_path / "job.yaml", manifest()), steps=0)
-    assert code == 2 and "--steps 0: need at least 1" in err
+    assert code == 2 and "  - --steps: 0: need at least 1" in err
 
 
 def test_the_command_refuses_fast_in_a_fresh_process(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from malleus.controller.ports import Observation
+from malleus.job import StragglerPolicy
 from malleus.runner.record import (
     PlanSwitch,
     RecordingSource,
@@ -69,7 +70,7 @@ def test_lines_and_scrapes_merge_by_step() -> None:
 
 
 def test_switches_label_the_steps_they_cover() -> None:
-    rec = RunRecord(tokens_per_step=1)
+    rec = RunRecord(tokens_per_step=1, initial_generation=0)
     for k in range(1, 9):
         rec.add_observation(Observation(k, 1.0, {}, generation=0))
     rec.add_switch(PlanSwitch(1, 3, 0.2, 1000.0))
@@ -79,7 +80,8 @@ def test_switches_label_the_steps_they_cover() -> None:
 
 
 def test_stragglers_are_rates_at_the_threshold_or_unusable() -> None:
-    assert stragglers({0: 1.0, 1: 1.19, 2: 1.2, 3: None, 4: 3.0}, 1.2) == {2: 1.2, 3: None, 4: 3.0}
+    rates = {0: 1.0, 1: 1.19, 2: 1.2, 3: None, 4: 3.0}
+    assert stragglers(rates, StragglerPolicy(threshold=1.2)) == {2: 1.2, 3: None, 4: 3.0}
 
 
 class FailingSource:
@@ -101,29 +103,3 @@ def test_failed_reads_are_retried_quietly_then_raised_or_ended() -> None:
     assert inner.calls > 3
     ended = True
     assert asyncio.run(source.read()) is None
-
-
-class Scripted:
-    def __init__(self, observations: list[Observation]) -> None:
-        self.left = list(observations)
-
-    async def read(self) -> Observation | None:
-        return self.left.pop(0) if self.left else None
-
-
-def test_warm_up_steps_of_each_plan_are_recorded_but_not_passed_on() -> None:
-    rec = RunRecord(tokens_per_step=1)
-    obs = [Observation(k, 1.0, {0: 2.0}, generation=0) for k in (1, 2, 3)]
-    obs += [Observation(k, 1.0, {0: 1.0}, generation=1) for k in (4, 5, 6, 7)]
-    source = RecordingSource(Scripted(obs), rec, lambda: False, warmup_steps=2)
-
-    async def drain() -> list[int]:
-        seen = []
-        while (o := await source.read()) is not None:
-            seen.append(o.step)
-            if o.step == 3:
-                rec.add_switch(PlanSwitch(1, 3))  # as the sink records the acknowledgement
-        return seen
-
-    assert asyncio.run(drain()) == [3, 6, 7]
-    assert [s.index for s in rec.steps()] == list(range(7))  # every step recorded

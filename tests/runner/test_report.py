@@ -8,20 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from functools import partial
 from typing import Any
 
 import pytest
 
-from malleus.controller import (
-    Controller,
-    ManualClock,
-    SimulatedJob,
-    StragglerPolicy,
-    build_problem,
-    default_planner,
-)
-from malleus.jobspec import load_job
+from malleus.controller import Controller, DecisionEvent, ManualClock, SimulatedJob
+from malleus.job import ResolvedJob
 from malleus.runner.prepare import true_rates
 from malleus.runner.record import PlanSwitch
 from malleus.runner.report import RunFacts, build_report, generation_segments, summary_text
@@ -33,14 +25,13 @@ TOKENS = 256
 SPU = 0.12  # seconds per cost-model unit
 
 
-def simulate(steps: int = 28) -> tuple[list[dict[str, Any]], list[PlanSwitch], list[dict]]:
+def simulate(steps: int = 28) -> tuple[list[DecisionEvent], list[PlanSwitch], list[dict]]:
     """(events, switches, per-step rows) of the e2e scenario under the simulated job."""
-    job = load_job(manifest(policy={"windowSteps": 3, "cooldownSeconds": 2}))
-    builder = partial(build_problem, job)
-    plan = default_planner(builder({}, None))
+    job = ResolvedJob.load(manifest(policy={"windowSteps": 3, "cooldownSeconds": 2}))
+    plan = job.initial_plan()
     clock = ManualClock()
     sim = SimulatedJob(
-        builder,
+        job.problem,
         plan,
         lambda s: true_rates(SCHEDULE, s),
         clock=clock,
@@ -69,12 +60,12 @@ def simulate(steps: int = 28) -> tuple[list[dict[str, Any]], list[PlanSwitch], l
         Recording(),
         sim,
         initial_plan=plan,
-        problem_builder=builder,
-        policy=StragglerPolicy.from_job(job),
+        problem_builder=job.problem,
+        policy=job.policy,
         clock=clock,
     )
     asyncio.run(controller.run())
-    switches = [PlanSwitch(0, 0)] + [
+    switches = [PlanSwitch(plan.generation, 0)] + [
         PlanSwitch(p.generation, s, 0.5, 2048.0) for s, p in sim.applied
     ]
     for row in rows:
@@ -83,7 +74,7 @@ def simulate(steps: int = 28) -> tuple[list[dict[str, Any]], list[PlanSwitch], l
 
 
 @pytest.fixture(scope="module")
-def simulated() -> tuple[list[dict[str, Any]], list[PlanSwitch], list[dict]]:
+def simulated() -> tuple[list[DecisionEvent], list[PlanSwitch], list[dict]]:
     return simulate()
 
 
@@ -111,7 +102,7 @@ def test_every_replan_is_reported_with_prediction_and_measurement(simulated: Any
     events, switches, rows = simulated
     report = build_report(facts(), rows, switches, events, ideal_step_seconds=[0.5] * 28)
     changes = report["plan_changes"]
-    assert [c["generation"] for c in changes] == [1, 2]
+    assert [c["generation"] for c in changes] == [2, 3]  # the first plan is generation 1
     first, second = changes
     assert "rank 1 slowed" in first["reason"] and "rank 1 recovered" in second["reason"]
     assert 6 < first["step_applied"] <= 6 + 3 + 1  # within the window of the onset
@@ -127,6 +118,13 @@ def test_every_replan_is_reported_with_prediction_and_measurement(simulated: Any
     assert report["steps"] == 28 and report["final_loss"] == pytest.approx(5.0 - 2.8)
     assert report["ideal_seconds"] == pytest.approx(14.0)
     assert report["ideal_ratio"] == pytest.approx(14.0 / report["training_seconds"])
+    assert [e["kind"] for e in report["events"]][:4] == [
+        "StragglerDetected",
+        "Planned",
+        "Replanned",
+        "Migrated",
+    ]
+    assert report["events"][2]["data"]["plan"] == first["plan"]
     json.dumps(report, allow_nan=False)  # strict JSON as it is
 
 
@@ -154,7 +152,7 @@ def test_summary_lists_generations_replans_and_loss(simulated: Any) -> None:
     assert "28/28 steps" in text and "final loss 2.2000" in text
     assert "re-plans: 2" in text
     lines = text.splitlines()
-    gen_rows = [ln for ln in lines if ln.strip().startswith(("0 ", "1 ", "2 "))]
+    gen_rows = [ln for ln in lines if ln.strip().startswith(("1 ", "2 ", "3 "))]
     assert len(gen_rows) >= 3
     assert any("rank 1 slowed" in ln for ln in lines)
     assert any("rank 1 recovered" in ln for ln in lines)

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-from malleus.runner.resources import (
+from pathlib import Path
+
+import pytest
+
+from malleus.job import BadInput, ResolvedJob
+from malleus.job.resources import (
     RANK_BASE_MIB,
     Machine,
     check_resources,
     job_needs,
     probe_machine,
+    require_resources,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_emulated_ranks_share_cores_but_real_timings_need_one_each() -> None:
@@ -57,3 +65,15 @@ def test_probe_reads_this_machine_without_importing_torch() -> None:
     assert machine.cpus >= 1
     assert machine.memory_mib is None or machine.memory_mib > 0
     assert ("torch" in sys.modules) == had_torch
+
+
+def test_require_resources_refuses_a_resolved_job_with_every_shortfall_naming_the_file() -> None:
+    job = ResolvedJob.load(ROOT / "examples" / "tiny-cpu.yaml")
+    with pytest.raises(BadInput) as caught:
+        require_resources(job, Machine(cpus=1, memory_mib=256.0), source="tiny-cpu.yaml")
+    assert caught.value.paths == ["machine", "machine"]
+    assert str(caught.value).startswith("invalid MalleusJob in tiny-cpu.yaml (2 faults):")
+    assert "too small for 8 ranks: CPU cores: needs 2" in str(caught.value)
+    roomy = require_resources(job, Machine(cpus=2, memory_mib=1e6))
+    assert (roomy.ranks, roomy.cpus, roomy.gpus) == (8, 2, 0)
+    assert require_resources(job, Machine(cpus=1, memory_mib=1.0), check=False).cpus == 2

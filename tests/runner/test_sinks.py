@@ -1,27 +1,14 @@
-"""Reading a switch from the trainer's /status, and a checkpoint directory, for the report."""
+"""Reading a checkpoint directory for the report, and the emulated schedule's true rates.
+
+(How a live switch is read from the trainers' /status is `tests/controller/test_sources.py`.)
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from malleus.runner.prepare import true_rates
-from malleus.runner.record import PlanSwitch
-from malleus.runner.sinks import checkpoint_bytes, latest_checkpoint_step, switch_from_status
-
-
-def test_the_trainers_migration_record_gives_the_switch_step() -> None:
-    status = {
-        "step": 12,
-        "current_generation": 2,
-        "migration": {"generation": 2, "step": 10, "seconds": 0.04, "bytes": 4096},
-    }
-    assert switch_from_status(status, 2, fallback_step=12) == PlanSwitch(2, 10, 0.04, 4096)
-
-
-def test_without_a_record_of_this_generation_the_step_seen_is_the_bound() -> None:
-    status = {"migration": {"generation": 1, "step": 4, "seconds": 0.5, "bytes": 8}}
-    assert switch_from_status(status, 2, fallback_step=12) == PlanSwitch(2, 12, 0.5, 8)
-    assert switch_from_status({}, 2, fallback_step=12) == PlanSwitch(2, 12)
+from malleus.runner.sinks import checkpoint_bytes, latest_checkpoint_step
 
 
 def test_latest_checkpoint_step_and_size(tmp_path: Path) -> None:

@@ -12,15 +12,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from malleus.job import ResolvedJob
 from malleus.planner import Plan
-from malleus.trainer.config import TrainConfig
 from malleus.trainer.launch import DistEnv, init_distributed
 from malleus.trainer.services import Services
+from malleus.trainer.state import gather_full
 from malleus.trainer.worker import Trainer
 
 
 def run_chain(
-    cfg: TrainConfig, first: Plan, switches: list[tuple[int, Plan]], steps: int, out: str
+    job: ResolvedJob, first: Plan, switches: list[tuple[int, Plan]], steps: int, out: str
 ) -> None:
     """Spawned-job body: train under `first`; each (step, plan) of `switches` is offered to rank
     0's inbox so that it is in force from that step on. Rank 0 writes OUT/chain.pt: the full
@@ -31,9 +32,9 @@ def run_chain(
     env = DistEnv.from_env()
     device = init_distributed(env, init_timeout_s=60)
     try:
-        services = Services.null(cfg, env.rank)
+        services = Services.null(job, env.rank)
         trainer = Trainer(
-            cfg, first, rank=env.rank, world=env.world_size, device=device, services=services
+            job, first, rank=env.rank, world=env.world_size, device=device, services=services
         )
         due = dict(switches)
         models: dict[int, dict[str, torch.Tensor] | None] = {}
@@ -53,8 +54,8 @@ def run_chain(
                 assert set(trainer.params) == held == set(trainer.optim.state)
                 for name in held & set(before):
                     assert trainer.params[name].data_ptr() == before[name], f"{name} copied"
-                models[trainer.step] = trainer.gather_full(0)
-        models[trainer.step] = trainer.gather_full(0)
+                models[trainer.step] = gather_full(trainer, 0)
+        models[trainer.step] = gather_full(trainer, 0)
         if env.rank == 0:
             torch.save(
                 {"models": models, "migrations": migrations, "reports": reports},

@@ -1,7 +1,8 @@
 """`malleus train` and `python -m malleus.trainer`: bad input, bounded joining, checkpoints.
 
-Bad input (exit 2) is refused before any process starts. The two spawned runs stop under one
-plan and resume under another; the result must equal the reference trained straight through.
+Bad input (exit 2) is refused before any process starts, with `malleus run`'s words. The two
+spawned runs stop under one plan and resume under another; the result must equal the reference
+trained straight through.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import pytest
 import torch
 import yaml
 
+from malleus.job import ResolvedJob
 from malleus.planner.cost import stage_memory_mb
+from malleus.runner import cli as runner_cli
 from malleus.trainer import cli
 from malleus.trainer.checkpoint import latest, read_manifest
-from malleus.trainer.config import load_config
 from malleus.trainer.launch import DistEnv, LaunchError, init_distributed
 from malleus.trainer.reference import train_reference
 
@@ -76,9 +78,11 @@ def plan(*pipelines: tuple[int, list[dict]], excluded: tuple[int, ...] = ()) -> 
 
 
 def parse(*argv: str) -> argparse.Namespace:
+    """`malleus train` arguments. These jobs time their 1-4 ranks for real, which wants a core
+    per rank: the resource check would refuse them on a 2-core machine (it has its own test)."""
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    return parser.parse_args(list(argv))
+    return parser.parse_args([*argv, "--no-resource-check"])
 
 
 PLAN_A = plan((5, [stage([0, 1], 0, 1), stage([2], 1, 4)]), (3, [stage([3], 0, 4)]))
@@ -120,8 +124,8 @@ def test_plan_over_the_memory_bound_exits_2(
 ) -> None:
     # Capacity between what the uniform plan needs and what one GPU holding everything needs.
     wide = SMALL_MODEL | {"hidden": 256, "ffn": 1024}  # MBs per layer-shard, not KBs
-    cfg = load_config(write(tmp_path / "probe.yaml", job_manifest(model=wide)))
-    problem = cfg.problem()
+    job = ResolvedJob.load(write(tmp_path / "probe.yaml", job_manifest(model=wide)))
+    problem = job.problem()
     need_uniform = stage_memory_mb(problem, 1, 4, 1, 0, 4)
     need_one = stage_memory_mb(problem, 2, 4, 1, 0, 8)
     capacity = int((need_uniform + need_one) / 2)
@@ -142,6 +146,52 @@ def test_bad_manifest_and_malformed_plan_exit_2(
     job = write(tmp_path / "job.yaml", job_manifest())
     assert cli.main(parse(job, "--plan", write(tmp_path / "p.json", {"tp": 2}))) == 2
     assert "pipelines" in capsys.readouterr().err
+
+
+def _bad_files(tmp_path: Path) -> dict[str, str]:
+    tp3 = job_manifest()
+    tp3["spec"]["parallelism"]["tp"] = 3
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\x7fELF\x00\x01")
+    prose = tmp_path / "prose.yaml"
+    prose.write_text("```bash\nmalleus train\n```\n")
+    return {
+        "missing": str(tmp_path / "missing.yaml"),
+        "binary": str(binary),
+        "not YAML": str(prose),
+        "tp 3": write(tmp_path / "tp3.yaml", tp3),
+    }
+
+
+def test_train_refuses_a_bad_job_with_the_words_of_malleus_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_parser = argparse.ArgumentParser()
+    runner_cli.add_arguments(run_parser)
+    for what, path in _bad_files(tmp_path).items():
+        assert cli.main(parse(path)) == 2, what
+        train_err = capsys.readouterr().err
+        assert runner_cli.main(run_parser.parse_args([path, "--no-resource-check"])) == 2, what
+        run_err = capsys.readouterr().err
+        assert train_err == run_err, what
+        assert (
+            train_err.startswith(f"invalid MalleusJob in {path}") and "Traceback" not in train_err
+        )
+
+
+def test_a_job_too_large_for_this_machine_is_refused_at_once() -> None:
+    # 64 ranks of llama-70b: refused by the resource check, as `malleus run` refuses it,
+    # before any rank starts (a start would take minutes and all the memory).
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [PY, "-m", "malleus.cli", "train", str(ROOT / "examples" / "llama-70b.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "machine: too small for 64 ranks" in proc.stderr and "Traceback" not in proc.stderr
+    assert time.monotonic() - t0 < 30
 
 
 def test_worker_rejects_a_bad_plan_before_joining(tmp_path: Path) -> None:
@@ -218,7 +268,7 @@ def test_stop_under_one_plan_resume_under_another(tmp_path: Path) -> None:
     assert latest(ckpt).name == "step-00000004"
 
     torch.set_num_threads(1)
-    ref = train_reference(load_config(job)).full_state()
+    ref = train_reference(ResolvedJob.load(job)).full_state()
     got = torch.load(model)
     assert got.keys() == ref.keys()
     worst = max(float((got[k] - ref[k]).abs().max() / (1 + ref[k].abs().max())) for k in ref)
@@ -278,8 +328,7 @@ def test_torchrun_entry_trains_two_ranks(tmp_path: Path) -> None:
         )
     outs = [p.communicate(timeout=180) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
-    cfg = load_config(job).with_steps(2)
     torch.set_num_threads(1)
-    ref = train_reference(cfg).full_state()
+    ref = train_reference(ResolvedJob.load(job), steps=2).full_state()
     got = torch.load(model)
     assert max(float((got[k] - ref[k]).abs().max() / (1 + ref[k].abs().max())) for k in ref) <= 1e-4

@@ -35,10 +35,10 @@ from typing import Any
 import pytest
 import yaml
 
+from malleus.job import ResolvedJob
+from malleus.job.control import ControlClient, ControlError
 from malleus.planner import plan_step_time, uniform_plan
 from malleus.trainer import cli
-from malleus.trainer.config import load_config
-from malleus.trainer.control import ControlClient
 from malleus.trainer.metrics import parse_rates
 
 FORWARD_MS, BACKWARD_MS = 60.0, 120.0
@@ -91,10 +91,11 @@ def _poll(url: str, done: threading.Event, seen: dict[int, dict[str, Any]]) -> N
     while not done.is_set():
         try:
             status = client.status()
-            step = status.get("step") or 0
+            step = status.step
             if step and step not in seen:
-                seen[step] = {"status": status, "rates": parse_rates(client.metrics())}
-        except OSError:
+                wire = status.model_dump(mode="json")  # as served: rank keys are strings
+                seen[step] = {"status": wire, "rates": parse_rates(client.metrics_text())}
+        except ControlError:
             pass  # not listening yet, or already closed
         time.sleep(0.03)
 
@@ -112,9 +113,9 @@ def test_slow_rank_reports_its_rate_and_the_step_time_follows_the_cost_model(
 ) -> None:
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(_manifest()))
-    cfg = load_config(str(job))
-    assert cfg.emulation is not None and cfg.emulation.schedule == ((SLOW, SLOW_RANK, FACTOR),)
-    healthy, slowed = cfg.problem(), cfg.problem({SLOW_RANK: FACTOR})
+    resolved = ResolvedJob.load(str(job))
+    assert resolved.schedule == ((SLOW, SLOW_RANK, FACTOR),)
+    healthy, slowed = resolved.problem(), resolved.problem({SLOW_RANK: FACTOR})
     uniform = uniform_plan(healthy)
     assert uniform is not None and [len(p.stages) for p in uniform.pipelines] == [2]
     plan_file = tmp_path / "uniform.json"

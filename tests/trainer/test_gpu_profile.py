@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from malleus.jobspec import JobSpecError, load_job
-from malleus.trainer.config import from_job
-from malleus.trainer.emulation import GPU_PROFILES
+from malleus.job import GPU_PROFILES, BadInput, ResolvedJob, load_job
+from malleus.trainer.services import Services
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,17 +33,15 @@ def test_profile_replaces_the_millisecond_fields(name: str) -> None:
     assert (
         job.spec.emulation.layer_seconds() == GPU_PROFILES[name]
     )  # what `malleus run` predicts with
-    cfg = from_job(job)
-    assert cfg.emulation is not None
-    assert (cfg.emulation.forward_s, cfg.emulation.backward_s) == GPU_PROFILES[name]
+    clock = Services.null(ResolvedJob.of(job), 1).clock  # what a rank charges
+    assert (clock.forward_s, clock.backward_s) == GPU_PROFILES[name]
 
 
 def test_without_a_profile_the_millisecond_fields_count() -> None:
-    cfg = from_job(load_job(_job(layerForwardMs=7, layerBackwardMs=14)))
-    assert cfg.emulation is not None
-    assert (cfg.emulation.forward_s, cfg.emulation.backward_s) == pytest.approx((0.007, 0.014))
+    clock = Services.null(ResolvedJob.load(_job(layerForwardMs=7, layerBackwardMs=14)), 1).clock
+    assert (clock.forward_s, clock.backward_s) == pytest.approx((0.007, 0.014))
 
 
 def test_unknown_profile_is_rejected_with_its_path() -> None:
-    with pytest.raises(JobSpecError, match=r"spec\.emulation\.gpuProfile"):
+    with pytest.raises(BadInput, match=r"spec\.emulation\.gpuProfile"):
         load_job(_job(gpuProfile="a100-80gb"))

@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from malleus.trainer.model import GPTConfig
+from malleus.job import ModelConfig
+from malleus.planner import PlanError, check_plan
 from malleus.trainer.parallel.layout import Layout
 
 sys.path.insert(0, str(Path(__file__).parent))
 tc = importlib.import_module("trainer_cases")
 
-CFG = GPTConfig(layers=6, hidden=32, heads=4, ffn=64, vocab=256, sequence=16, tp=2)
+CFG = ModelConfig(layers=6, hidden=32, heads=4, ffn=64, vocab=256, sequence=16)
+TIED = ModelConfig(6, 32, 4, 64, 256, 16, tied_embeddings=True)
 HETERO = tc.plan(
     [(7, [([0, 1], (0, 2)), ([2], (2, 6))]), (5, [([4], (0, 4)), ([5, 6], (4, 6))])],
     excluded=[3, 7],
@@ -65,7 +67,7 @@ def test_roles_of_sharded_replicated_and_tied_pieces() -> None:
     assert roles["layers.0.attn_norm.weight"].holders == (0, 1, 4)
     assert roles["layers.0.attn_norm.weight"].contributors == (0, 4)
     assert roles["norm.weight"].contributors == (2, 5)
-    tied = Layout.from_plan(HETERO, GPTConfig(6, 32, 4, 64, 256, 16, True, 2), 0, 8).roles
+    tied = Layout.from_plan(HETERO, TIED, 0, 8).roles
     # tied embedding shard 1: first stages (1, 4) and last stages (2, 6) all add their part
     assert set(tied["embed.weight@1"].holders) == {1, 2, 4, 6}
     assert set(tied["embed.weight@1"].contributors) == {1, 2, 4, 6}
@@ -91,8 +93,7 @@ def test_buckets_group_by_holder_set_in_layer_then_shard_order() -> None:
     # one pipeline only: nothing to sum except a tied embedding across its first and last stage
     single = tc.plan([(12, [([0, 1], (0, 3)), ([2, 3], (3, 6))])], excluded=[4, 5, 6, 7])
     assert not any(b.collective for b in layouts(single)[0].buckets)
-    tied = GPTConfig(6, 32, 4, 64, 256, 16, True, 2)
-    coll = [b for b in Layout.from_plan(single, tied, 0, 8).buckets if b.collective]
+    coll = [b for b in Layout.from_plan(single, TIED, 0, 8).buckets if b.collective]
     assert [b.members for b in coll] == [(0, 2), (1, 3)]
 
 
@@ -111,6 +112,8 @@ def test_rank_matrix_shows_the_plan() -> None:
     assert "excluded: [3, 7]" in text
 
 
-def test_plan_tp_must_match_the_model() -> None:
-    with pytest.raises(ValueError, match="tp"):
-        Layout.from_plan(HETERO, GPTConfig(6, 32, 4, 64, 256, 16, False, 4), 0, 8)
+def test_a_plan_for_another_tp_is_refused_before_any_layout() -> None:
+    # The Trainer checks every plan against its job's problem first (the layout takes tp from
+    # the plan): a tp-2 plan cannot run a tp-4 job.
+    with pytest.raises(PlanError, match="tp: plan has 2, problem has 4"):
+        check_plan(tc.small_job(tp=4).problem(), HETERO)

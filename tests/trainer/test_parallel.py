@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,8 +26,8 @@ from malleus.trainer.model import GPT  # noqa: E402
 from malleus.trainer.parallel.layout import Layout  # noqa: E402
 from malleus.trainer.reference import train_reference  # noqa: E402
 
-CFG = tc.small_config()
-TIED = replace(CFG, model=replace(CFG.model, tied_embeddings=True))
+JOB = tc.small_job()
+TIED = tc.small_job(model={"tiedEmbeddings": True})
 
 UNIFORM = tc.plan(
     [(6, [([0, 1], (0, 3)), ([2, 3], (3, 6))]), (6, [([4, 5], (0, 3)), ([6, 7], (3, 6))])]
@@ -47,11 +46,11 @@ THREE = tc.plan(  # 1, 2 and 3 stages; the 3-stage pipeline has fewer micro-batc
 LONG = tc.plan(  # one pipeline across both nodes, most ranks excluded, ranks out of order
     [(12, [([5], (0, 1)), ([2, 1], (1, 4)), ([7, 6], (4, 6))])], excluded=[0, 3, 4]
 )
-EMULATED = tc.emulated(
-    replace(CFG, model=replace(CFG.model, layers=2), global_batch=4, steps=2),
-    0.010,
-    0.020,
-    [(0, 2, 3.0), (0, 3, 2.0)],  # rank 2 serves at 3x; excluded rank 3 measures 2x
+EMULATED = tc.small_job(
+    model={"layers": 2},
+    training={"globalBatchSize": 4, "steps": 2},
+    # rank 2 serves at 3x; excluded rank 3 measures 2x
+    emulation=tc.emulation(0.010, 0.020, [(0, 2, 3.0), (0, 3, 2.0)]),
 )
 EMULATED_PLAN = tc.plan(
     [
@@ -64,10 +63,10 @@ EMULATED_PLAN = tc.plan(
 )
 
 CASES = [
-    tc.Case("uniform", CFG, UNIFORM, 3),
-    tc.Case("hetero", CFG, HETERO, 3),
-    tc.Case("three", CFG, THREE, 3),
-    tc.Case("long", CFG, LONG, 3),
+    tc.Case("uniform", JOB, UNIFORM, 3),
+    tc.Case("hetero", JOB, HETERO, 3),
+    tc.Case("three", JOB, THREE, 3),
+    tc.Case("long", JOB, LONG, 3),
     tc.Case("tied_hetero", TIED, HETERO, 3),
     tc.Case("tied_three", TIED, THREE, 3),
     tc.Case("emulated", EMULATED, EMULATED_PLAN, 2),
@@ -82,15 +81,15 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
 
 @functools.cache
-def reference(cfg):
+def reference(name: str):
+    """The reference run of case `name` (once per case)."""
     torch.set_num_threads(1)
-    return train_reference(cfg)
+    return train_reference(next(c for c in CASES if c.name == name).job)
 
 
 @pytest.mark.parametrize("name", [c.name for c in CASES])
 def test_plan_matches_reference(results: dict[str, dict], name: str) -> None:
-    case = next(c for c in CASES if c.name == name)
-    ref = reference(case.cfg)
+    ref = reference(name)
     got = results[name]
     assert tc.rel_diff(got["full"], ref.full_state()) <= 1e-4
     losses = [r["loss"] for r in got["reports"]]
@@ -104,13 +103,14 @@ def test_plans_agree_with_each_other_closely(results: dict[str, dict]) -> None:
         assert tc.rel_diff(results[name]["full"], base) <= 2e-5
 
 
-def _first_step_norm(cfg) -> float:
+def _first_step_norm(job) -> float:
     """The reference's gradient norm at step 0 (torch's clip_grad_norm_ over full tensors)."""
-    model = GPT.from_seed(cfg.model, cfg.seed)
-    source = make_source(cfg.dataset, cfg.model.sequence, cfg.model.vocab, cfg.seed)
-    for j in range(cfg.micro_batches):
-        x, y = micro_batch(source, 0, j, cfg.global_batch, cfg.micro_batch)
-        (model(x, y) / cfg.micro_batches).backward()
+    tr = job.spec.training
+    model = GPT.from_seed(job.model, job.tp, tr.seed)
+    source = make_source(tr.dataset, job.model.sequence, job.model.vocab, tr.seed)
+    for j in range(job.micro_batches):
+        x, y = micro_batch(source, 0, j, tr.global_batch_size, tr.micro_batch_size)
+        (model(x, y) / job.micro_batches).backward()
     return float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
 
 
@@ -119,7 +119,7 @@ def test_grad_norm_counts_every_piece_once(results: dict[str, dict], name: str) 
     # Replicas (DP peers, TP-replicated norms, a tied head) must not be counted twice.
     case = next(c for c in CASES if c.name == name)
     assert results[name]["reports"][0]["grad_norm"] == pytest.approx(
-        _first_step_norm(case.cfg), rel=1e-5
+        _first_step_norm(case.job), rel=1e-5
     )
 
 
@@ -131,7 +131,7 @@ def test_loss_falls(results: dict[str, dict]) -> None:
 def test_groups_are_created_once_per_member_set_across_plans(results: dict[str, dict]) -> None:
     sets = set()
     for c in CASES:
-        sets |= set(Layout.from_plan(c.plan, c.cfg.model, 0, 8).member_sets())
+        sets |= set(Layout.from_plan(c.plan, c.job.model, 0, 8).member_sets())
         assert results[c.name]["groups"] == len(sets)
 
 

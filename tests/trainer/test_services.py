@@ -5,17 +5,15 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from malleus.trainer.control import ControlClient
+from malleus.job.control import ControlClient
 from malleus.trainer.launch import DistEnv, init_distributed
 from malleus.trainer.metrics import parse_rates
-from malleus.trainer.model import GPTConfig
 from malleus.trainer.services import Services
 from malleus.trainer.worker import Trainer
 
@@ -36,24 +34,27 @@ def one_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def test_status_metrics_and_injection(one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MALLEUS_CONTROL_TOKEN", TOKEN)
-    model = GPTConfig(layers=2, hidden=32, heads=4, ffn=64, vocab=256, sequence=16, tp=1)
-    cfg = tc.emulated(
-        replace(tc.small_config(1, 1), model=model, global_batch=2, steps=3), 0.02, 0.04, []
+    job = tc.small_job(
+        1,
+        1,
+        tp=1,
+        model={"layers": 2},
+        training={"globalBatchSize": 2, "steps": 3},
+        emulation=tc.emulation(0.02, 0.04),
     )
     plan = tc.plan([(2, [([0], (0, 2))])], tp=1)
-    svc = Services.create(cfg, 0, control_port=0, host="127.0.0.1")
+    svc = Services.create(job, 0, control_port=0, host="127.0.0.1")
     try:
-        trainer = Trainer(cfg, plan, rank=0, world=1, device=torch.device("cpu"), services=svc)
+        trainer = Trainer(job, plan, rank=0, world=1, device=torch.device("cpu"), services=svc)
         trainer.train_step()  # warm-up: one-off costs may overrun the emulated budget
         first = trainer.train_step()
         assert first.rates[0] == pytest.approx(1.0, abs=0.3)
         client = ControlClient(svc.server.url, TOKEN)
         status = client.status()
-        assert (status["step"], status["generation"], status["role"]) == (2, 0, "stage")
-        assert status["loss"] == pytest.approx(first.loss)
-        assert parse_rates(client.metrics(), job="test") == {0: pytest.approx(first.rates[0])}
-        code, _ = client.inject(0, 2.5)
-        assert code == 200
+        assert (status.step, status.generation, status.steps, status.done) == (2, 0, 3, False)
+        assert status.rates == {0: pytest.approx(first.rates[0])}
+        assert parse_rates(client.metrics_text(), job="test") == status.rates
+        client.inject(0, 2.5)
         second = trainer.train_step()  # the injection takes effect at this step boundary
         assert svc.clock.factor == 2.5
         assert second.rates[0] == pytest.approx(2.5, rel=0.2)

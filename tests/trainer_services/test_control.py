@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from malleus.trainer.control import ControlClient, ControlServer, load_token
+from malleus.errors import BadInput
+from malleus.job.control import ControlClient, ControlError, PlanConflict
+from malleus.planner.plan import Plan
+from malleus.trainer.control import ControlServer, load_token
 from malleus.trainer.emulation import InjectionQueue
 from malleus.trainer.metrics import TrainerMetrics, parse_rates
 from malleus.trainer.plan_inbox import PlanInbox
+from malleus.trainer.services import Services, WorkerState
 
 TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 DESIGN_METRICS = {
     "malleus_gpu_straggling_rate": {"job", "rank", "node"},
@@ -46,15 +50,13 @@ def injections() -> InjectionQueue:
 @pytest.fixture
 def server(problem, metrics, injections) -> Iterator[ControlServer]:
     inbox = PlanInbox(problem, current_generation=1)
-
-    def status() -> dict:
-        return {**metrics.snapshot(), **inbox.status()}
-
+    services = Services(WorkerState("demo", world=4, steps=10), inbox=inbox)
+    services.state.update(generation=1, step=7, rates={0: 1.0, 2: 2.9})
     srv = ControlServer(
         "127.0.0.1",
         0,
         TOKEN,
-        status=status,
+        status=services.status,
         inbox=inbox,
         metrics=metrics,
         inject=injections.put,
@@ -67,67 +69,75 @@ def server(problem, metrics, injections) -> Iterator[ControlServer]:
 def test_health_and_status(server) -> None:
     client = ControlClient(server.url, TOKEN)
     assert server.port > 0 and client.healthz()
-    status = client.status()
-    assert status["step"] == 7 and status["current_generation"] == 1
-    assert status["rates"] == {"0": 1.0, "1": 1.02, "2": 2.9}
-    assert status["migration"] == {"seconds": 0.25, "bytes": 4096, "count": 1}
+    body = httpx.get(server.url + "/status").json()  # the wire form: JSON keys are strings
+    assert body["step"] == 7 and body["generation"] == 1 and body["steps"] == 10
+    assert body["rates"] == {"0": 1.0, "2": 2.9}
+    assert client.status().rates == {0: 1.0, 2: 2.9}
 
 
 def test_plan_needs_the_token(server, plan_factory) -> None:
     for token in (None, "wrong"):
-        code, body = ControlClient(server.url, token).post_plan(plan_factory(2))
-        assert code == 401 and "token" in body["error"]
-    req = urllib.request.Request(server.url + "/plan", data=b"{}", method="POST")
-    with pytest.raises(urllib.error.HTTPError) as err:
-        urllib.request.urlopen(req, timeout=5)
-    assert err.value.code == 401
-    assert err.value.headers["WWW-Authenticate"].startswith("Bearer")
-    err.value.close()
+        with pytest.raises(ControlError) as err:
+            ControlClient(server.url, token).post_plan(Plan.model_validate(plan_factory(2)))
+        assert err.value.code == 401 and "token" in str(err.value)
+    answer = httpx.post(server.url + "/plan", content=b"{}")
+    assert answer.status_code == 401
+    assert answer.headers["WWW-Authenticate"].startswith("Bearer")
     assert server.inbox.pending_generation is None
 
 
 def test_plan_protocol(server, plan_factory) -> None:
     client = ControlClient(server.url, TOKEN)
-    assert client.post_plan(plan_factory(2)) == (202, {"generation": 2})
-    code, body = client.post_plan(plan_factory(1))
-    assert code == 409 and body["current"] == 1 and body["pending"] == 2
-    bad = plan_factory(3, excluded=[9])
-    code, body = client.post_plan(bad)
-    assert code == 400 and body["error"] == "invalid plan"
-    assert "excluded: rank 9 is beyond the world (0..3)" in body["reasons"]
-    code, body = client.post_plan(b"x" * 5000)
-    assert code == 413 and "limit of 4096" in body["error"]
+    assert client.post_plan(Plan.model_validate(plan_factory(2))) == 2
+    with pytest.raises(PlanConflict) as conflict:
+        client.post_plan(Plan.model_validate(plan_factory(1)))
+    assert (conflict.value.generation, conflict.value.newest) == (1, 2)
+    with pytest.raises(BadInput) as bad:
+        client.post_plan(Plan.model_validate(plan_factory(3, excluded=[9])))
+    assert "excluded: rank 9 is beyond the world (0..3)" in map(str, bad.value.faults)
+    answer = httpx.post(server.url + "/plan", content=b"x" * 5000, headers=AUTH)
+    assert answer.status_code == 413 and "limit of 4096" in answer.json()["error"]
     plan = server.inbox.take()
     assert plan is not None and plan.generation == 2
 
 
 def test_inject(server, injections) -> None:
     client = ControlClient(server.url, TOKEN)
-    assert client.inject(2, 3.0) == (200, {"rank": 2, "factor": 3.0})
+    client.inject(2, 3.0)
     assert injections.drain() == {2: 3.0}
     for rank, factor in ((-1, 2.0), (1, 0.5), (True, 2.0), (1, "fast")):
-        code, body = client.inject(rank, factor)  # type: ignore[arg-type]
-        assert code == 400 and body["error"].startswith("invalid injection")
-    assert ControlClient(server.url, None).inject(1, 2.0)[0] == 401
+        body = {"rank": rank, "factor": factor}
+        answer = httpx.post(server.url + "/inject", json=body, headers=AUTH)
+        assert answer.status_code == 400
+        assert answer.json()["error"].startswith("invalid injection")
+    with pytest.raises(ControlError) as err:
+        ControlClient(server.url, None).inject(1, 2.0)
+    assert err.value.code == 401
 
 
-def test_refusals_without_coordinator_emulation_or_token(problem) -> None:
-    srv = ControlServer("127.0.0.1", 0, None, status=dict, inbox=None, metrics=None, inject=None)
+def test_refusals_without_coordinator_emulation_or_token(server, problem, plan_factory) -> None:
+    plan = Plan.model_validate(plan_factory(2))
+    status = server.status  # the served rank's ControlStatus
+    srv = ControlServer("127.0.0.1", 0, None, status=status, inbox=None, metrics=None, inject=None)
     with srv:
         client = ControlClient(srv.url, TOKEN)
-        assert client.post_plan({})[0] == 404  # not the coordinator
-        assert client.inject(0, 2.0)[0] == 404  # emulation off
-        assert client.status() == {}
+        calls = (lambda: client.post_plan(plan), lambda: client.inject(0, 2.0), client.metrics_text)
+        for call in calls:  # not the coordinator, emulation off, no metrics
+            with pytest.raises(ControlError) as err:
+                call()
+            assert err.value.code == 404
+        assert client.status().step == 7
     srv = ControlServer(
-        "127.0.0.1", 0, None, status=dict, inbox=PlanInbox(problem, 0), metrics=None, inject=None
+        "127.0.0.1", 0, None, status=status, inbox=PlanInbox(problem, 0), metrics=None, inject=None
     )
     with srv:
-        code, body = ControlClient(srv.url, TOKEN).post_plan({})
-        assert code == 503 and body["error"] == "no control token configured"
+        with pytest.raises(ControlError, match="no control token configured") as err:
+            ControlClient(srv.url, TOKEN).post_plan(plan)
+        assert err.value.code == 503
 
 
 def test_metrics_exposition(server) -> None:
-    text = ControlClient(server.url).metrics()
+    text = ControlClient(server.url).metrics_text()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name, labels in DESIGN_METRICS.items():
         assert name in families, name

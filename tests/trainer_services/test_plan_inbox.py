@@ -6,6 +6,7 @@ import json
 import random
 import threading
 
+from malleus.job.control import PlanFailure
 from malleus.trainer.plan_inbox import PlanInbox
 
 
@@ -21,18 +22,20 @@ def test_accept_take_apply(problem, plan_factory) -> None:
     assert inbox.offer(plan_factory(1))[0] == 409
     inbox.applied(1)
     assert inbox.current_generation == 1
-    assert inbox.status()["applying_generation"] is None
+    assert inbox.offer(plan_factory(1))[0] == 409  # now in force
+    assert inbox.offer(plan_factory(2))[0] == 202
 
 
 def test_stale_generations_conflict(problem, plan_factory) -> None:
     inbox = PlanInbox(problem, current_generation=3)
     code, body = inbox.offer(plan_factory(3))
-    assert code == 409 and body["current"] == 3 and body["pending"] is None
+    assert code == 409 and body["generation"] == 3 and body["pending"] is None
     assert inbox.offer(plan_factory(5))[0] == 202
     code, body = inbox.offer(plan_factory(4))
     assert code == 409 and body == {
         "error": "generation 4 is not newer than 5",
-        "current": 3,
+        "generation": 3,
+        "newest": 5,
         "pending": 5,
     }
 
@@ -45,7 +48,7 @@ def test_newest_pending_wins(problem, plan_factory) -> None:
     assert plan is not None and plan.generation == 2
 
 
-def test_invalid_plans_carry_validate_plan_reasons(problem, plan_factory) -> None:
+def test_invalid_plans_carry_validate_plan_faults(problem, plan_factory) -> None:
     inbox = PlanInbox(problem, current_generation=0)
     bad = plan_factory(1)
     bad["pipelines"][0]["micro_batches"] = 3  # sums to 5, not 4
@@ -55,17 +58,16 @@ def test_invalid_plans_carry_validate_plan_reasons(problem, plan_factory) -> Non
     ]
     code, body = inbox.offer(bad)
     assert code == 400 and body["error"] == "invalid plan"
-    reasons = "\n".join(body["reasons"])
-    assert "pipelines[1].stages[1].layers: starts at 3 but the previous stage ends at 2" in reasons
-    assert "rank 0 is also in pipelines[0].stages[0]" in reasons
-    assert "micro_batches: pipelines sum to 5" in reasons
+    faults = {f["path"]: f["message"] for f in body["faults"]}
+    assert faults["pipelines[1].stages[1].layers"].startswith("starts at 3 but the previous stage")
+    assert faults["pipelines[1].stages[1]"].startswith("rank 0 is also in pipelines[0].stages[0]")
+    assert faults["micro_batches"].startswith("pipelines sum to 5")
     assert inbox.pending_generation is None
 
     code, body = inbox.offer(b"{not json")
-    assert code == 400 and body["reasons"][0].startswith("body is not JSON")
+    assert code == 400 and body["faults"][0]["message"].startswith("body is not JSON")
     code, body = inbox.offer({"generation": 1, "tp": 2, "pipelines": "x", "extra": 1})
-    assert code == 400 and any(r.startswith("pipelines") for r in body["reasons"])
-    assert any(r.startswith("extra") for r in body["reasons"])
+    assert code == 400 and {f["path"] for f in body["faults"]} == {"pipelines", "extra"}
 
 
 def test_left_out_ranks_are_accepted_as_excluded(problem, plan_factory) -> None:
@@ -81,8 +83,11 @@ def test_failed_apply_frees_the_generation(problem, plan_factory) -> None:
     inbox.offer(plan_factory(1))
     inbox.take()
     inbox.failed(1, "migration timed out")
-    assert inbox.status()["last_error"] == "generation 1: migration timed out"
+    assert inbox.last_failure == PlanFailure(generation=1, reason="migration timed out")
     assert inbox.offer(plan_factory(1))[0] == 202
+    inbox.take()
+    inbox.applied(1)
+    assert inbox.last_failure is None
 
 
 def test_concurrent_offers(problem, plan_factory) -> None:

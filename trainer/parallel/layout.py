@@ -13,9 +13,10 @@ import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from malleus.job import ModelConfig
 from malleus.planner import Plan
 
-from ..model import GPTConfig, Piece, pieces
+from ..model import Piece, pieces
 
 __all__ = ["Bucket", "Layout", "PieceRoles", "Place", "rank_matrix"]
 
@@ -97,10 +98,10 @@ class Bucket:
 
 
 def _stage_pieces(
-    cfg: GPTConfig, layers: range, shards: range, first: bool, last: bool
+    cfg: ModelConfig, tp: int, layers: range, shards: range, first: bool, last: bool
 ) -> Iterator[Piece]:
     """The pieces a GPU of such a stage holds."""
-    for piece in pieces(cfg):
+    for piece in pieces(cfg, tp):
         spec = piece.spec
         if spec.layer is not None:
             held = spec.layer in layers
@@ -114,10 +115,14 @@ def _stage_pieces(
 
 @dataclass(frozen=True)
 class Layout:
-    """A plan as seen by one rank (`place` is None for excluded or idle ranks)."""
+    """A plan as seen by one rank (`place` is None for excluded or idle ranks).
+
+    The model is cut into the plan's `tp` logical shards per layer (the job's tp: a plan for
+    another tp fails the trainer's `check_plan` first).
+    """
 
     plan: Plan
-    cfg: GPTConfig
+    model: ModelConfig
     rank: int
     world: int
     place: Place | None
@@ -125,9 +130,7 @@ class Layout:
     buckets: tuple[Bucket, ...] = field(repr=False)
 
     @classmethod
-    def from_plan(cls, plan: Plan, cfg: GPTConfig, rank: int, world: int) -> Layout:
-        if plan.tp != cfg.tp:
-            raise ValueError(f"plan tp({plan.tp}) != model tp({cfg.tp})")
+    def from_plan(cls, plan: Plan, model: ModelConfig, rank: int, world: int) -> Layout:
         place = None
         offset = 0
         for i, p in enumerate(plan.pipelines):
@@ -148,8 +151,13 @@ class Layout:
                         next_group=tuple(p.stages[j + 1].ranks) if j + 1 < len(p.stages) else (),
                     )
             offset += p.micro_batches
-        roles = _roles(plan, cfg)
-        return cls(plan, cfg, rank, world, place, roles, _buckets(cfg, roles))
+        roles = _roles(plan, model)
+        return cls(plan, model, rank, world, place, roles, _buckets(model, plan.tp, roles))
+
+    @property
+    def tp(self) -> int:
+        """Logical shards per layer."""
+        return self.plan.tp
 
     @property
     def active(self) -> bool:
@@ -175,11 +183,15 @@ class Layout:
 
     @functools.cached_property
     def _held(self) -> tuple[Piece, ...]:
-        return tuple(p for p in pieces(self.cfg) if self.rank in self.roles[p.name].holders)
+        return tuple(
+            p for p in pieces(self.model, self.tp) if self.rank in self.roles[p.name].holders
+        )
 
     @functools.cached_property
     def _owned(self) -> tuple[str, ...]:
-        return tuple(p.name for p in pieces(self.cfg) if self.roles[p.name].owner == self.rank)
+        return tuple(
+            p.name for p in pieces(self.model, self.tp) if self.roles[p.name].owner == self.rank
+        )
 
     def contributes(self, name: str) -> bool:
         return self.rank in self.roles[name].contributors
@@ -204,15 +216,18 @@ class Layout:
         return rank_matrix(self.plan)
 
 
-def _roles(plan: Plan, cfg: GPTConfig) -> dict[str, PieceRoles]:
-    holders: dict[str, list[int]] = {p.name: [] for p in pieces(cfg)}
-    contributors: dict[str, list[int]] = {p.name: [] for p in pieces(cfg)}
+def _roles(plan: Plan, cfg: ModelConfig) -> dict[str, PieceRoles]:
+    every = pieces(cfg, plan.tp)
+    holders: dict[str, list[int]] = {p.name: [] for p in every}
+    contributors: dict[str, list[int]] = {p.name: [] for p in every}
     for p in plan.pipelines:
         last = len(p.stages) - 1
         for j, s in enumerate(p.stages):
             for index, rank in enumerate(s.ranks):
                 shards = s.shards_of(index, plan.tp)
-                for piece in _stage_pieces(cfg, range(*s.layers), shards, j == 0, j == last):
+                for piece in _stage_pieces(
+                    cfg, plan.tp, range(*s.layers), shards, j == 0, j == last
+                ):
                     name = piece.name
                     if rank in holders[name]:
                         continue  # a tied embedding on a one-stage pipeline
@@ -225,9 +240,9 @@ def _roles(plan: Plan, cfg: GPTConfig) -> dict[str, PieceRoles]:
     return {n: PieceRoles(tuple(holders[n]), tuple(contributors[n])) for n in holders}
 
 
-def _buckets(cfg: GPTConfig, roles: dict[str, PieceRoles]) -> tuple[Bucket, ...]:
+def _buckets(cfg: ModelConfig, tp: int, roles: dict[str, PieceRoles]) -> tuple[Bucket, ...]:
     groups: dict[tuple[int, ...], list[str]] = {}
-    for piece in pieces(cfg):
+    for piece in pieces(cfg, tp):
         groups.setdefault(tuple(sorted(roles[piece.name].holders)), []).append(piece.name)
     return tuple(
         Bucket(members, tuple(names), any(len(roles[n].contributors) > 1 for n in names))

@@ -26,10 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from malleus.job import ModelConfig
 from malleus.planner import Plan
 from malleus.planner.cost import Unit, holdings
 
-from ..model import GPTConfig, pieces
+from ..model import param_specs, pieces
 from .layout import PieceRoles
 from .optim import AdamState
 
@@ -110,15 +111,17 @@ class MigrationPlan:
 def plan_transfers(
     old: Mapping[str, PieceRoles],
     new: Mapping[str, PieceRoles],
-    cfg: GPTConfig,
+    cfg: ModelConfig,
+    tp: int,
     gpus_per_node: int,
 ) -> MigrationPlan:
-    """The transfers from the holders of `old` to those of `new` (Layout.roles of two plans)."""
+    """The transfers from the holders of `old` to those of `new` (Layout.roles of two plans of
+    a model cut into `tp` logical shards)."""
     load: dict[int, int] = defaultdict(int)  # bytes assigned to each sender so far
     out: list[Transfer] = []
-    for piece in pieces(cfg):
+    for piece in pieces(cfg, tp):
         before = old[piece.name].holders
-        shape = piece.shape(cfg.tp)
+        shape = piece.shape(tp)
         for dst in sorted(set(new[piece.name].holders) - set(before)):
             node = dst // gpus_per_node
             src = min(before, key=lambda r: (r // gpus_per_node != node, load[r], r))
@@ -131,7 +134,7 @@ def plan_transfers(
 # ---- the minimal volume, from the planner's holdings -----------------------------------------
 
 
-def unit_pieces(cfg: GPTConfig, units: set[Unit]) -> set[str]:
+def unit_pieces(cfg: ModelConfig, units: set[Unit]) -> set[str]:
     """The trainer's pieces behind a rank's planner units (`malleus.planner.cost.holdings`).
 
     A ("layer", L, s) unit is shard s of every sharded weight of layer L; holding any shard of a
@@ -140,16 +143,9 @@ def unit_pieces(cfg: GPTConfig, units: set[Unit]) -> set[str]:
     plus the final norm.
     """
     head = "embed.weight" if cfg.tied_embeddings else "head.weight"
-    sharded = {
-        p.spec.name.removeprefix(f"layers.{p.spec.layer}.")
-        for p in pieces(cfg)
-        if p.spec.layer == 0 and p.shard == 0
-    }
-    norms = {
-        p.spec.name.removeprefix("layers.0.")
-        for p in pieces(cfg)
-        if p.spec.layer == 0 and p.shard is None
-    }
+    first = [spec for spec in param_specs(cfg) if spec.layer == 0]
+    sharded = {spec.name.removeprefix("layers.0.") for spec in first if spec.split is not None}
+    norms = {spec.name.removeprefix("layers.0.") for spec in first if spec.split is None}
     out: set[str] = set()
     for kind, layer, shard in units:
         if kind == "layer":
@@ -164,10 +160,11 @@ def unit_pieces(cfg: GPTConfig, units: set[Unit]) -> set[str]:
     return out
 
 
-def minimal_bytes(cfg: GPTConfig, old: Plan, new: Plan) -> int:
+def minimal_bytes(cfg: ModelConfig, old: Plan, new: Plan) -> int:
     """Bytes a change from `old` to `new` must move at least: every piece (with its optimizer
     state) that a rank holds under `new` and did not hold under `old`, once per such rank."""
-    size = {p.name: state_elements(prod(p.shape(cfg.tp))) * _ELEMENT_BYTES for p in pieces(cfg)}
+    tp = new.tp
+    size = {p.name: state_elements(prod(p.shape(tp))) * _ELEMENT_BYTES for p in pieces(cfg, tp)}
     before = holdings(old)
     total = 0
     for rank, units in holdings(new).items():

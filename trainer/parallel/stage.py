@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..model import GPTConfig, attention, rms_norm, rope_tables, swiglu
+from malleus.job import ModelConfig
+
+from ..model import attention, rms_norm, rope_tables, swiglu
 from .layout import Place
 from .tensor import TPGroup, copy_to_group, gather_from_group, reduce_from_group
 
@@ -22,9 +24,13 @@ __all__ = ["StageModel"]
 
 
 class StageModel:
+    """The stage's layers (and ends) on this GPU; `degree` is the job's tp, the logical shards
+    per layer (the GPU's TP group `tp` may be smaller and hold several of them)."""
+
     def __init__(
         self,
-        cfg: GPTConfig,
+        cfg: ModelConfig,
+        degree: int,
         place: Place,
         params: Mapping[str, Tensor],
         tp: TPGroup,
@@ -33,7 +39,7 @@ class StageModel:
         self.cfg, self.place, self.params, self.tp = cfg, place, params, tp
         self.shards = place.shards
         self.rope = rope_tables(cfg.sequence, cfg.head_dim, device)
-        width = cfg.hidden // cfg.tp  # hidden columns per logical shard (embedding / head)
+        width = cfg.hidden // degree  # hidden columns per logical shard (embedding / head)
         self.columns = slice(self.shards.start * width, self.shards.stop * width)
 
     def _local(self, name: str, dim: int) -> Tensor:

@@ -1,4 +1,4 @@
-"""Bad-manifest cases shared by tests/jobspec (local validation) and tests/crd (API server)."""
+"""Bad-manifest cases shared by tests/job (local validation) and tests/crd (API server)."""
 
 from __future__ import annotations
 

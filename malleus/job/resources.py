@@ -1,5 +1,7 @@
 """Can this machine run the job? Checked before anything starts, with what it needs said plainly.
 
+Torch-free and in the job package because both `malleus run` and `malleus train` check it.
+
 A local run starts one process per emulated GPU. On CPUs the emulated clock makes several ranks
 share a core (each mostly waits out its emulated compute), but not without bound; without
 emulation the ranks' real timings are the rates, so each needs a core of its own or the rates
@@ -20,7 +22,12 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from malleus.errors import BadInput, Fault
+
+if TYPE_CHECKING:
+    from .resolved import ResolvedJob
 
 __all__ = [
     "GPU_RANK_MIB",
@@ -31,6 +38,7 @@ __all__ = [
     "check_resources",
     "job_needs",
     "probe_machine",
+    "require_resources",
 ]
 
 RANKS_PER_CORE = 4
@@ -187,3 +195,30 @@ def check_resources(
             f"{machine.memory_mib / 1024:.1f} GiB available"
         )
     return problems
+
+
+def require_resources(
+    job: ResolvedJob, machine: Machine | None, *, source: str | None = None, check: bool = True
+) -> Needs:
+    """What `job` needs of `machine`; with `check`, `BadInput` listing every shortfall.
+
+    The one check `malleus run` and `malleus train` make before starting a process, so both
+    refuse a job too large for this machine with the same words. Each fault's path is
+    ``machine``: the job is valid, this machine is too small for it. Without a machine (the
+    check turned off, nothing probed) the job is taken to run on CPUs.
+    """
+    needs = job_needs(
+        job.world,
+        emulated=job.emulated,
+        gpus=machine is not None and machine.gpus > 0,
+        parameters=job.parameters,
+        tp=job.tp,
+    )
+    if check and machine is not None:
+        problems = check_resources(needs, machine, gpu_memory_mib=job.spec.resources.gpu_memory_mib)
+        if problems:
+            raise BadInput(
+                [Fault("machine", f"too small for {job.world} ranks: {p}") for p in problems],
+                source,
+            )
+    return needs

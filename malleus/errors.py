@@ -1,0 +1,61 @@
+"""The one exception family for bad input: every fault carries a field path and a message.
+
+Everything a user hands Malleus (a MalleusJob manifest, a PlanningProblem, a plan, command-line
+values, a file) is judged before anything starts; what is wrong is raised as `BadInput`, listing
+every fault at once, each with where it is (`spec.parallelism.tp`, `rates.3`, `--rates`) and what
+is allowed. Commands print `str(error)` and exit 2; the operator turns the faults into an
+InvalidSpec condition; the trainers' control endpoint answers 400 with them.
+
+A leaf module (no imports from the rest of Malleus) so that the planner, the bottom layer, can
+raise it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["BadInput", "Fault"]
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One thing wrong with an input: where (``spec.training.steps``) and what is allowed."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path or '<input>'}: {self.message}"
+
+
+class BadInput(ValueError):
+    """Input that cannot be used as given; ``faults`` lists every fault found.
+
+    ``what`` names the kind of input (``MalleusJob``, ``PlanningProblem``, ``plan``) and
+    ``source`` where it came from (a file name), both for the first line of the message.
+    """
+
+    def __init__(
+        self, faults: Sequence[Fault], source: str | None = None, *, what: str = "MalleusJob"
+    ) -> None:
+        self.faults: list[Fault] = list(faults)
+        self.source = source
+        self.what = what
+        where = f" in {source}" if source else ""
+        count = len(self.faults)
+        lines = [f"invalid {what}{where} ({count} fault{'s' if count != 1 else ''}):"]
+        lines += [f"  - {fault}" for fault in self.faults]
+        super().__init__("\n".join(lines))
+
+    @classmethod
+    def one(
+        cls, path: str, message: str, source: str | None = None, *, what: str = "MalleusJob"
+    ) -> BadInput:
+        """A `BadInput` with a single fault."""
+        return cls([Fault(path, message)], source, what=what)
+
+    @property
+    def paths(self) -> list[str]:
+        """The field paths of the faults, in order."""
+        return [fault.path for fault in self.faults]

@@ -1,0 +1,128 @@
+"""The MalleusJob status as typed models: what the operator writes, built from these alone.
+
+A test keeps every field equal to the CRD's status schema, so a status built here is one the API
+server stores as written (nothing pruned).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import Field
+
+from .schema import API_VERSION, KIND
+from .spec import JobMetadata, MalleusJobSpec, _Model
+
+__all__ = [
+    "Condition",
+    "ConditionStatus",
+    "LastReplan",
+    "MalleusJob",
+    "MalleusJobStatus",
+    "Phase",
+    "PipelineStatus",
+    "PlanStatus",
+    "StageStatus",
+    "StragglerStatus",
+]
+
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+
+class Phase(StrEnum):
+    """``status.phase``: where a job is in its life (the CRD's enum; a test keeps them equal)."""
+
+    PENDING = "Pending"
+    """Accepted; the first plan is being computed and the pods are being created."""
+    RUNNING = "Running"
+    """Training under the plan in force."""
+    REPLANNING = "Replanning"
+    """A new plan was published; the trainers have not yet acknowledged the switch."""
+    SUCCEEDED = "Succeeded"
+    """Every step trained."""
+    FAILED = "Failed"
+    """Stopped for good: an invalid spec or a failed pod (the conditions say which)."""
+
+
+class Condition(_Model):
+    """``metav1.Condition``."""
+
+    type: str
+    status: ConditionStatus
+    observed_generation: int | None = None
+    last_transition_time: dt.datetime
+    reason: str
+    message: str
+
+
+class StageStatus(_Model):
+    """One pipeline stage: its tensor-parallel group and half-open layer range."""
+
+    ranks: list[int]
+    layers: tuple[int, int]
+
+
+class PipelineStatus(_Model):
+    """One data-parallel pipeline."""
+
+    micro_batches: int
+    stages: list[StageStatus]
+
+
+class PlanStatus(_Model):
+    """The plan in force, as shown in the status."""
+
+    generation: int | None = None
+    tp: int | None = None
+    pipelines: list[PipelineStatus] = Field(default_factory=list)
+    excluded: list[int] = Field(default_factory=list)
+    predicted_speedup: float | None = None
+    predicted_step_time: float | None = None
+
+
+class StragglerStatus(_Model):
+    """A straggling GPU."""
+
+    rank: int
+    node: int | None = None
+    rate: float | None = None
+
+
+class LastReplan(_Model):
+    """The most recent re-plan and its migration."""
+
+    time: dt.datetime | None = None
+    reason: str | None = None
+    planning_seconds: float | None = None
+    migration_seconds: float | None = None
+    migration_bytes: int | None = None
+    generation: int | None = None
+
+
+class MalleusJobStatus(_Model):
+    """``status`` of a MalleusJob, written by the operator."""
+
+    phase: Phase | None = None
+    observed_generation: int | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    plan: PlanStatus | None = None
+    stragglers: list[StragglerStatus] = Field(default_factory=list)
+    straggler_summary: str | None = None
+    gpus: int | None = None
+    step: int | None = None
+    tokens_per_second: float | None = None
+    last_replan: LastReplan | None = None
+    pods: list[str] = Field(default_factory=list)
+    message: str | None = None
+
+
+class MalleusJob(_Model):
+    """A whole MalleusJob custom resource."""
+
+    api_version: Literal["malleus.io/v1alpha1"] = API_VERSION
+    kind: Literal["MalleusJob"] = KIND
+    metadata: JobMetadata
+    spec: MalleusJobSpec
+    status: MalleusJobStatus | None = None

@@ -1,0 +1,141 @@
+"""A job's decision loop as Kubernetes sees it: events, status patches and metrics.
+
+`JobReporter` gets every observation (step, tokens/s, the rates) before the controller does and
+every decision event the controller emits, and writes them through the `k8s.Cluster`: status
+patches (typed `MalleusJobStatus`es, dumped by `status.dump`) and Kubernetes events. It never
+reaches into the controller: the stragglers it shows are smoothed by a `ShiftDetector` of its
+own fed with the same observations (the controller's definition of a straggler, applied to
+what the status shows), and re-plans are described by the events alone.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from typing import Any
+
+from malleus.controller.detector import ShiftDetector
+from malleus.controller.events import (
+    DecisionEvent,
+    EventKind,
+    Migrated,
+    Planned,
+    ReplanFailed,
+    Replanned,
+)
+from malleus.controller.ports import Observation
+from malleus.job import LastReplan, MalleusJobStatus, Phase, ResolvedJob
+
+from . import resources, status
+from .context import Context
+
+__all__ = ["EVENT_REASONS", "JobReporter"]
+
+EVENT_REASONS = {
+    EventKind.STRAGGLER_DETECTED: "StragglerDetected",
+    EventKind.REPLAN_SKIPPED: "ReplanSkipped",
+    EventKind.REPLANNED: "Replanned",
+    EventKind.MIGRATED: "Migrated",
+    EventKind.REPLAN_FAILED: "ReplanFailed",
+}
+"""Decision events posted as Kubernetes events (Planned is only in the status and metrics)."""
+
+_LIVE = frozenset({Phase.RUNNING, Phase.REPLANNING})
+
+
+class JobReporter:
+    """Decision events and observations -> Kubernetes events, status patches and metrics."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        ref: resources.JobRef,
+        job: ResolvedJob,
+        body: Mapping[str, Any],
+        *,
+        initial_rates: Mapping[int, float | None] | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.ref = ref
+        self.job = job
+        self.body = body  # kopf's live view: the latest status
+        self.detector = ShiftDetector(job.policy, believed=initial_rates)
+        self._last: dict[str, Any] = {}
+
+    async def _patch(self, patch: MalleusJobStatus) -> None:
+        await self.ctx.cluster.patch_job_status(
+            self.ref.namespace, self.ref.name, status.dump(patch)
+        )
+        if patch.phase is not None:
+            self.ctx.metrics.phases.set(self.ref.namespace, self.ref.name, patch.phase)
+
+    def _phase(self, phase: Phase) -> Phase | None:
+        """``phase`` unless the job left Running/Replanning or is in it already (then None)."""
+        current = status.phase_of(self.body.get("status"))
+        return phase if current in _LIVE and current != phase else None
+
+    async def on_observation(self, obs: Observation) -> None:
+        """After each new step: step, tokens/s, stragglers and their condition (if changed)."""
+        self.detector.add(obs.rates)
+        patch = status.stragglers(self.detector.smoothed(), self.job.policy, self.job.gpus_per_node)
+        patch.step = max(0, obs.step)
+        if obs.step_seconds:
+            patch.tokens_per_second = round(self.job.tokens_per_step / obs.step_seconds, 3)
+        await self._report(patch)
+
+    async def _report(self, patch: MalleusJobStatus) -> None:
+        """Write ``patch`` if anything in it changed; the Straggling condition with new stragglers."""
+        shown = status.dump(patch)
+        if shown["stragglers"] != self._last.get("stragglers"):
+            # The conditions list is replaced whole by a merge patch: start from the stored one
+            # (the pod watcher may have just written Ready), not from this daemon's view.
+            fresh = await self.ctx.cluster.get_job(self.ref.namespace, self.ref.name)
+            stored = ((fresh or self.body).get("status") or {}).get("conditions")
+            patch.conditions = status.merge_conditions(
+                stored,
+                status.straggling_condition(
+                    self.detector.smoothed(), self.job.policy, self.ref.generation, status.now()
+                ),
+            )
+            shown = status.dump(patch)
+        if shown == {k: self._last.get(k) for k in shown}:
+            return
+        self._last.update(shown)
+        await self._patch(patch)
+
+    async def on_event(self, event: DecisionEvent) -> None:
+        """One decision event: post it, count it, and update the status it concerns."""
+        ctx, ns, name = self.ctx, self.ref.namespace, self.ref.name
+        reason = EVENT_REASONS.get(event.kind)
+        if reason is not None:
+            await ctx.cluster.post_event(self.ref, event.type, reason, event.message)
+        data = event.data
+        if isinstance(data, Planned):
+            ctx.metrics.planning_seconds.observe(data.decision.planning_seconds)
+        elif isinstance(data, Replanned):
+            await self._patch(
+                MalleusJobStatus(phase=self._phase(Phase.REPLANNING), message=event.message[:1024])
+            )
+        elif isinstance(data, Migrated):
+            ctx.metrics.replans.labels(namespace=ns, job=name).inc()
+            await self._migrated(event.message, event.time, data)
+        elif isinstance(data, ReplanFailed):
+            ctx.metrics.replan_failures.labels(namespace=ns, job=name).inc()
+            phase = self._phase(Phase.RUNNING)
+            if phase is not None:
+                await self._patch(MalleusJobStatus(phase=phase))
+
+    async def _migrated(self, message: str, at: float, data: Migrated) -> None:
+        """The trainers run a new plan: ``plan``, ``lastReplan``, back to Running."""
+        last = LastReplan(
+            time=dt.datetime.fromtimestamp(at, dt.UTC).replace(microsecond=0),
+            reason=data.reason,
+            generation=data.generation,
+            planning_seconds=round(data.planning_seconds, 4),
+            migration_seconds=None if data.seconds is None else round(data.seconds, 4),
+            migration_bytes=None if data.bytes is None else int(data.bytes),
+        )
+        patch = status.replan_status(data.plan, last)
+        patch.phase = self._phase(Phase.RUNNING)
+        patch.message = message[:1024]
+        await self._patch(patch)

@@ -1,0 +1,212 @@
+"""Pure builders of a job's worker Pods: one per node, ``gpusPerNode`` trainers under torchrun.
+
+Beside `resources` (names, labels, the Service, ConfigMap, Secret and Events) because a pod is
+most of what a job owns: its command line, environment, resources, volumes and security context.
+Plain dicts, no API calls, so tests assert on every field without a cluster.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from malleus.job import ResolvedJob
+from malleus.planner.plan import Plan
+
+from .resources import (
+    CONFIG_MOUNT,
+    CONTROL_PORT_NAME,
+    JOB_LABEL,
+    NODE_LABEL,
+    RENDEZVOUS_PORT,
+    TOKEN_KEY,
+    JobRef,
+    build_configmap,
+    build_secret,
+    build_service,
+    configmap_name,
+    coordinator_host,
+    job_labels,
+    metadata,
+    pod_name,
+    secret_name,
+    service_name,
+)
+
+__all__ = ["GPU_RESOURCE", "RUN_AS_USER", "build_children", "build_pod", "torchrun_command"]
+
+RUN_AS_USER = 1000
+"""The non-root user of the trainer image (Dockerfile's ``malleus`` user)."""
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+def torchrun_command(job: ResolvedJob, ref: JobRef, index: int) -> list[str]:
+    """``torchrun ... -m malleus.trainer job.json --plan plan.json`` on a static rendezvous.
+
+    Static (not c10d/etcd) rendezvous on node 0's stable DNS name: the world never changes size
+    in Malleus (stragglers are re-planned around, not removed), and node ranks are the pod
+    indices, which the plan's global ranks (``node * gpusPerNode + local``) depend on.
+    ``--max-restarts=0``: a worker that dies cannot rejoin the job's process group, so failures
+    go to the operator. Each node's first rank serves the control port (``spec.controlPort``).
+    """
+    cmd = [
+        "torchrun",
+        f"--nnodes={job.spec.nodes}",
+        f"--nproc-per-node={job.spec.gpus_per_node}",
+        f"--node-rank={index}",
+        f"--master-addr={coordinator_host(ref)}",
+        f"--master-port={RENDEZVOUS_PORT}",
+        "--max-restarts=0",
+        "-m",
+        "malleus.trainer",
+        f"{CONFIG_MOUNT}/job.json",
+        f"--plan={CONFIG_MOUNT}/plan.json",
+    ]
+    ckpt = job.spec.checkpoint
+    if ckpt.interval_steps:
+        cmd += [f"--checkpoint-dir={ckpt.path}", f"--checkpoint-every={ckpt.interval_steps}"]
+    return cmd
+
+
+def _env(job: ResolvedJob, ref: JobRef, index: int) -> list[dict[str, Any]]:
+    return [
+        {"name": "MALLEUS_JOB_NAME", "value": ref.name},
+        {"name": "MALLEUS_NAMESPACE", "value": ref.namespace},
+        {"name": "MALLEUS_NODE_RANK", "value": str(index)},
+        {"name": "MALLEUS_NODES", "value": str(job.spec.nodes)},
+        {"name": "MALLEUS_GPUS_PER_NODE", "value": str(job.spec.gpus_per_node)},
+        {"name": "MALLEUS_CONTROL_PORT", "value": str(job.spec.control_port)},
+        {"name": "MALLEUS_JOB", "value": f"{CONFIG_MOUNT}/job.json"},
+        {"name": "MALLEUS_PLAN", "value": f"{CONFIG_MOUNT}/plan.json"},
+        {
+            "name": "MALLEUS_CONTROL_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": secret_name(ref.name), "key": TOKEN_KEY}},
+        },
+        {"name": "MALLEUS_EMULATION", "value": "1" if job.spec.emulation.enabled else "0"},
+        {"name": "HOME", "value": "/tmp"},  # read-only root: caches (torch, triton) go to /tmp
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+
+
+def _resources(job: ResolvedJob) -> dict[str, Any]:
+    """Requests = limits (Guaranteed QoS); GPUs unless the emulated clock runs on CPUs."""
+    amounts: dict[str, Any] = {}
+    r = job.spec.resources
+    if r.cpu is not None:
+        amounts["cpu"] = str(r.cpu)
+    if r.memory is not None:
+        amounts["memory"] = str(r.memory)
+    if not job.spec.emulation.enabled:
+        amounts[GPU_RESOURCE] = str(job.spec.gpus_per_node)
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def _volumes(job: ResolvedJob, ref: JobRef) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    ckpt = job.spec.checkpoint
+    checkpoint_volume: dict[str, Any] = (
+        {"name": "checkpoints", "persistentVolumeClaim": {"claimName": ckpt.claim_name}}
+        if ckpt.claim_name
+        else {"name": "checkpoints", "emptyDir": {}}
+    )
+    volumes = [
+        {"name": "config", "configMap": {"name": configmap_name(ref.name)}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},  # NCCL/gloo shared memory
+        {"name": "tmp", "emptyDir": {}},
+        checkpoint_volume,
+    ]
+    mounts = [
+        {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "checkpoints", "mountPath": ckpt.path},
+    ]
+    return volumes, mounts
+
+
+def build_pod(job: ResolvedJob, ref: JobRef, index: int) -> dict[str, Any]:
+    """Worker pod of node ``index``: ``gpusPerNode`` trainer processes under torchrun.
+
+    ``restartPolicy: Never``: a restarted worker cannot rejoin the running process group, so a
+    failure is reported on the job instead of being hidden by a restart loop. Without emulation,
+    a required anti-affinity keeps one worker per node (the plan's node = the pod index).
+    """
+    volumes, mounts = _volumes(job, ref)
+    port = job.spec.control_port
+    name = pod_name(ref.name, index)
+    labels = {**job_labels(ref.name), NODE_LABEL: str(index)}
+    spec: dict[str, Any] = {
+        "hostname": name,
+        "subdomain": service_name(ref.name),
+        "restartPolicy": "Never",
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": 30,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [
+            {
+                "name": "trainer",
+                "image": job.spec.image,
+                "imagePullPolicy": "IfNotPresent",
+                "command": torchrun_command(job, ref, index),
+                "env": _env(job, ref, index),
+                "ports": [
+                    {"name": CONTROL_PORT_NAME, "containerPort": port, "protocol": "TCP"},
+                    {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"},
+                ],
+                "resources": _resources(job),
+                "volumeMounts": mounts,
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "readOnlyRootFilesystem": True,
+                    "runAsNonRoot": True,
+                    "capabilities": {"drop": ["ALL"]},
+                },
+            }
+        ],
+        "volumes": volumes,
+    }
+    if not job.spec.emulation.enabled:
+        spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+        spec["affinity"] = {
+            "podAntiAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "labelSelector": {"matchLabels": {JOB_LABEL: ref.name}},
+                        "topologyKey": "kubernetes.io/hostname",
+                    }
+                ]
+            }
+        }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata(
+            ref,
+            name,
+            labels=labels,
+            annotations={
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(port),
+                "prometheus.io/path": "/metrics",
+            },
+        ),
+        "spec": spec,
+    }
+
+
+def build_children(job: ResolvedJob, ref: JobRef, plan: Plan, token: str) -> list[dict[str, Any]]:
+    """Everything a job owns, in creation order: Service, ConfigMap, Secret, then the pods.
+
+    The pods come last because they mount the ConfigMap and read the Secret.
+    """
+    return [
+        build_service(job, ref),
+        build_configmap(job, ref, plan),
+        build_secret(ref, token),
+        *(build_pod(job, ref, i) for i in range(job.spec.nodes)),
+    ]
