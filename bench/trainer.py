@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 from benchdoc import machine, replace_section  # bench/ is on sys.path when run as a script
 
 if TYPE_CHECKING:
+    from malleus.job import ResolvedJob
     from malleus.planner import Plan
-    from malleus.trainer.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,28 +95,41 @@ class Job:
     """One situation as the spawned ranks run it (plans made by the parent, once)."""
 
     name: str
-    cfg: TrainConfig
+    resolved: ResolvedJob
     plans: dict[str, Plan]  # "uniform" / "planner" -> Plan
 
 
-def config(s: Scale, rates: dict[int, float], forward_s: float, backward_s: float) -> TrainConfig:
+def config(s: Scale, rates: dict[int, float], forward_s: float, backward_s: float) -> ResolvedJob:
     """The job: a small model, `rates` injected from step 0 by the emulation schedule."""
-    from malleus.trainer.config import EmulationConfig, TrainConfig
-    from malleus.trainer.model import GPTConfig
+    from malleus.job import ResolvedJob
 
-    model = GPTConfig(layers=s.layers, hidden=32, heads=4, ffn=64, vocab=256, sequence=16, tp=s.tp)
-    schedule = tuple((0, rank, factor) for rank, factor in sorted(rates.items()))
-    return TrainConfig(
-        name="bench-trainer",
-        nodes=s.nodes,
-        gpus_per_node=s.gpus_per_node,
-        model=model,
-        global_batch=s.micro_batches,
-        micro_batch=1,
-        steps=1000,  # only the LR schedule sees this
-        learning_rate=1e-3,
-        emulation=EmulationConfig(forward_s, backward_s, schedule),
-    )
+    model = {"layers": s.layers, "hidden": 32, "heads": 4, "ffn": 64, "vocab": 256, "sequence": 16}
+    schedule = [{"step": 0, "rank": r, "factor": f} for r, f in sorted(rates.items())]
+    manifest = {
+        "apiVersion": "malleus.io/v1alpha1",
+        "kind": "MalleusJob",
+        "metadata": {"name": "bench-trainer"},
+        "spec": {
+            "image": "malleus:bench",
+            "nodes": s.nodes,
+            "gpusPerNode": s.gpus_per_node,
+            "model": model,
+            "training": {
+                "globalBatchSize": s.micro_batches,
+                "microBatchSize": 1,
+                "steps": 1000,  # only the LR schedule sees this
+                "learningRate": 1e-3,
+            },
+            "parallelism": {"tp": s.tp},
+            "emulation": {
+                "enabled": True,
+                "layerForwardMs": forward_s * 1000,
+                "layerBackwardMs": backward_s * 1000,
+                "schedule": schedule,
+            },
+        },
+    }
+    return ResolvedJob.load(manifest).check()
 
 
 def make_jobs(s: Scale, forward_s: float, backward_s: float) -> list[Job]:
@@ -125,11 +138,11 @@ def make_jobs(s: Scale, forward_s: float, backward_s: float) -> list[Job]:
 
     jobs = []
     for name, rates in situations(s).items():
-        cfg = config(s, rates, forward_s, backward_s)
-        problem = cfg.problem(rates)
+        resolved = config(s, rates, forward_s, backward_s)
+        problem = resolved.problem(rates)
         uniform = uniform_plan(problem)
         assert uniform is not None
-        jobs.append(Job(name, cfg, {"uniform": uniform, "planner": plan(problem)}))
+        jobs.append(Job(name, resolved, {"uniform": uniform, "planner": plan(problem)}))
     return jobs
 
 
@@ -151,12 +164,12 @@ def run_scale(jobs: list[Job], warmup: int, steps: int, out: str) -> None:
         for index, job in enumerate(jobs):
             trainers = {
                 name: Trainer(
-                    job.cfg,
+                    job.resolved,
                     p,
                     rank=env.rank,
                     world=world,
                     device=device,
-                    services=Services.null(job.cfg, env.rank),
+                    services=Services.null(job.resolved, env.rank),
                     groups=groups,
                 )
                 for name, p in job.plans.items()
@@ -266,10 +279,10 @@ def _slowest_per_step(per_rank: list[list[float]]) -> list[float]:
 def analyse(scale: Scale, job: Job, result: dict[str, Any]) -> Row:
     from malleus.planner import plan_step_time
 
-    emu = job.cfg.emulation
-    assert emu is not None
+    unit_s = job.resolved.unit_seconds
+    assert unit_s is not None
     rates = situations(scale)[job.name]
-    problem = job.cfg.problem(rates)
+    problem = job.resolved.problem(rates)
     model = {n: plan_step_time(problem, p) for n, p in job.plans.items()}
     ranks = result["ranks"]
     clock = [s for r in ranks for s in r["clock"].values()]
@@ -283,7 +296,7 @@ def analyse(scale: Scale, job: Job, result: dict[str, Any]) -> Row:
     return Row(
         scale=scale,
         situation=job.name,
-        unit_s=emu.forward_s + emu.backward_s,
+        unit_s=unit_s,
         model=model,
         measured={n: statistics.median(v) for n, v in result["seconds"].items()},
         pipelines=pipelines,
@@ -340,7 +353,7 @@ def render(
     args: argparse.Namespace,
     wall_s: float,
 ) -> str:
-    m = next(iter(jobs.values())).cfg.model
+    m = next(iter(jobs.values())).resolved.model
     unit_ms = args.forward_ms + args.backward_ms
     met = [r for r in rows if r.ok]
     met_pipe = [r for r in rows if abs(r.pipeline_error) <= TARGET]

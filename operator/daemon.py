@@ -226,7 +226,7 @@ async def run_job(
     async with AsyncControlClient(url, token, timeout=timeout) as client:
         plan = await _plan_in_force(ctx, ref, body, job, client)
     rates = believed_rates(body)
-    reporter = JobReporter(ctx, ref, job, body, initial_rates=rates)
+    reporter = JobReporter(ctx, ref, job, body)
     start_generation = _generation(body)
 
     def ended() -> bool:

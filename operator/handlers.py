@@ -29,7 +29,7 @@ import kopf
 
 from malleus.controller.planning import PlanningTimeout
 from malleus.errors import BadInput
-from malleus.job import API_GROUP, PLURAL, VERSION, Phase, ResolvedJob
+from malleus.job import API_GROUP, PLURAL, VERSION, MalleusJobStatus, Phase, ResolvedJob
 from malleus.planner.plan import Plan
 
 from . import daemon, jobs, lifecycle, resources, status, workers
@@ -40,6 +40,7 @@ from .settings import Settings
 
 __all__ = [
     "FINALIZER",
+    "close",
     "configure",
     "ensure_children",
     "job_daemon",
@@ -49,6 +50,7 @@ __all__ = [
     "on_resume",
     "on_update",
     "probe_jobs",
+    "sync_pods",
 ]
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,14 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     metrics = OperatorMetrics()
     metrics.serve(ours.metrics_port)
     memo[MEMO_KEY] = Context(cluster=cluster, settings=ours, metrics=metrics)
+
+
+@kopf.on.cleanup()
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    """Release the API client's connections when the operator stops."""
+    ctx = memo.get(MEMO_KEY)
+    if isinstance(ctx, Context):
+        ctx.cluster.close()
 
 
 @kopf.on.probe(id="jobs")
@@ -189,7 +199,7 @@ async def on_update(
             "the job (from a checkpoint) to apply it",
         )
     else:
-        patch.status["observedGeneration"] = ref.generation
+        patch.status.update(status.dump(MalleusJobStatus(observed_generation=ref.generation)))
         await cluster.post_event(
             ref, "Normal", "PolicyUpdated", f"applied changes to {', '.join(changed)}"
         )

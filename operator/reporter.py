@@ -52,14 +52,13 @@ class JobReporter:
         ref: resources.JobRef,
         job: ResolvedJob,
         body: Mapping[str, Any],
-        *,
-        initial_rates: Mapping[int, float | None] | None = None,
     ) -> None:
         self.ctx = ctx
         self.ref = ref
         self.job = job
         self.body = body  # kopf's live view: the latest status
-        self.detector = ShiftDetector(job.policy, believed=initial_rates)
+        self.detector = ShiftDetector(job.policy)
+        """Smooths the observed rates for display (what a plan is made for is the controller's)."""
         self._last: dict[str, Any] = {}
 
     async def _patch(self, patch: MalleusJobStatus) -> None:

@@ -639,3 +639,26 @@ def test_example_files_are_plain_manifests() -> None:
         manifest = load_yaml(path)
         assert manifest["apiVersion"] == "malleus.io/v1alpha1" and manifest["kind"] == "MalleusJob"
         assert isinstance(MalleusJob.model_validate(validate_manifest(manifest)[0]), MalleusJob)
+
+
+def test_every_count_and_factor_has_a_maximum() -> None:
+    """Unbounded numbers let a typo (1e15 micro-batches, a 1e12 slowdown) hang the planner or the
+    emulated clock; every integer and number of the spec is bounded above in the CRD."""
+
+    def unbounded(node: dict[str, Any], path: str) -> list[str]:
+        out = []
+        if node.get("type") in ("integer", "number") and "maximum" not in node:
+            out.append(path)
+        for key, sub in node.get("properties", {}).items():
+            out += unbounded(sub, f"{path}.{key}")
+        if "items" in node:
+            out += unbounded(node["items"], f"{path}[]")
+        return out
+
+    assert unbounded(spec_schema(), "spec") == []
+
+
+def test_an_infinite_learning_rate_is_refused() -> None:
+    manifest = base_manifest()
+    manifest["spec"]["training"]["learningRate"] = float("inf")
+    assert "spec.training.learningRate" in {f.path for f in validate_manifest(manifest)[1]}

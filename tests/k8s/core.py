@@ -11,6 +11,15 @@ that watches replay from a resourceVersion (410 Expired when it is too old).
 It is thread-safe: the proxy serves it from its event-loop thread while tests read it, change pod
 phases and wait on it from theirs. No kubelet, scheduler or controllers run: a pod stays
 ``Pending`` until a test sets its phase, and deletion is immediate unless finalizers hold it.
+
+Why not kmock (its `KubernetesEmulator`, 0.8, serves the operator's unit tests in
+``tests/operator/kube.py``): the end-to-end tests put kopf, kubectl and `LocalKubelet` on this
+core API, and they need what kmock does not do: resourceVersions on objects and lists and
+watches that resume from one (kmock answers ``resourceVersion: "..."`` and replays everything);
+field selectors (``kubectl describe`` lists Events by ``involvedObject.*``) and label selectors
+on lists and watches; server-side Tables for ``kubectl get``; uid / creationTimestamp stamping;
+strategic-merge and JSON patches; and an in-process subscription the kubelet can follow from
+its own thread (kmock's objects live on its server's event loop).
 """
 
 from __future__ import annotations

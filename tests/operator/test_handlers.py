@@ -446,3 +446,6 @@ def test_startup_puts_a_context_in_the_memo(monkeypatch: pytest.MonkeyPatch, tmp
     assert ctx.cluster.api.configuration.host == "http://127.0.0.1:1"
     assert kopf_settings.persistence.finalizer == handlers.FINALIZER
     assert isinstance(memo[MEMO_KEY], Context)
+    run(handlers.close(memo=memo))
+    with pytest.raises(RuntimeError, match="startup handler has not run"):
+        Context.of(kopf.Memo())
