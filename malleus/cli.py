@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,14 @@ def _build_parser() -> argparse.ArgumentParser:
         "(failed or null: unusable); a job is then re-planned from its initial plan",
     )
     p.add_argument("-o", "--output", help="write the Plan JSON here")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        metavar="SECONDS",
+        help="bound the search (default: the job's planningTimeoutSeconds for a MalleusJob, "
+        "the planner's own budget for its size for a PlanningProblem); the best plan found "
+        "by then is printed",
+    )
     p.set_defaults(func=_cmd_plan)
 
     from malleus.trainer import cli as trainer_cli  # cheap: torch loads only when it runs
@@ -196,7 +205,9 @@ def _documents(path: str) -> list[Any]:
         ) from None
 
 
-def _job_problem(path: str, rates: dict[int, float | None]) -> tuple[PlanningProblem, Plan]:
+def _job_problem(
+    path: str, rates: dict[int, float | None], time_limit: float | None
+) -> tuple[PlanningProblem, Plan]:
     """The job's initial plan, or with `rates` its re-plan from there, as the controller would."""
     from malleus.job import ResolvedJob
     from malleus.planner.cli import check_ranks
@@ -204,12 +215,13 @@ def _job_problem(path: str, rates: dict[int, float | None]) -> tuple[PlanningPro
 
     job = ResolvedJob.load(path)
     check_ranks(rates, job.world)
-    initial = job.initial_plan()
+    budget = time_limit if time_limit is not None else float(job.policy.planning_timeout_seconds)
+    initial = job.initial_plan(time_limit=budget)
     if not rates:
         return job.problem(), initial
     try:
         problem = job.problem(rates, previous_plan=initial)
-        return problem, plan(problem, time_limit=float(job.policy.planning_timeout_seconds))
+        return problem, plan(problem, time_limit=budget)
     except BadInput as error:
         raise BadInput(error.faults, path, what=error.what) from None
 
@@ -220,13 +232,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from malleus.planner.search import plan
 
     rates = parse_rates(args.rates) if args.rates else {}
+    limit = args.time_limit
+    if limit is not None and not (math.isfinite(limit) and 0 < limit <= 3600):
+        raise BadInput.one(
+            "--time-limit", f"{limit:g} is not allowed; need 0 < seconds <= 3600", what="arguments"
+        )
     documents = _documents(args.problem)
     if any(isinstance(d, dict) and d.get("kind") == KIND for d in documents):
-        problem, result = _job_problem(args.problem, rates)
+        problem, result = _job_problem(args.problem, rates, limit)
     elif len(documents) == 1 and isinstance(documents[0], dict):
         problem = load_problem(documents[0], args.problem, rates)
         try:
-            result = plan(problem)
+            result = plan(problem, time_limit=limit)
         except BadInput as error:
             raise BadInput(error.faults, args.problem, what=error.what) from None
     else:

@@ -95,7 +95,9 @@ class Trainer:
         self.job, self.plan, self.rank, self.world, self.device = job, plan, rank, world, device
         self.model, self.training = job.model, job.spec.training
         self.steps = steps if steps is not None else job.steps  # the LR schedule's length
-        self.services = services if services is not None else Services.null(job, rank)
+        if services is None:
+            services = Services.null(job, rank, steps=self.steps)
+        self.services = services
         self.groups = groups if groups is not None else GroupCache()
         self.meter = CommMeter(cuda=device.type == "cuda")
         self.timer = LayerTimer(self.services.clock, self.services.profiler, self.meter, device)

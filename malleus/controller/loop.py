@@ -67,6 +67,11 @@ EventCallback = Callable[[DecisionEvent], Any]
 """Called with every event; may be a coroutine function. Its failures are logged, not raised."""
 
 
+def _finite(x: float) -> float | None:
+    """JSON has no infinity: a reference step time of a job that cannot run is None."""
+    return x if math.isfinite(x) else None
+
+
 @dataclass
 class _Pending:
     """A published plan whose acknowledgement did not come in time: it may still be applied."""
@@ -291,15 +296,11 @@ class Controller:
         """The plan with its cost-model estimate (filled in if the planner gave none)."""
         est = plan.estimate
         if est is None:
-
-            def finite(x: float) -> float | None:
-                return x if math.isfinite(x) else None
-
             est = Estimate(
                 step_time=decision.new_units,
-                uniform_step_time=finite(uniform_step_time(problem)),
-                ideal_step_time=finite(ideal_step_time(problem)),
-                reference_step_time=finite(reference_step_time(problem)),
+                uniform_step_time=_finite(uniform_step_time(problem)),
+                ideal_step_time=_finite(ideal_step_time(problem)),
+                reference_step_time=_finite(reference_step_time(problem)),
             )
         est = est.model_copy(
             update={"migration_mb": decision.migration_mb, "planning_seconds": planning_seconds}

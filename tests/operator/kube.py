@@ -26,7 +26,6 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import kmock
-from kmock._internal import enums, rendering
 from kubernetes import client as kclient
 
 from malleus.operator.k8s import Cluster
@@ -58,14 +57,14 @@ class Emulator(kmock.KubernetesEmulator):
 
     _names = itertools.count(1)
 
-    async def _handle(self, request: rendering.Request) -> Any:
-        if request.action == enums.action.CREATE and isinstance(request.data, dict):
+    async def _handle(self, request: kmock.Request) -> Any:
+        if request.action == kmock.action.CREATE and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {})
             if not meta.get("name") and meta.get("generateName"):
                 meta["name"] = f"{meta['generateName']}{next(self._names):05d}"
         return await super()._handle(request)
 
-    async def _serve_list(self, request: rendering.Request) -> Any:
+    async def _serve_list(self, request: kmock.Request) -> Any:
         result = await super()._serve_list(request)
         selector = request.params.get("labelSelector")
         if selector:
@@ -189,7 +188,7 @@ class Kube:
 
     def requests(self, action: str, kind: str | None = None) -> int:
         """How many ``create``/``delete``/``update``/``fetch``/``list`` requests reached kmock."""
-        want = enums.action(action)
+        want = kmock.action(action)
         return sum(
             1
             for r in list(self.emulator)

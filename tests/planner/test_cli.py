@@ -189,3 +189,30 @@ def test_bad_rates_exit_2_naming_the_option(rates: str, expect: str) -> None:
         code, out, err = run(source, None, "--rates", rates)
         assert (code, out) == (2, "")
         assert err.startswith("invalid arguments (1 fault):\n  - --rates: ") and expect in err
+
+
+def test_time_limit_bounds_the_search(tmp_path: Path) -> None:
+    """A 4096-GPU problem takes ~25 s with the default budget; --time-limit stops it early."""
+    import time
+
+    problem = {
+        "nodes": 512,
+        "gpus_per_node": 8,
+        "rates": {"3": 2.5, "900": 4.0, "2000": None},
+        "model": {"layers": 80, "tp": 8},
+        "micro_batches": 512,
+    }
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps(problem))
+    started = time.monotonic()
+    code, out, err = run(path, None, "--time-limit", "1")
+    elapsed = time.monotonic() - started
+    assert code == 0, err
+    assert elapsed < 10, elapsed  # a second of search, plus building and evaluating the result
+    assert "excluded ranks:" in out
+
+
+@pytest.mark.parametrize("limit", ["0", "-3", "nan", "5000"])
+def test_bad_time_limit_exits_2(limit: str) -> None:
+    code, _, err = run(EXAMPLES / "70b.json", None, "--time-limit", limit)
+    assert code == 2 and "--time-limit:" in err
