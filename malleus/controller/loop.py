@@ -10,10 +10,8 @@ State is small and explicit: the plan in force, the detector's believed rates, t
 last applied plan (cooldown) and of the last failure (retry), a calibration of the cost model in
 seconds, and the migration bandwidth learned so far.
 
-The first `warmup_steps` steps observed under each plan (a fresh launch, or right after a switch)
-pay one-off costs (allocations, new process groups, cold caches) that look like stragglers: the
-loop ignores them here, in the one place every caller shares, so the operator and the local
-runner decide on the same input.
+The first `warmup_steps` steps under each plan pay one-off costs (allocations, new groups) that
+look like stragglers; they are ignored here, so the operator and the runner decide alike.
 """
 
 from __future__ import annotations
