@@ -56,6 +56,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.ack_timeout_seconds,
         help="seconds the trainers may take to switch to a posted plan; default %(default)s",
     )
+    p.add_argument(
+        "--allow-prometheus",
+        action="append",
+        default=list(defaults.prometheus_allowed_urls),
+        metavar="URL",
+        help="a Prometheus base URL jobs may name in spec.metrics.prometheus.url (repeatable); "
+        "default: none",
+    )
+    p.add_argument(
+        "--network-policies",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.network_policies,
+        help="give every job a NetworkPolicy (off where no NetworkPolicy controller runs); "
+        "default %(default)s",
+    )
     p.add_argument("--kubeconfig", default=defaults.kubeconfig or None, help="kubeconfig file")
     p.add_argument("--context", default=defaults.context or None, help="kubeconfig context")
     p.add_argument("-v", "--verbose", action="store_true", help="log more")
@@ -72,6 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics_port=args.metrics_port,
         endpoint_template=args.endpoint_template,
         ack_timeout_seconds=args.ack_timeout,
+        prometheus_allowed_urls=tuple(args.allow_prometheus),
+        network_policies=args.network_policies,
         kubeconfig=args.kubeconfig or "",
         context=args.context or "",
     )

@@ -1,13 +1,15 @@
 """Per-job daemon: the shared decision loop (`malleus.controller.Controller`) aimed at one job.
 
 kopf runs one `run_job` per active MalleusJob. It waits until the workers run, finds the plan in
-force (the ConfigMap, reconciled with the generation the coordinator's ``GET /status`` reports,
-so an operator restart neither loses a generation nor re-posts an old one), then runs the
-Controller with
+force (the ConfigMap, reconciled with what the coordinator's ``GET /status`` reports it runs and
+holds pending, so an operator restart neither loses a generation nor re-posts an old one),
+writes it into the status at once (a restart mid-re-plan must not leave the job `Replanning` on
+the old generation), then runs the Controller with
 
 - a RateSource reading the coordinator's /metrics through the headless Service, or Prometheus;
 - the controller's `HttpPlanSink` posting to the coordinator's ``POST /plan`` with the job's
-  Secret token, wrapped to keep the plan ConfigMap current (`planstore`);
+  Secret token, wrapped to keep the plan ConfigMap current (`planstore`): every plan the
+  controller adopts, acknowledged or caught up with, is recorded there;
 
 and hands every observation and decision event to a `reporter.JobReporter`. The status is
 written through the cluster (kopf applies a daemon's ``patch`` only when it exits). The daemon
@@ -25,16 +27,17 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
+from malleus.controller.events import DecisionEvent, Migrated
 from malleus.controller.loop import Controller
 from malleus.controller.planning import Planner, default_planner
 from malleus.controller.ports import Observation, RateSource
 from malleus.controller.sources import HttpPlanSink
 from malleus.errors import BadInput
 from malleus.job import MalleusJobStatus, Phase, ResolvedJob
-from malleus.job.control import AsyncControlClient, ControlError
+from malleus.job.control import AsyncControlClient, ControlError, ControlStatus, ControlTLS
 from malleus.planner.plan import Plan
 
-from . import jobs, planstore, resources, sources, status
+from . import jobs, planstore, resources, sources, status, tls
 from .context import Context
 from .k8s import ApiError
 from .reporter import JobReporter
@@ -161,19 +164,20 @@ async def _plan_in_force(
     body: Mapping[str, Any],
     job: ResolvedJob,
     client: AsyncControlClient,
-) -> Plan:
-    """ConfigMap (reconciled with the coordinator), else the status's plan, else a fresh one."""
+) -> tuple[Plan, Plan | None]:
+    """(plan in force, plan the trainers may still take): the ConfigMap reconciled with the
+    coordinator, else the status's plan, else a fresh one."""
     try:
-        running: int | None = (await client.status()).generation
+        running: ControlStatus | None = await client.status()
     except ControlError as e:
         log.info("%s/%s: coordinator status unreadable: %s", ref.namespace, ref.name, e)
         running = None
-    plan = await planstore.resume_plan(ctx.cluster, ref, running)
+    plan, pending = await planstore.resume_plan(ctx.cluster, ref, running)
     if plan is None:
         plan = status.plan_from_status((body.get("status") or {}).get("plan"))
     if plan is None:
         plan, _ = await jobs.initial_plan(job)
-    return plan
+    return plan, pending
 
 
 async def _coordinator_url(
@@ -188,6 +192,16 @@ async def _coordinator_url(
             await stopped.wait(poll)
             if stopped:
                 return None
+
+
+async def _credentials(ctx: Context, ref: resources.JobRef) -> tuple[str | None, ControlTLS | None]:
+    """The job Secret's token, and how to verify the coordinator over HTTPS: the job's CA, for
+    node 0's stable DNS name whatever address the endpoint template reaches it at."""
+    name = resources.secret_name(ref.name)
+    token = await ctx.cluster.read_secret_value(ref.namespace, name, resources.TOKEN_KEY)
+    ca = await ctx.cluster.read_secret_value(ref.namespace, name, tls.CA_KEY)
+    trust = ControlTLS(ca, server_name=resources.coordinator_host(ref)) if ca else None
+    return token, trust
 
 
 async def run_job(
@@ -219,14 +233,16 @@ async def run_job(
     url = await _coordinator_url(endpoints, ref, stopped, poll_seconds)
     if url is None:
         return None
-    token = await ctx.cluster.read_secret_value(
-        ref.namespace, resources.secret_name(ref.name), resources.TOKEN_KEY
-    )
+    token, trust = await _credentials(ctx, ref)
     timeout = settings.http_timeout_seconds
-    async with AsyncControlClient(url, token, timeout=timeout) as client:
-        plan = await _plan_in_force(ctx, ref, body, job, client)
+    async with AsyncControlClient(url, token, timeout=timeout, tls=trust) as client:
+        plan, pending = await _plan_in_force(ctx, ref, body, job, client)
     rates = believed_rates(body)
     reporter = JobReporter(ctx, ref, job, body)
+    try:
+        await reporter.resumed(plan, pending is not None)
+    except Exception:  # status is best effort; the decision loop must go on
+        log.exception("status update failed")
     start_generation = _generation(body)
 
     def ended() -> bool:
@@ -236,10 +252,21 @@ async def run_job(
             or _generation(body) != start_generation
         )
 
-    source = _ObservingSource(sources.rate_source(job, ref, url, timeout=timeout), ended, reporter)
-    plan_sink = planstore.ConfigMapPlanSink(
-        ctx.cluster, ref, HttpPlanSink(url, token, timeout=timeout)
+    source = _ObservingSource(
+        sources.rate_source(job, ref, url, timeout=timeout, tls=trust), ended, reporter
     )
+    plan_sink = planstore.ConfigMapPlanSink(
+        ctx.cluster, ref, HttpPlanSink(url, token, timeout=timeout, tls=trust)
+    )
+
+    async def on_event(event: DecisionEvent) -> None:
+        if isinstance(event.data, Migrated):
+            try:
+                await plan_sink.record_applied(event.data.plan)
+            except Exception:  # the next restart reconciles from the pending record
+                log.exception("recording plan generation %d failed", event.data.generation)
+        await reporter.on_event(event)
+
     controller = Controller(
         source,
         plan_sink,
@@ -247,8 +274,9 @@ async def run_job(
         problem_builder=job.problem,
         policy=job.policy,
         planner=planner,
-        on_event=reporter.on_event,
+        on_event=on_event,
         initial_rates=rates,
+        pending_plan=pending,
         ack_timeout_seconds=settings.ack_timeout_seconds,
         read_retry_seconds=float(job.spec.metrics.scrape_interval_seconds),
     )

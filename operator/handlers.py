@@ -1,17 +1,20 @@
 """kopf handlers: thin adapters from kopf's callbacks to the pure modules and `k8s`.
 
 Each handler parses, calls pure logic (`jobs`, `resources`, `workers`, `status`, `lifecycle`),
-writes through the `k8s.Cluster` in its memo's `Context` (or kopf's ``patch`` for the job's own
-status), and posts events. Tests call them directly with ``patch=kopf.Patch()`` and a memo
+writes through the `k8s.Cluster` in its memo's `Context` (`children` for the job's objects, or
+kopf's ``patch`` for the job's own status), and posts events. Tests call them directly with ``patch=kopf.Patch()`` and a memo
 holding a `Context` aimed at a test API server.
 
 Lifecycle (DESIGN §4.5):
 - startup: the `Context` (API client, settings, metrics) into kopf's memo;
-- create: the job's faults (`ResolvedJob.faults`, then the planner) -> InvalidSpec (Failed,
-  nothing created, `kopf.PermanentError`) or Service + ConfigMap + Secret + worker Pods, phase Pending;
+- create: the job's faults (`ResolvedJob.faults`, the Prometheus allowlist, then the planner)
+  -> InvalidSpec (Failed, nothing created, `kopf.PermanentError`) or NetworkPolicy + Service +
+  ConfigMap + Secret + worker Pods, phase Pending; a child's name taken by an object the job
+  does not control -> NameConflict (condition, event, retried: `kopf.TemporaryError`);
 - pod events: Pending -> Running when every worker runs; Failed (PodFailed) when one fails or
   disappears; Succeeded when all complete;
-- daemon: the decision loop (`daemon.run_job`) while the job is active;
+- daemon: the decision loop (`daemon.run_job`) while the job is active, paused while the live
+  ``spec.metrics.prometheus.url`` is not on the allowlist;
 - resume (operator restart): re-create only what is missing of a Pending job, detect workers
   that vanished meanwhile; never re-create a running job's pods or reset its plan generation;
 - delete: delete the children explicitly (the garbage collector would, via ownerReferences,
@@ -21,7 +24,6 @@ Lifecycle (DESIGN §4.5):
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,9 +34,9 @@ from malleus.errors import BadInput
 from malleus.job import API_GROUP, PLURAL, VERSION, MalleusJobStatus, Phase, ResolvedJob
 from malleus.planner.plan import Plan
 
-from . import daemon, jobs, lifecycle, resources, status, workers
+from . import children, daemon, jobs, lifecycle, resources, status
 from .context import MEMO_KEY, Context
-from .k8s import Cluster
+from .k8s import Cluster, NameConflict
 from .metrics import OperatorMetrics
 from .settings import Settings
 
@@ -42,7 +44,6 @@ __all__ = [
     "FINALIZER",
     "close",
     "configure",
-    "ensure_children",
     "job_daemon",
     "on_create",
     "on_delete",
@@ -56,7 +57,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FINALIZER = "malleus.io/finalizer"
-_CHILD_KINDS = ("Pod", "Service", "ConfigMap", "Secret")
+NAME_CONFLICT_RETRY_SECONDS = 60
+"""How often a job blocked by a `NameConflict` looks again whether the name is free."""
+METRICS_URL_POLL_SECONDS = 30.0
+"""How often a daemon paused on a disallowed Prometheus URL reads the live spec again."""
 _POLICY_FIELDS = ("stragglerPolicy", "metrics")
 
 
@@ -104,26 +108,23 @@ def probe_jobs(memo: kopf.Memo, **_: Any) -> dict[str, int]:
 # ---- create ---------------------------------------------------------------------------------
 
 
-async def ensure_children(
-    cluster: Cluster, job: ResolvedJob, ref: resources.JobRef, plan: Plan
+async def _create_children(
+    ctx: Context,
+    job: ResolvedJob,
+    ref: resources.JobRef,
+    plan: Plan,
+    patch: kopf.Patch,
+    conditions: list[Any],
 ) -> tuple[list[str], Plan]:
-    """Create what is missing (idempotent by name): existing objects are left untouched, so a
-    Secret keeps its token and a ConfigMap its newer plan.
-
-    Returns the names created and the plan the workers get: the existing ConfigMap's when there
-    is one (a retried or resumed create must not show a plan the pods do not run).
-    """
-    created: list[str] = []
-    token = secrets.token_urlsafe(32)
-    for obj in workers.build_children(job, ref, plan, token):
-        stored, new = await cluster.create(obj)
-        if new:
-            created.append(f"{obj['kind']}/{obj['metadata']['name']}")
-        elif obj["kind"] == "ConfigMap":
-            text = (stored.get("data") or {}).get(resources.PLAN_KEY)
-            if text:
-                plan = Plan.from_json(text)
-    return created, plan
+    """`children.ensure_children`; on a `NameConflict` the job says so (condition, Warning
+    event) and kopf retries later, so deleting the impostor is all the user has to do."""
+    try:
+        return await children.ensure_children(ctx, job, ref, plan)
+    except NameConflict as e:
+        blocked = status.name_conflict_status(str(e), ref.generation, status.now(), conditions)
+        patch.status.update(status.dump(blocked))
+        await ctx.cluster.post_event(ref, "Warning", "NameConflict", str(e))
+        raise kopf.TemporaryError(str(e), delay=NAME_CONFLICT_RETRY_SECONDS) from None
 
 
 def _describe_plan(plan: Plan) -> str:
@@ -147,6 +148,9 @@ async def on_create(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: An
     conditions = (body.get("status") or {}).get("conditions") or []
     try:
         job = jobs.resolve(body)
+        url_faults = ctx.settings.metrics_faults(body.get("spec") or {})
+        if url_faults:
+            raise BadInput(url_faults)
         plan, seconds = await jobs.initial_plan(job)
     except BadInput as e:
         invalid = status.invalid_spec_status(e.faults, ref.generation, at, conditions)
@@ -158,7 +162,7 @@ async def on_create(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: An
     except PlanningTimeout as e:
         raise kopf.TemporaryError(f"initial planning timed out: {e}", delay=30) from None
     ctx.metrics.planning_seconds.observe(seconds)
-    created, plan = await ensure_children(ctx.cluster, job, ref, plan)
+    created, plan = await _create_children(ctx, job, ref, plan, patch, conditions)
     pods = [resources.pod_name(ref.name, i) for i in range(job.nodes)]
     patch.status.update(
         status.dump(status.created_status(plan, pods, job.world, ref.generation, at, conditions))
@@ -225,9 +229,10 @@ async def sync_pods(
     spec = job_body.get("spec") or {}
     expected = [resources.pod_name(job_name, i) for i in range(int(spec.get("nodes") or 0))]
     pods = await cluster.list_children("Pod", namespace, job_name)
+    pods = [p for p in pods if resources.owned_by(p, ref.uid)]  # labels can be copied
     gone = set(deleted or [])
     pods = [p for p in pods if p.get("metadata", {}).get("name") not in gone]
-    if fresh is not None:  # the event's copy is at least as new as the list's
+    if fresh is not None and resources.owned_by(fresh, ref.uid):  # as new as the list's
         name = fresh.get("metadata", {}).get("name")
         pods = [p for p in pods if p.get("metadata", {}).get("name") != name] + [dict(fresh)]
     transition = lifecycle.pods_transition(
@@ -276,9 +281,23 @@ def _active(body: kopf.Body, **_: Any) -> bool:
 async def job_daemon(
     body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any
 ) -> None:
-    """The decision loop of one job, for as long as it is active."""
+    """The decision loop of one job, for as long as it is active.
+
+    Not while the live spec names a Prometheus off the allowlist (``metrics`` changes apply
+    live, so on.create's check is not enough): a Warning event says so and the loop starts
+    once the URL is fixed (the trainers keep training on the plan in force meanwhile).
+    """
     ctx = Context.of(memo)
     ref = resources.JobRef.from_body(body)
+    warned = False
+    while faults := ctx.settings.metrics_faults(body.get("spec") or {}):
+        if not warned:
+            message = "decision loop paused: " + "; ".join(map(str, faults))
+            await ctx.cluster.post_event(ref, "Warning", "InvalidSpec", message)
+            warned = True
+        await stopped.wait(METRICS_URL_POLL_SECONDS)
+        if stopped:
+            return
     result = await daemon.run_job(
         ctx, body, stopped, resync=lambda: sync_pods(ctx, ref.namespace, ref.name)
     )
@@ -314,7 +333,8 @@ async def on_resume(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: An
         plan = status.plan_from_status(st.get("plan"))
         if plan is None:
             plan, _ = await jobs.initial_plan(job)
-        created, _ = await ensure_children(ctx.cluster, job, ref, plan)
+        conditions = list(st.get("conditions") or [])
+        created, _ = await _create_children(ctx, job, ref, plan, patch, conditions)
         if created:
             await ctx.cluster.post_event(
                 ref, "Normal", "Resumed", f"re-created {', '.join(created)}"
@@ -322,7 +342,7 @@ async def on_resume(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: An
         await sync_pods(ctx, ref.namespace, ref.name)
         return
     pods = await ctx.cluster.list_children("Pod", ref.namespace, ref.name)
-    present = {p.get("metadata", {}).get("name") for p in pods}
+    present = {p["metadata"]["name"] for p in pods if resources.owned_by(p, ref.uid)}
     missing = [n for n in expected if n not in present]
     await sync_pods(ctx, ref.namespace, ref.name, deleted=missing)
 
@@ -330,44 +350,13 @@ async def on_resume(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: An
 # ---- delete ---------------------------------------------------------------------------------
 
 
-def _owned_by(obj: Mapping[str, Any], ref: resources.JobRef) -> bool:
-    """Labelled as this job's child and, when the job's uid is known, owned by it: never
-    delete a same-named object someone else made (an invalid job created nothing)."""
-    meta = obj.get("metadata") or {}
-    if (meta.get("labels") or {}).get(resources.JOB_LABEL) != ref.name:
-        return False
-    owners = meta.get("ownerReferences") or []
-    return not ref.uid or not owners or any(o.get("uid") == ref.uid for o in owners)
-
-
 @kopf.on.delete(API_GROUP, VERSION, PLURAL)
 async def on_delete(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """Delete the job's children (pods first), then let kopf release the finalizer.
-
-    Pods are found by label (their count may differ from an edited spec) and by name; the
-    Service, ConfigMap and Secret by their fixed names, so the operator needs no right to list
-    Secrets. Only objects this job owns are deleted.
-    """
+    """Delete the job's children (pods first; only those it controls), then let kopf release
+    the finalizer."""
     ctx = Context.of(memo)
     ref = resources.JobRef.from_body(body)
     nodes = int((body.get("spec") or {}).get("nodes") or 0)
-    known = {
-        "Pod": [resources.pod_name(ref.name, i) for i in range(nodes)],
-        "Service": [resources.service_name(ref.name)],
-        "ConfigMap": [resources.configmap_name(ref.name)],
-        "Secret": [resources.secret_name(ref.name)],
-    }
-    for kind in _CHILD_KINDS:
-        found: dict[str, Mapping[str, Any]] = {}
-        if kind == "Pod":
-            for obj in await ctx.cluster.list_children(kind, ref.namespace, ref.name):
-                found[obj["metadata"]["name"]] = obj
-        for name in known[kind]:
-            if name not in found:
-                obj = await ctx.cluster.read(kind, ref.namespace, name)
-                if obj is not None:
-                    found[name] = obj
-        for name, obj in sorted(found.items()):
-            if _owned_by(obj, ref):
-                await ctx.cluster.delete(kind, ref.namespace, name)
+    deleted = await children.delete_children(ctx, ref, nodes)
+    log.info("%s/%s: deleted %s", ref.namespace, ref.name, deleted)
     ctx.metrics.phases.forget(ref.namespace, ref.name)

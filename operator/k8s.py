@@ -30,16 +30,17 @@ from malleus.job import API_GROUP, PLURAL, VERSION
 
 from . import resources
 
-__all__ = ["ApiError", "Cluster"]
+__all__ = ["ApiError", "Cluster", "NameConflict"]
 
 _KINDS = {
-    "Pod": "pod",
-    "Service": "service",
-    "ConfigMap": "config_map",
-    "Secret": "secret",
-    "Event": "event",
+    "Pod": ("core", "pod", "v1"),
+    "Service": ("core", "service", "v1"),
+    "ConfigMap": ("core", "config_map", "v1"),
+    "Secret": ("core", "secret", "v1"),
+    "Event": ("core", "event", "v1"),
+    "NetworkPolicy": ("networking", "network_policy", "networking.k8s.io/v1"),
 }
-"""Core-API kinds the operator manages -> the kubernetes client's method suffix."""
+"""Kinds the operator manages -> (API group client, the client's method suffix, apiVersion)."""
 
 _MERGE_PATCH = "application/merge-patch+json"
 
@@ -52,6 +53,25 @@ class ApiError(RuntimeError):
         self.reason = reason
         self.body = body
         super().__init__(f"Kubernetes API error {status} {reason}: {body[:500]}")
+
+
+class NameConflict(RuntimeError):
+    """An object of a child's kind and name exists and is not controlled by the same owner.
+
+    Never adopted: a planted ``<job>-control`` Secret would hand the trainers a token someone
+    knows, a planted ``<job>-config`` ConfigMap the plan they run. The caller reports it and
+    retries once the impostor is gone.
+    """
+
+    def __init__(self, kind: str, namespace: str, name: str, owner: str) -> None:
+        self.kind = kind
+        self.namespace = namespace
+        self.name = name
+        self.owner = owner
+        super().__init__(
+            f"{kind}/{name} already exists in {namespace} and is not this job's ({owner}); "
+            "it is left untouched: delete or rename it"
+        )
 
 
 def _decode(response: Any) -> dict[str, Any]:
@@ -75,6 +95,7 @@ class Cluster:
         self.api = api
         self._core = kclient.CoreV1Api(api)
         self._custom = kclient.CustomObjectsApi(api)
+        self._groups = {"core": self._core, "networking": kclient.NetworkingV1Api(api)}
 
     @classmethod
     def connect(cls, kubeconfig: str | None = None, context: str | None = None) -> Cluster:
@@ -97,10 +118,10 @@ class Cluster:
 
     def _method(self, verb: str, kind: str) -> Any:
         try:
-            suffix = _KINDS[kind]
+            group, suffix, _ = _KINDS[kind]
         except KeyError:
             raise ValueError(f"k8s: unsupported kind {kind!r}; known: {sorted(_KINDS)}") from None
-        return getattr(self._core, f"{verb}_namespaced_{suffix}")
+        return getattr(self._groups[group], f"{verb}_namespaced_{suffix}")
 
     # ---- generic core objects ---------------------------------------------------------------
 
@@ -108,7 +129,9 @@ class Cluster:
         """Create ``obj``; if one of that name exists, return it untouched. -> (object, created).
 
         Idempotent by name, so a restarted operator (or a retried handler) never duplicates a
-        pod and never replaces a Secret's token or a ConfigMap's newer plan.
+        pod and never replaces a Secret's token or a ConfigMap's newer plan. But only an
+        existing object with the same controller as ``obj`` (the same owner uid) is returned:
+        any other raises `NameConflict` and is left as it is.
         """
         kind = obj["kind"]
         ns = obj["metadata"]["namespace"]
@@ -123,6 +146,10 @@ class Cluster:
                 return _decode(await _run(self._method("create", kind), ns, dict(obj))), True
             except ApiException as e:
                 raise _error(e) from None
+        ours, theirs = resources.controller_of(obj), resources.controller_of(existing)
+        if (ours or {}).get("uid") != (theirs or {}).get("uid"):
+            name = obj["metadata"]["name"]
+            raise NameConflict(kind, ns, name, resources.describe_owner(existing))
         return existing, False
 
     async def read(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
@@ -149,7 +176,7 @@ class Cluster:
         items: list[dict[str, Any]] = result.get("items") or []
         for item in items:  # list items omit these; callers feed them back to builders and tests
             item.setdefault("kind", kind)
-            item.setdefault("apiVersion", "v1")
+            item.setdefault("apiVersion", _KINDS[kind][2])
         return items
 
     async def delete(self, kind: str, namespace: str, name: str) -> bool:

@@ -4,8 +4,10 @@ The controller's `HttpPlanSink` posts to the coordinator's ``POST /plan`` and wa
 switch; this module only records plans in the job's ConfigMap on both sides of the POST:
 ``pending-plan.json`` before (an operator that crashes after the trainers took a plan but
 before the acknowledgement must not lose its layout), ``plan.json`` once the trainers run it
-(the pending key is then removed). `resume_plan` reconciles the two after a restart with the
-generation the coordinator reports.
+(the pending key is then removed). The records also answer the controller's `PlanRecords`
+lookups, so that a controller that finds the trainers on a generation it did not see applied
+re-plans from the real layout. `resume_plan` reconciles the two after a restart with what the
+coordinator's ``/status`` says it runs and holds pending.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 from typing import Any
 
 from malleus.controller.ports import Ack, PlanSink
+from malleus.job.control import ControlStatus
 from malleus.planner.plan import Plan
 
 from . import resources
@@ -32,6 +35,15 @@ async def _patch_data(cluster: Cluster, ref: resources.JobRef, data: dict[str, A
     await cluster.patch("ConfigMap", ref.namespace, name, {"data": data})
 
 
+async def _records(cluster: Cluster, ref: resources.JobRef) -> tuple[Plan | None, Plan | None]:
+    """(``plan.json``, ``pending-plan.json``) of the job's ConfigMap; None where absent."""
+    cm = await cluster.read("ConfigMap", ref.namespace, resources.configmap_name(ref.name))
+    data = (cm or {}).get("data") or {}
+    plan = Plan.from_json(data[resources.PLAN_KEY]) if data.get(resources.PLAN_KEY) else None
+    pending = Plan.from_json(data[PENDING_KEY]) if data.get(PENDING_KEY) else None
+    return plan, pending
+
+
 class ConfigMapPlanSink:
     """Records plans in the job's ConfigMap around an inner sink that reaches the trainers."""
 
@@ -40,6 +52,7 @@ class ConfigMapPlanSink:
         self.ref = ref
         self.inner = inner
         self._pending: dict[int, Plan] = {}
+        self._recorded = -1  # the newest generation this sink wrote as plan.json
 
     async def publish(self, plan: Plan) -> int:
         await _patch_data(self.cluster, self.ref, {PENDING_KEY: plan.to_json()})
@@ -50,35 +63,59 @@ class ConfigMapPlanSink:
     async def wait_applied(self, generation: int, timeout: float) -> Ack:
         ack = await self.inner.wait_applied(generation, timeout)
         plan = self._pending.pop(generation, None)
-        data: dict[str, Any] = {PENDING_KEY: None}  # null deletes the key in a merge patch
         if plan is not None:
-            data[resources.PLAN_KEY] = plan.to_json()
-        await _patch_data(self.cluster, self.ref, data)
+            await self.record_applied(plan)
+        else:
+            await _patch_data(self.cluster, self.ref, {PENDING_KEY: None})
         return ack
+
+    async def record_applied(self, plan: Plan) -> None:
+        """``plan`` is in force: it becomes ``plan.json`` and the pending record goes (once per
+        generation, however the controller learnt of the switch)."""
+        if plan.generation <= self._recorded:
+            return
+        # null deletes the key in a merge patch
+        await _patch_data(
+            self.cluster, self.ref, {PENDING_KEY: None, resources.PLAN_KEY: plan.to_json()}
+        )
+        self._recorded = plan.generation
+
+    async def recorded_plan(self, generation: int) -> Plan | None:
+        """The plan of ``generation`` this sink published, or found in the ConfigMap."""
+        if generation in self._pending:
+            return self._pending[generation]
+        for plan in await _records(self.cluster, self.ref):
+            if plan is not None and plan.generation == generation:
+                return plan
+        return None
 
 
 async def resume_plan(
-    cluster: Cluster, ref: resources.JobRef, running_generation: int | None
-) -> Plan | None:
-    """The plan in force after an operator restart, from the ConfigMap and the coordinator.
+    cluster: Cluster, ref: resources.JobRef, running: ControlStatus | None
+) -> tuple[Plan | None, Plan | None]:
+    """(plan in force, plan still pending) after an operator restart, from the ConfigMap and
+    the coordinator's ``/status`` (``running``; None when it did not answer).
 
-    ``plan.json`` is the last acknowledged plan; a ``pending-plan.json`` that the coordinator
-    already runs (``running_generation`` from its /status) is promoted, one it does not run
-    is dropped (the controller will plan again if the rates still call for it).
+    ``plan.json`` is the last acknowledged plan. A ``pending-plan.json`` that the coordinator
+    already runs is promoted; one it holds pending (posted just before the restart, not yet
+    taken at a step boundary) stays pending, for the controller to adopt once the trainers take
+    it; one it does not know is dropped. With no answer it stays pending too: the trainers may
+    well take it, and a controller that waits in vain for it only gets a 409 to resync from.
     """
-    cm = await cluster.read("ConfigMap", ref.namespace, resources.configmap_name(ref.name))
-    if cm is None:
-        return None
-    data = cm.get("data") or {}
-    plan = Plan.from_json(data[resources.PLAN_KEY]) if data.get(resources.PLAN_KEY) else None
-    pending = Plan.from_json(data[PENDING_KEY]) if data.get(PENDING_KEY) else None
-    if pending is not None:
-        update: dict[str, Any] = {PENDING_KEY: None}
-        if running_generation is not None and running_generation >= pending.generation:
-            log.info(
-                "%s/%s: trainers run pending plan %d", ref.namespace, ref.name, pending.generation
-            )
-            plan = pending
-            update[resources.PLAN_KEY] = pending.to_json()
-        await _patch_data(cluster, ref, update)
-    return plan
+    plan, pending = await _records(cluster, ref)
+    if pending is None:
+        return plan, None
+    if running is not None and running.generation >= pending.generation:
+        log.info("%s/%s: trainers run pending plan %d", ref.namespace, ref.name, pending.generation)
+        await _patch_data(cluster, ref, {PENDING_KEY: None, resources.PLAN_KEY: pending.to_json()})
+        return pending, None
+    if running is None or running.pending_generation == pending.generation:
+        return plan, pending
+    log.info(
+        "%s/%s: dropping pending plan %d, which the trainers do not hold",
+        ref.namespace,
+        ref.name,
+        pending.generation,
+    )
+    await _patch_data(cluster, ref, {PENDING_KEY: None})
+    return plan, None

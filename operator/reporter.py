@@ -25,6 +25,7 @@ from malleus.controller.events import (
 )
 from malleus.controller.ports import Observation
 from malleus.job import LastReplan, MalleusJobStatus, Phase, ResolvedJob
+from malleus.planner.plan import Plan
 
 from . import resources, status
 from .context import Context
@@ -72,6 +73,19 @@ class JobReporter:
         """``phase`` unless the job left Running/Replanning or is in it already (then None)."""
         current = status.phase_of(self.body.get("status"))
         return phase if current in _LIVE and current != phase else None
+
+    async def resumed(self, plan: Plan, pending: bool) -> None:
+        """A (re)started daemon found `plan` in force: show it, and leave Replanning unless a
+        re-plan is still under way (`pending`: the trainers may yet take a published plan).
+
+        Without this a restart between a publish and its acknowledgement left the status on the
+        old generation, and Replanning, for as long as the rates did not call for a new plan."""
+        shown = ((self.body.get("status") or {}).get("plan") or {}).get("generation")
+        patch = MalleusJobStatus(phase=None if pending else self._phase(Phase.RUNNING))
+        if shown != plan.generation:
+            patch.plan = status.plan_status(plan)
+        if patch.plan is not None or patch.phase is not None:
+            await self._patch(patch)
 
     async def on_observation(self, obs: Observation) -> None:
         """After each new step: step, tokens/s, stragglers and their condition (if changed)."""

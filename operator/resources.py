@@ -9,12 +9,20 @@ cluster, and keeps `k8s.py` the one place that talks to the API. A job of ``N`` 
 - a ConfigMap ``<job>-config`` with ``plan.json`` (the plan in force; the operator rewrites it
   at every re-plan, so a restarted operator or trainer finds the latest) and ``job.json`` (the
   manifest the trainers read);
-- a Secret ``<job>-control`` with the bearer token that guards the trainers' ``POST /plan``;
+- a Secret ``<job>-control`` with the bearer token that guards the trainers' ``POST /plan``,
+  and the job's TLS identity for their control endpoints (`tls`: CA, certificate, key);
+- a NetworkPolicy ``<job>-network`` (unless the operator runs without them): only the job's
+  own pods reach its pods at all (torch's rendezvous store and the collectives' sockets have no
+  authentication), and besides them only the operator (and configured peers such as a
+  Prometheus) reach the control port;
 - ``N`` worker Pods ``<job>-node-<i>``, one per node, each running ``torchrun`` with
   ``gpusPerNode`` processes (built in `workers`).
 
-Every object carries an ownerReference to the job (the garbage collector deletes them with it)
-and the labels in `job_labels`, by which the operator finds them again after a restart.
+Every object carries a controller ownerReference to the job (the garbage collector deletes them
+with it) and the labels in `job_labels`, by which the operator finds them again after a
+restart. An object of a child's name that is not controlled by the job (`owned_by`) is never
+used, changed or deleted: it may have been planted (a Secret with a known token, a ConfigMap
+with a plan of someone else's choosing).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,13 +51,19 @@ __all__ = [
     "JobRef",
     "build_configmap",
     "build_event",
+    "build_network_policy",
     "build_secret",
     "build_service",
     "configmap_name",
+    "controller_of",
     "coordinator_host",
+    "describe_owner",
     "job_labels",
     "job_manifest",
     "metadata",
+    "network_policy_name",
+    "operator_peer",
+    "owned_by",
     "owner_reference",
     "pod_name",
     "secret_name",
@@ -116,6 +130,10 @@ def secret_name(job: str) -> str:
     return f"{job}-control"
 
 
+def network_policy_name(job: str) -> str:
+    return f"{job}-network"
+
+
 def coordinator_host(ref: JobRef) -> str:
     """Stable DNS name of node 0 (the coordinator and torchrun's rendezvous host)."""
     return f"{pod_name(ref.name, 0)}.{service_name(ref.name)}.{ref.namespace}.svc"
@@ -142,6 +160,33 @@ def owner_reference(ref: JobRef) -> dict[str, Any]:
         "controller": True,
         "blockOwnerDeletion": True,
     }
+
+
+def controller_of(obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The ownerReference with ``controller: true`` of ``obj`` (at most one), or None."""
+    for owner in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if isinstance(owner, Mapping) and owner.get("controller") is True:
+            return owner
+    return None
+
+
+def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    """Whether the job of uid ``uid`` controls ``obj``: what makes an object of a child's
+    name the job's own. Labels and names prove nothing (anyone may copy them); a uid is the
+    API server's and a controller reference can only be set by whoever writes the object."""
+    owner = controller_of(obj)
+    return bool(uid) and owner is not None and owner.get("uid") == uid
+
+
+def describe_owner(obj: Mapping[str, Any]) -> str:
+    """Who controls ``obj``, for messages: ``controlled by MalleusJob other (uid u-2)``."""
+    owner = controller_of(obj)
+    if owner is None:
+        return "no controller owner"
+    return (
+        f"controlled by {owner.get('kind', '?')} {owner.get('name', '?')} "
+        f"(uid {owner.get('uid', '?')})"
+    )
 
 
 def metadata(ref: JobRef, name: str, **extra: Any) -> dict[str, Any]:
@@ -201,14 +246,64 @@ def build_configmap(job: ResolvedJob, ref: JobRef, plan: Plan) -> dict[str, Any]
     }
 
 
-def build_secret(ref: JobRef, token: str) -> dict[str, Any]:
-    """Secret with the control token (the caller makes it: builders stay deterministic)."""
+def build_secret(ref: JobRef, token: str, files: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Secret with the control token and `files` (the job's TLS identity, `tls.JobCertificates`);
+    the caller makes both: builders stay deterministic."""
+    entries = {TOKEN_KEY: token, **(files or {})}
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
         "metadata": metadata(ref, secret_name(ref.name)),
-        "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+        "data": {k: base64.b64encode(v.encode()).decode() for k, v in entries.items()},
+    }
+
+
+# ---- NetworkPolicy --------------------------------------------------------------------------
+
+
+def operator_peer(namespace: str, labels: Mapping[str, str]) -> dict[str, Any]:
+    """The NetworkPolicyPeer of the operator's pod (its namespace by the name label every
+    namespace carries since Kubernetes 1.22, and its pod labels)."""
+    return {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+        "podSelector": {"matchLabels": dict(labels)},
+    }
+
+
+def build_network_policy(
+    job: ResolvedJob, ref: JobRef, control_peers: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """Ingress to the job's pods: from each other on every port, from ``control_peers`` (the
+    operator, a Prometheus) on the control port only, from nothing else.
+
+    The job's pods need every port among themselves: torchrun's rendezvous store (a TCPStore
+    on node 0, no authentication: whoever reaches it reads and writes the job's keys) and the
+    collectives' connections (gloo, NCCL sockets on ephemeral ports). The policy is their only
+    protection, and its unit of trust is the namespace: a pod labelled as one of the job's is
+    admitted, so whoever may create pods in the namespace may join. Egress is left open
+    (checkpoint storage, DNS, image registries are the cluster's business).
+    """
+    own_pods = {"podSelector": {"matchLabels": {JOB_LABEL: ref.name}}}
+    ingress: list[dict[str, Any]] = [{"from": [own_pods]}]
+    if control_peers:
+        ingress.append(
+            {
+                "from": [dict(p) for p in control_peers],
+                "ports": [{"port": job.spec.control_port, "protocol": "TCP"}],
+            }
+        )
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(ref, network_policy_name(ref.name)),
+        "spec": {
+            "podSelector": {
+                "matchLabels": {JOB_LABEL: ref.name, "app.kubernetes.io/managed-by": MANAGED_BY}
+            },
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
     }
 
 

@@ -3,16 +3,22 @@
 Environment variables (the Helm chart sets them) so the same values reach the operator however
 kopf was started (``python -m malleus.operator`` hands its settings to kopf's memo; under ``kopf
 run -m malleus.operator.handlers`` the startup handler reads them from the environment). Nothing
-here is process-wide: the handlers get the settings from the memo.
+here is process-wide: the handlers get the settings from the memo. In the environment a list is
+comma-separated and a flag is ``true``/``false``.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Mapping
+import urllib.parse
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
-__all__ = ["DEFAULT_ENDPOINT", "Settings"]
+from malleus.errors import Fault
+
+__all__ = ["DEFAULT_ENDPOINT", "Settings", "url_allowed"]
 
 DEFAULT_ENDPOINT = "http://{pod}.{service}.{namespace}.svc:{port}"
 """How the operator reaches a worker's control port: its stable DNS name via the headless
@@ -20,6 +26,68 @@ Service. Fields: pod, service, namespace, port, index, pod_ip. Tests and out-of-
 use e.g. ``http://{pod_ip}:{port}`` or ``http://127.0.0.1:{port}``."""
 
 _PREFIX = "MALLEUS_OPERATOR_"
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _origin_and_path(url: str) -> tuple[tuple[str, str, int], str] | None:
+    """(scheme, host, port) and the path of a plain http(s) URL; None for anything else (user
+    info, a query or fragment, ``.``/``..`` segments, another scheme, no host), which no
+    allowlist admits."""
+    try:
+        parts = urllib.parse.urlsplit(url.strip())
+        port = parts.port
+    except ValueError:
+        return None
+    scheme = parts.scheme.lower()
+    if scheme not in _DEFAULT_PORTS or not parts.hostname or "@" in parts.netloc:
+        return None
+    segments = urllib.parse.unquote(parts.path).split("/")
+    if parts.query or parts.fragment or "." in segments or ".." in segments:
+        return None
+    origin = (scheme, parts.hostname.lower(), port or _DEFAULT_PORTS[scheme])
+    return origin, "/" + parts.path.strip("/")
+
+
+def url_allowed(url: str, allowed: Iterable[str]) -> bool:
+    """Whether ``url`` is one of the ``allowed`` base URLs or a path below one.
+
+    Compared as URLs, not as strings: the scheme, host and port must be equal (a default port
+    written or not) and the path must equal the entry's or continue it after a ``/``, so
+    ``http://prom:9090`` admits ``http://prom:9090/api`` but neither ``http://prom:9090.evil``
+    nor ``http://prom:90901``.
+    """
+    wanted = _origin_and_path(url)
+    if wanted is None:
+        return False
+    for entry in allowed:
+        base = _origin_and_path(entry)
+        if base is None or base[0] != wanted[0]:
+            continue
+        prefix, path = base[1].rstrip("/"), wanted[1]
+        if path == prefix or path == prefix + "/" or path.startswith(prefix + "/"):
+            return True
+    return False
+
+
+def _parse(raw: str, default: object, name: str) -> object:
+    if isinstance(default, bool):
+        word = raw.strip().lower()
+        if word not in _TRUE | _FALSE:
+            raise ValueError(f"{_PREFIX}{name.upper()}={raw!r}: expected true or false")
+        return word in _TRUE
+    if isinstance(default, tuple):
+        return tuple(item.strip() for item in raw.split(",") if item.strip())
+    return type(default)(raw)
+
+
+def _unparse(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return ",".join(value)
+    return str(value)
 
 
 @dataclass(frozen=True)
@@ -38,6 +106,20 @@ class Settings:
     """Kubeconfig for the operator's own API calls; empty = in-cluster, then the default file."""
     context: str = ""
     """Kubeconfig context; empty = the current one."""
+    prometheus_allowed_urls: tuple[str, ...] = ()
+    """Base URLs a job's ``spec.metrics.prometheus.url`` may name (see `url_allowed`): the
+    operator fetches that URL from its own pod, so anything else would let a job's author make
+    it call any address it can reach. Empty: no job may use the Prometheus source."""
+    network_policies: bool = True
+    """Give every job a NetworkPolicy (`resources.build_network_policy`). Off only where no
+    NetworkPolicy controller runs (the chart's ``networkPolicy.enabled``)."""
+    operator_namespace: str = ""
+    """The operator pod's namespace; with `operator_labels`, who a job's NetworkPolicy admits
+    to the trainers' control port. Empty (out of the cluster): no operator peer."""
+    operator_labels: str = ""
+    """The operator pod's labels, ``key=value,key=value``."""
+    control_port_peers: str = ""
+    """More NetworkPolicyPeers for the control port (e.g. a Prometheus), a JSON list."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -47,13 +129,52 @@ class Settings:
             raw = env.get(_PREFIX + f.name.upper())
             if raw is None or raw == "":
                 continue
-            default = getattr(cls(), f.name)
-            values[f.name] = type(default)(raw)
-        return cls(**values)  # type: ignore[arg-type]
+            values[f.name] = _parse(raw, getattr(cls(), f.name), f.name)
+        settings = cls(**values)  # type: ignore[arg-type]
+        settings.control_port_peer_list()  # a malformed list fails at startup, not per job
+        return settings
 
     def to_env(self) -> dict[str, str]:
         """The environment that makes `from_env` return these settings."""
-        return {_PREFIX + f.name.upper(): str(getattr(self, f.name)) for f in fields(self)}
+        return {_PREFIX + f.name.upper(): _unparse(getattr(self, f.name)) for f in fields(self)}
+
+    def prometheus_url_allowed(self, url: str) -> bool:
+        """Whether the operator may fetch ``url`` (`url_allowed` over the allowlist)."""
+        return url_allowed(url, self.prometheus_allowed_urls)
+
+    def metrics_faults(self, spec: Mapping[str, Any]) -> list[Fault]:
+        """A fault when a job's ``spec.metrics.prometheus.url`` is not on the allowlist.
+
+        Checked whatever ``spec.metrics.source`` says (the source is a live setting: switching
+        it must not unlock a URL nobody checked).
+        """
+        prometheus = ((spec.get("metrics") or {}).get("prometheus")) or {}
+        url = prometheus.get("url") if isinstance(prometheus, Mapping) else None
+        if not url or self.prometheus_url_allowed(str(url)):
+            return []
+        allowed = ", ".join(self.prometheus_allowed_urls) or "none"
+        return [
+            Fault(
+                "spec.metrics.prometheus.url",
+                f"{url!r} is not on the operator's Prometheus allowlist (allowed: {allowed}; "
+                "the chart's prometheus.allowedUrls)",
+            )
+        ]
+
+    def operator_selector(self) -> dict[str, str]:
+        """`operator_labels` as a label selector's ``matchLabels``."""
+        pairs = (item.partition("=") for item in self.operator_labels.split(",") if item.strip())
+        return {k.strip(): v.strip() for k, _, v in pairs}
+
+    def control_port_peer_list(self) -> list[dict[str, Any]]:
+        """`control_port_peers` parsed; ValueError unless a JSON list of objects."""
+        peers = json.loads(self.control_port_peers) if self.control_port_peers.strip() else []
+        if not isinstance(peers, list) or not all(isinstance(p, dict) and p for p in peers):
+            raise ValueError(
+                f"{_PREFIX}CONTROL_PORT_PEERS must be a JSON list of NetworkPolicyPeer objects, "
+                f"got {self.control_port_peers!r}"
+            )
+        return peers
 
     def with_(self, **changes: object) -> Settings:
         return replace(self, **changes)  # type: ignore[arg-type]

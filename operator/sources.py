@@ -3,7 +3,8 @@
 The decision loop's ports (`malleus.controller`) already read the coordinator's ``/metrics``
 (`TrainerScrapeSource`) or PromQL over the trainers' and DCGM's series (`PrometheusSource`).
 The operator only aims them: at node 0 through the headless Service, or at the Prometheus of
-``spec.metrics.prometheus`` with selectors for this job's pods. `TrackingSource` keeps the last
+``spec.metrics.prometheus`` with selectors for this job's pods, reading each rank's rate from
+the series its own pod published. `TrackingSource` keeps the last
 observation for the status (step, tokens/s) and ends the loop when the job is over.
 """
 
@@ -12,9 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from malleus.controller.ports import Observation, RateSource
-from malleus.controller.prometheus import PrometheusSource, default_queries, pod_gpu_rank
+from malleus.controller.prometheus import (
+    PrometheusSource,
+    default_queries,
+    own_rank_series,
+    pod_gpu_rank,
+)
 from malleus.controller.sources import TrainerScrapeSource
 from malleus.job import ResolvedJob
+from malleus.job.control import ControlTLS
 
 from . import resources
 
@@ -40,9 +47,15 @@ class TrackingSource:
 
 
 def rate_source(
-    job: ResolvedJob, ref: resources.JobRef, coordinator_url: str, *, timeout: float
+    job: ResolvedJob,
+    ref: resources.JobRef,
+    coordinator_url: str,
+    *,
+    timeout: float,
+    tls: ControlTLS | None = None,
 ) -> RateSource:
-    """The source ``spec.metrics`` asks for: the coordinator's /metrics, or Prometheus."""
+    """The source ``spec.metrics`` asks for: the coordinator's /metrics (verified with
+    `tls`, the job's CA), or Prometheus."""
     metrics = job.spec.metrics
     interval = float(metrics.scrape_interval_seconds)
     prom = metrics.prometheus
@@ -58,7 +71,16 @@ def rate_source(
             prom.url,
             queries,
             rank_of=pod_gpu_rank(job.spec.gpus_per_node, r"-node-(\d+)$"),
+            keep=own_rank_series(job.spec.gpus_per_node, r"-node-(\d+)$"),
             interval=interval,
             timeout=timeout,
         )
-    return TrainerScrapeSource(coordinator_url, job=ref.name, interval=interval, timeout=timeout)
+    return TrainerScrapeSource(
+        coordinator_url,
+        job=ref.name,
+        world=job.world,
+        gpus_per_node=job.gpus_per_node,
+        interval=interval,
+        timeout=timeout,
+        tls=tls,
+    )

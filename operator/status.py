@@ -9,7 +9,8 @@ Conditions follow ``metav1.Condition``: one per type, ``lastTransitionTime`` kep
 status flips, ``observedGeneration`` set to the spec generation the operator acted on. Types:
 
 - ``Ready``: True while every worker runs (reason ``Running``); False with ``InvalidSpec``,
-  ``PodsPending``, ``PodFailed`` or ``Completed``.
+  ``NameConflict`` (an object of a child's name is someone else's), ``PodsPending``,
+  ``PodFailed`` or ``Completed``.
 - ``Straggling``: True when some GPU is a straggler by the job's policy.
 """
 
@@ -47,6 +48,7 @@ __all__ = [
     "invalid_spec_message",
     "invalid_spec_status",
     "merge_conditions",
+    "name_conflict_status",
     "now",
     "phase_of",
     "plan_from_status",
@@ -248,6 +250,25 @@ def invalid_spec_status(
         message=message,
         conditions=merge_conditions(
             existing, condition(READY, False, "InvalidSpec", message, generation, at)
+        ),
+    )
+
+
+def name_conflict_status(
+    message: str,
+    generation: int,
+    at: dt.datetime,
+    existing: Sequence[Mapping[str, Any]] = (),
+) -> MalleusJobStatus:
+    """``Ready=False/NameConflict``: a child's name is taken by an object the job does not own.
+
+    No phase: the job is not started (no daemon, no pod watching) until the name is free.
+    """
+    return MalleusJobStatus(
+        observed_generation=generation,
+        message=message,
+        conditions=merge_conditions(
+            existing, condition(READY, False, "NameConflict", message, generation, at)
         ),
     )
 

@@ -7,11 +7,13 @@ Plain dicts, no API calls, so tests assert on every field without a cluster.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from malleus.job import ResolvedJob
 from malleus.planner.plan import Plan
 
+from . import tls
 from .resources import (
     CONFIG_MOUNT,
     CONTROL_PORT_NAME,
@@ -37,6 +39,9 @@ __all__ = ["GPU_RESOURCE", "RUN_AS_USER", "build_children", "build_pod", "torchr
 RUN_AS_USER = 1000
 """The non-root user of the trainer image (Dockerfile's ``malleus`` user)."""
 GPU_RESOURCE = "nvidia.com/gpu"
+TLS_MOUNT = "/etc/malleus-tls"
+"""Where the job Secret's server certificate and key are mounted (the trainer's
+``MALLEUS_CONTROL_TLS_CERT`` / ``_KEY`` point there); beside, not inside, the ConfigMap's."""
 
 
 def torchrun_command(job: ResolvedJob, ref: JobRef, index: int) -> list[str]:
@@ -81,6 +86,10 @@ def _env(job: ResolvedJob, ref: JobRef, index: int) -> list[dict[str, Any]]:
             "name": "MALLEUS_CONTROL_TOKEN",
             "valueFrom": {"secretKeyRef": {"name": secret_name(ref.name), "key": TOKEN_KEY}},
         },
+        # The control endpoint serves HTTPS with the job's certificate, on the pod IP only.
+        {"name": "MALLEUS_CONTROL_TLS_CERT", "value": f"{TLS_MOUNT}/{tls.CERT_KEY}"},
+        {"name": "MALLEUS_CONTROL_TLS_KEY", "value": f"{TLS_MOUNT}/{tls.KEY_KEY}"},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "MALLEUS_EMULATION", "value": "1" if job.spec.emulation.enabled else "0"},
         {"name": "HOME", "value": "/tmp"},  # read-only root: caches (torch, triton) go to /tmp
         {"name": "PYTHONUNBUFFERED", "value": "1"},
@@ -109,12 +118,21 @@ def _volumes(job: ResolvedJob, ref: JobRef) -> tuple[list[dict[str, Any]], list[
     )
     volumes = [
         {"name": "config", "configMap": {"name": configmap_name(ref.name)}},
+        {
+            "name": "control-tls",
+            "secret": {
+                "secretName": secret_name(ref.name),
+                "items": [{"key": k, "path": k} for k in (tls.CERT_KEY, tls.KEY_KEY)],
+                "defaultMode": 0o440,  # owner root, group fsGroup (the trainer's)
+            },
+        },
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},  # NCCL/gloo shared memory
         {"name": "tmp", "emptyDir": {}},
         checkpoint_volume,
     ]
     mounts = [
         {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+        {"name": "control-tls", "mountPath": TLS_MOUNT, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "checkpoints", "mountPath": ckpt.path},
@@ -193,20 +211,34 @@ def build_pod(job: ResolvedJob, ref: JobRef, index: int) -> dict[str, Any]:
                 "prometheus.io/scrape": "true",
                 "prometheus.io/port": str(port),
                 "prometheus.io/path": "/metrics",
+                "prometheus.io/scheme": "https",
             },
         ),
         "spec": spec,
     }
 
 
-def build_children(job: ResolvedJob, ref: JobRef, plan: Plan, token: str) -> list[dict[str, Any]]:
-    """Everything a job owns, in creation order: Service, ConfigMap, Secret, then the pods.
+def build_children(
+    job: ResolvedJob,
+    ref: JobRef,
+    plan: Plan,
+    token: str,
+    network_policy: Mapping[str, Any] | None = None,
+    certificates: tls.JobCertificates | None = None,
+) -> list[dict[str, Any]]:
+    """Everything a job owns, in creation order: its NetworkPolicy (when given), Service,
+    ConfigMap, Secret, then the pods.
 
-    The pods come last because they mount the ConfigMap and read the Secret.
+    ``certificates`` (`tls.issue`) go into the Secret, which the pods mount: a job that runs
+    needs them; None only for manifests that are inspected, never run.
+
+    The policy comes first so that no pod ever runs unprotected; the pods come last because
+    they mount the ConfigMap and read the Secret.
     """
     return [
+        *([dict(network_policy)] if network_policy is not None else []),
         build_service(job, ref),
         build_configmap(job, ref, plan),
-        build_secret(ref, token),
+        build_secret(ref, token, certificates.secret_data() if certificates else None),
         *(build_pod(job, ref, i) for i in range(job.spec.nodes)),
     ]

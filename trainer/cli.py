@@ -96,7 +96,7 @@ def load_inputs(args: argparse.Namespace, *, pod: bool = False) -> tuple[Resolve
     else:
         _check_machine(job, args)
     plan = _first_plan(job, args)
-    args.switch_plans = _switch_plans(job, plan, getattr(args, "switch", None) or [])
+    args.switch_plans = _switch_plans(job, plan, args.switch)
     _check_resume(job, args)
     return job, plan
 
@@ -149,7 +149,8 @@ def _read_plan(path: str, where: str | None = None) -> Plan:
 
 
 def _switch_plans(job: ResolvedJob, first: Plan, specs: list[str]) -> tuple[tuple[int, Plan], ...]:
-    """`STEP:PLAN.json` items, sorted by step, validated, generations made increasing."""
+    """`STEP:PLAN.json` items, sorted by step, validated, numbered on from `first` (the inbox
+    takes only the next generation, so a file's own generation is not kept)."""
     from .plan_inbox import PlanInbox
 
     items: dict[int, str] = {}
@@ -169,9 +170,10 @@ def _switch_plans(job: ResolvedJob, first: Plan, specs: list[str]) -> tuple[tupl
     for step, path in sorted(items.items()):
         where = f"--switch {step}:{path}"
         plan = _read_plan(path, where)
-        generation = max(plan.generation, generation + 1)
+        generation += 1
         plan = plan.model_copy(update={"generation": generation})
-        code, answer = PlanInbox(job.problem(), -1).offer(plan.model_dump())  # as POST /plan
+        inbox = PlanInbox(job.problem(), generation - 1)
+        code, answer = inbox.offer(plan.model_dump())  # as POST /plan
         if code != 202:
             faults = [Fault(f["path"], f["message"]) for f in answer.get("faults", [])]
             raise BadInput(faults or [Fault("", str(answer))], where, what="plan")
@@ -205,7 +207,7 @@ def _options(args: argparse.Namespace) -> RunOptions:
         save_model=args.save_model,
         log_every=max(1, args.log_every),
         quiet=args.quiet,
-        switches=getattr(args, "switch_plans", ()),
+        switches=args.switch_plans,
     )
 
 

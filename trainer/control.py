@@ -2,10 +2,17 @@
 
 A stdlib `ThreadingHTTPServer` in a daemon thread, so the training loop never blocks on a
 client and the pod needs no web framework. Reads are open (the kubelet and Prometheus need no
-token); every write (`POST /plan`, `POST /inject`) needs `Authorization: Bearer <token>` from
-the job's Secret, and with no token configured writes are refused, never open by default.
+token); every write (`POST /plan`, `/stop`, `/inject`) needs `Authorization: Bearer <token>`
+from the job's Secret, and with no token configured writes are refused, never open by default.
 `GET /status` serves a `malleus.job.control.ControlStatus`; the clients of that module are the
 one way to talk to this server.
+
+In a pod the endpoint serves HTTPS with the job's certificate (`credentials.load_tls`: the
+operator's per-job CA signed it for the workers' stable DNS names) on the pod IP, so the
+token never crosses the pod network in clear; local runs serve plain HTTP on 127.0.0.1, where
+nothing but this machine can listen in. Every write body is judged here before anything acts
+on it: bounded in size (413) and nesting, strict JSON (no NaN), and an answer within the
+handler's timeout, a 400 naming the field, never a traceback or a dead handler thread.
 """
 
 from __future__ import annotations
@@ -13,64 +20,131 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import math
-import os
+import ssl
 import threading
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
+from socket import socket
 from typing import Any
 from urllib.parse import urlsplit
 
+from malleus.job import MAX_RATE
 from malleus.job.control import ControlStatus
 
 from .metrics import CONTENT_TYPE, TrainerMetrics
 from .plan_inbox import PlanInbox
 
-__all__ = [
-    "DEFAULT_PORT",
-    "TOKEN_ENV",
-    "TOKEN_FILE_ENV",
-    "ControlServer",
-    "load_token",
-]
+__all__ = ["DEFAULT_PORT", "MAX_DEPTH", "MAX_FACTOR", "ControlServer"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8040
-TOKEN_ENV = "MALLEUS_CONTROL_TOKEN"
-TOKEN_FILE_ENV = "MALLEUS_CONTROL_TOKEN_FILE"
+MAX_FACTOR = MAX_RATE
+"""The largest slowdown `POST /inject` takes: the CRD's bound on a schedule's factor, so an
+injection cannot stall the emulated clock for hours."""
+MAX_DEPTH = 32
+"""Deepest JSON nesting a write body may have (a plan nests 5 deep)."""
 _MAX_BODY = 1 << 20  # a 64-GPU plan is a few KB; anything near this is a mistake or an attack
 _DRAIN_LIMIT = 16 << 20  # read and discard an oversize body up to this, so the 413 arrives
 
 
-def load_token(
-    path: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None
-) -> str | None:
-    """The control token: `$MALLEUS_CONTROL_TOKEN`, else the file at `path` or
-    `$MALLEUS_CONTROL_TOKEN_FILE` (a Secret mount); surrounding whitespace stripped.
+class _Refused(ValueError):
+    """A write body the endpoint will not act on: a 400 naming `path` (the field)."""
 
-    None when nothing is configured or the file is missing (logged): the server then refuses
-    every write, which is the safe failure.
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}" if path else message)
+        self.path, self.message = path, message
+
+
+def _no_constant(name: str) -> Any:
+    raise _Refused("", f"body is not JSON: {name} is not a JSON number")
+
+
+def _parse(body: bytes) -> dict[str, Any]:
+    """A write body as a JSON object (an empty body is ``{}``), or `_Refused`.
+
+    The nesting is bounded before anything recurses over the value: `json` itself stops near
+    the interpreter's recursion limit, with a RecursionError that would kill the handler.
     """
-    env = os.environ if environ is None else environ
-    token = env.get(TOKEN_ENV, "").strip()
-    if token:
-        return token
-    file = path if path is not None else env.get(TOKEN_FILE_ENV)
-    if not file:
-        return None
+    if not body.strip():
+        return {}
     try:
-        token = Path(file).read_text(encoding="utf-8").strip()
-    except OSError as e:
-        log.warning("control token file %s unreadable (%s); writes will be refused", file, e)
-        return None
-    return token or None
+        value = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
+    except RecursionError:
+        raise _Refused("", f"body nests deeper than {MAX_DEPTH}") from None
+    except UnicodeDecodeError as e:
+        raise _Refused("", f"body is not UTF-8: {e}") from None
+    except _Refused:
+        raise
+    except ValueError as e:  # JSONDecodeError; also an integer of more than 4300 digits
+        raise _Refused("", f"body is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise _Refused("", f"expected a JSON object, got {type(value).__name__}")
+    if _deeper(value, MAX_DEPTH):
+        raise _Refused("", f"body nests deeper than {MAX_DEPTH}")
+    return value
+
+
+def _deeper(value: Any, limit: int) -> bool:
+    """Whether `value` nests objects and arrays more than `limit` deep (level by level, so
+    no recursion)."""
+    level, depth = [value], 1
+    while level:
+        level = [
+            v
+            for c in level
+            for v in (c.values() if isinstance(c, dict) else c)
+            if isinstance(v, (dict, list))
+        ]
+        depth += bool(level)
+        if depth > limit:
+            return True
+    return False
+
+
+def _show(value: Any) -> str:
+    """`value` for an error message, cut short: a refused body may be a megabyte of string."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _injection(req: Mapping[str, Any], world: int) -> tuple[int, float]:
+    """``{"rank", "factor"}`` checked against the world and `MAX_FACTOR`, or `_Refused`."""
+    for name in sorted({"rank", "factor"} ^ set(req)):
+        why = "unknown field" if name in req else "required"
+        raise _Refused(name, f'{why}: send exactly {{"rank": <int>, "factor": <number>}}')
+    rank, factor = req["rank"], req["factor"]
+    if not (_number(rank) and isinstance(rank, int) and 0 <= rank < world):
+        raise _Refused("rank", f"{_show(rank)}; need an integer from 0 to {world - 1} (the world)")
+    # A comparison, not float(): an integer of 400 digits compares, but does not convert.
+    if not (_number(factor) and 1.0 <= factor <= MAX_FACTOR):
+        raise _Refused(
+            "factor", f"{_show(factor)}; need a number from 1 (healthy) to {MAX_FACTOR:g}"
+        )
+    return rank, float(factor)
 
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 1024  # the listen backlog: 5 by default, which resets a crowd
     control: ControlServer
+    tls: ssl.SSLContext | None = None
+
+    def get_request(self) -> tuple[socket, Any]:
+        """Wrap without the handshake: it runs in the handler's thread, under its timeout,
+        so a client that never finishes one cannot stall the accept loop."""
+        sock, address = super().get_request()
+        if self.tls is not None:
+            sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        return sock, address
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A refused handshake or a reset connection: the client's problem, not a traceback.
+        log.debug("control connection from %s failed", client_address[0], exc_info=True)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -79,6 +153,11 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "malleus-trainer"
 
     # ---- plumbing ------------------------------------------------------------------------
+    def setup(self) -> None:
+        super().setup()  # sets the timeout the handshake runs under
+        if isinstance(self.connection, ssl.SSLSocket):
+            self.connection.do_handshake()
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base name)
         log.debug("%s %s", self.address_string(), format % args)
 
@@ -151,16 +230,39 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if not self._authorized(c.token):
             return
+        what = {"/plan": "plan", "/stop": "stop request", "/inject": "injection"}[path]
+        try:
+            code, answer = self._write(path, _parse(body))
+        except _Refused as e:
+            code, answer = (
+                400,
+                {
+                    "error": f"invalid {what}: {e}",
+                    "faults": [{"path": e.path, "message": e.message}],
+                },
+            )
+        except Exception:  # a bug must cost one answer, never the handler thread
+            log.exception("POST %s failed", path)
+            code, answer = 500, {"error": f"the {what} could not be handled"}
+        self._json(code, answer)
+
+    def _write(self, path: str, req: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """Hand a parsed, authorized write to its owner; (code, answer)."""
+        c = self.server.control
         if path == "/plan":
             assert c.inbox is not None
-            code, answer = c.inbox.offer(body)
-            self._json(code, answer)
-        elif path == "/stop":
+            return c.inbox.offer(req)
+        if path == "/stop":
             assert c.stop_request is not None
-            code, answer = c.stop_request(body)
-            self._json(code, answer)
-        else:
-            self._inject(body)
+            return c.stop_request(req)
+        assert c.inject is not None
+        rank, factor = _injection(req, c.status().world)
+        try:
+            c.inject(rank, factor)
+        except ValueError as e:  # the clock's own refusal (it checks the factor too)
+            raise _Refused("factor", str(e)) from e
+        log.info("injected slowdown %.3g on rank %d", factor, rank)
+        return 200, {"rank": rank, "factor": factor}
 
     def _authorized(self, token: str | None) -> bool:
         if token is None:
@@ -212,39 +314,16 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
-    def _inject(self, body: bytes) -> None:
-        c = self.server.control
-        assert c.inject is not None
-        try:
-            req = json.loads(body)
-            if not isinstance(req, dict) or set(req) != {"rank", "factor"}:
-                raise ValueError('expected exactly {"rank": <int>, "factor": <number>}')
-            rank, factor = req["rank"], req["factor"]
-            if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-                raise ValueError(f"rank: {rank!r}; need an integer >= 0")
-            if (
-                not isinstance(factor, (int, float))
-                or isinstance(factor, bool)
-                or not math.isfinite(factor)
-                or factor < 1.0
-            ):
-                raise ValueError(f"factor: {factor!r}; need a finite number >= 1.0 (1.0 = healthy)")
-            c.inject(rank, float(factor))
-        except ValueError as e:  # json errors are ValueErrors; so are the callback's refusals
-            self._error(400, f"invalid injection: {e}")
-            return
-        log.info("injected slowdown %.3g on rank %d", factor, rank)
-        self._json(200, {"rank": rank, "factor": float(factor)})
-
 
 class ControlServer:
-    """The HTTP control endpoint of one trainer process.
+    """The HTTP(S) control endpoint of one trainer process.
 
-    status: returns the `ControlStatus` served at /status. inbox: the plan inbox (coordinator only; None = 404).
-    metrics: served at /metrics. inject: `(rank, factor)` callback, only when emulation is on.
-    stop: `POST /stop` body -> (code, answer) (coordinator only: stop at the next step boundary,
-    by default with a checkpoint).
-    token: bearer token for writes (`load_token()`); None = writes refused with 503.
+    status: returns the `ControlStatus` served at /status (its ``world`` bounds injections).
+    inbox: the plan inbox (coordinator only; None = 404). metrics: served at /metrics.
+    inject: `(rank, factor)` callback, only when emulation is on. stop: a parsed `POST /stop`
+    body -> (code, answer) (coordinator only: stop at the next step boundary, by default with
+    a checkpoint). token: bearer token for writes (`credentials.load_token()`); None = writes refused with
+    503. tls: serve HTTPS with this context (`credentials.load_tls()`); None = plain HTTP.
     """
 
     def __init__(
@@ -257,14 +336,16 @@ class ControlServer:
         inbox: PlanInbox | None,
         metrics: TrainerMetrics | None,
         inject: Callable[[int, float], None] | None,
-        stop: Callable[[bytes], tuple[int, dict[str, Any]]] | None = None,
+        stop: Callable[[dict[str, Any]], tuple[int, dict[str, Any]]] | None = None,
         max_body: int = _MAX_BODY,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.host, self._port = host, port
         self.token = token or None
         self.status, self.inbox, self.metrics, self.inject = status, inbox, metrics, inject
         self.stop_request = stop
         self.max_body = max_body
+        self.tls = tls
         self._httpd: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -276,13 +357,13 @@ class ControlServer:
     @property
     def url(self) -> str:
         host = "127.0.0.1" if self.host in ("", "0.0.0.0") else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls is not None else 'http'}://{host}:{self.port}"
 
     def start(self) -> ControlServer:
         if self._httpd is not None:
             return self
         httpd = _Server((self.host, self._port), _Handler)
-        httpd.control = self
+        httpd.control, httpd.tls = self, self.tls
         self._httpd = httpd
         self._thread = threading.Thread(
             target=httpd.serve_forever,
@@ -293,7 +374,7 @@ class ControlServer:
         self._thread.start()
         if self.token is None:
             log.warning("no control token configured: POST /plan and /inject will be refused")
-        log.info("control server listening on %s:%d", self.host, self.port)
+        log.info("control server listening on %s", self.url)
         return self
 
     def stop(self) -> None:

@@ -236,8 +236,9 @@ def spawn_local(
             codes = [p.exitcode for p in ctx.processes]
             raise LaunchError(_failure(e, codes, dist.PrefixStore(NOTE_PREFIX, store))) from e
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        if not got:  # after a stop signal, later ones stay ignored while the command ends
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         del store
 
 

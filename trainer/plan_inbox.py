@@ -2,8 +2,12 @@
 
 `POST /plan` may arrive at any moment, mid-step included; the plan waits here until the training
 loop reaches a step boundary and `take()`s it, so every rank switches between the same two steps.
-Generations only go up: one not newer than the plan in force, the one pending, or the one being
-applied is stale (409). A newer plan replaces a pending one (the newest wins). Invalid plans are
+Generations go up by one, and the inbox is their one owner: the only generation it accepts is
+the next one, one above the newest it knows (in force, being applied, or pending), so a newer
+plan replaces a pending one. Anything else is a conflict (409): a generation not newer is stale,
+one further ahead would let a single POST (a generation of 10^30, say) put every later
+controller behind for good. The 409 names the generation in force and the newest, from which a
+controller resynchronises (`malleus.controller`). Invalid plans are
 refused (400) with every `validate_plan` message as a fault, before any collective could start
 on them. The answers' bodies are what `malleus.job.control`'s clients read: a 409 names the
 generation in force and the newest known, a 400 lists ``faults`` of ``{path, message}``.
@@ -89,17 +93,17 @@ class PlanInbox:
                 faults = [Fault("", f"body is not JSON: {e}")]
             return _invalid(faults)
 
-        stale = self._stale(plan.generation)
-        if stale is not None:
-            return stale
+        conflict = self._conflict(plan.generation)
+        if conflict is not None:
+            return conflict
         reasons = self._violations(plan)
         if reasons:
             log.warning("refused plan generation %d: %s", plan.generation, "; ".join(reasons))
             return _invalid([_fault(line) for line in reasons])
         with self._lock:
-            stale = self._stale_locked(plan.generation)
-            if stale is not None:  # a newer plan arrived while this one was being validated
-                return stale
+            conflict = self._conflict_locked(plan.generation)
+            if conflict is not None:  # another plan arrived while this one was being validated
+                return conflict
             replaced = self.pending_generation
             self._pending = plan
         if replaced is not None:
@@ -108,17 +112,23 @@ class PlanInbox:
             log.info("plan generation %d pending", plan.generation)
         return 202, {"generation": plan.generation}
 
-    def _stale(self, generation: int) -> tuple[int, dict[str, Any]] | None:
+    def _conflict(self, generation: int) -> tuple[int, dict[str, Any]] | None:
         with self._lock:
-            return self._stale_locked(generation)
+            return self._conflict_locked(generation)
 
-    def _stale_locked(self, generation: int) -> tuple[int, dict[str, Any]] | None:
-        if generation > self._newest():
+    def _conflict_locked(self, generation: int) -> tuple[int, dict[str, Any]] | None:
+        """None for the next generation; otherwise the 409 answer."""
+        newest = self._newest()
+        if generation == newest + 1:
             return None
+        if generation <= newest:
+            why = f"generation {generation} is not newer than {newest}"
+        else:
+            why = f"generation {generation} skips ahead: the next one is {newest + 1}"
         return 409, {
-            "error": f"generation {generation} is not newer than {self._newest()}",
+            "error": why,
             "generation": self._current,
-            "newest": self._newest(),
+            "newest": newest,
             "pending": self.pending_generation,
         }
 

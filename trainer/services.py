@@ -122,21 +122,26 @@ class Services:
         *,
         control_port: int | None,
         steps: int | None = None,
-        host: str = "0.0.0.0",
+        host: str | None = None,
     ) -> Services:
-        """Everything, with an HTTP control endpoint on `control_port` when it is not None."""
+        """Everything, with a control endpoint on `control_port` when it is not None.
+
+        The endpoint listens on `host`, by default where `credentials.control_host` says (the
+        pod IP, else 127.0.0.1), and serves HTTPS when the environment names a certificate.
+        """
         from .metrics import TrainerMetrics
 
         svc = cls.null(job, rank, steps=steps)
         svc.metrics = TrainerMetrics(job.name, rank, rank // job.gpus_per_node)
         if control_port is not None:
-            from .control import ControlServer, load_token
+            from .control import ControlServer
+            from .credentials import control_host, load_tls, load_token
             from .emulation import InjectionQueue
 
             if svc.emulated:
                 svc.injections = InjectionQueue()
             svc.server = ControlServer(
-                host,
+                host if host is not None else control_host(),
                 control_port,
                 load_token(),
                 status=svc.status,
@@ -144,6 +149,7 @@ class Services:
                 metrics=svc.metrics,
                 inject=svc.injections.put if svc.injections is not None else None,
                 stop=svc.stop.request if svc.stop is not None else None,
+                tls=load_tls(),
             ).start()
         return svc
 

@@ -22,11 +22,17 @@ from typing import Any
 
 from malleus.job.memory import MIB
 from malleus.job.spec import StragglerPolicy
-from malleus.planner.cost import migration_mb, plan_step_time
-from malleus.planner.plan import Plan
+from malleus.planner.cost import (
+    ideal_step_time,
+    migration_mb,
+    plan_step_time,
+    reference_step_time,
+    uniform_step_time,
+)
+from malleus.planner.plan import Estimate, Plan
 from malleus.planner.problem import PlanningProblem
 
-__all__ = ["MIB", "Decision", "MigrationModel", "decide", "same_layout"]
+__all__ = ["MIB", "Decision", "MigrationModel", "decide", "same_layout", "with_estimate"]
 
 
 class MigrationModel:
@@ -173,3 +179,26 @@ def decide(
         rel,
         gain,
     )
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no infinity: a reference step time of a job that cannot run is None."""
+    return x if math.isfinite(x) else None
+
+
+def with_estimate(
+    problem: PlanningProblem, plan: Plan, decision: Decision, planning_seconds: float
+) -> Plan:
+    """The plan with its cost-model estimate (filled in if the planner gave none)."""
+    est = plan.estimate
+    if est is None:
+        est = Estimate(
+            step_time=decision.new_units,
+            uniform_step_time=_finite(uniform_step_time(problem)),
+            ideal_step_time=_finite(ideal_step_time(problem)),
+            reference_step_time=_finite(reference_step_time(problem)),
+        )
+    est = est.model_copy(
+        update={"migration_mb": decision.migration_mb, "planning_seconds": planning_seconds}
+    )
+    return plan.model_copy(update={"estimate": est})

@@ -10,6 +10,12 @@ State is small and explicit: the plan in force, the detector's believed rates, t
 last applied plan (cooldown) and of the last failure (retry), a calibration of the cost model in
 seconds, and the migration bandwidth learned so far.
 
+Generations: the trainers own the counter and this loop follows it (`generations`). A 409
+(`GenerationConflict`) is adopted and the loop re-plans from there at the next step; trainers
+seen running a generation newer than the plan in force here are caught up with likewise.
+
+Rates are bounded and the share of the job one re-plan may write off is limited (`guard`).
+
 The first `warmup_steps` steps under each plan pay one-off costs (allocations, new groups) that
 look like stragglers; they are ignored here, so the operator and the runner decide alike.
 """
@@ -26,21 +32,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from malleus.job.spec import StragglerPolicy
-from malleus.planner.cost import (
-    ideal_step_time,
-    plan_step_time,
-    reference_step_time,
-    uniform_step_time,
-)
-from malleus.planner.plan import Estimate, Plan
+from malleus.planner.cost import plan_step_time
+from malleus.planner.plan import Plan
 from malleus.planner.problem import PlanningProblem
 from malleus.planner.validate import validate_plan
 
-from .decision import MIB, Decision, MigrationModel, decide
+from .decision import MIB, Decision, MigrationModel, decide, with_estimate
 from .detector import Shift, ShiftDetector
 from .events import (
     DecisionEvent,
@@ -52,8 +52,10 @@ from .events import (
     ReplanSkipped,
     StragglerDetected,
 )
+from .generations import Generations, Pending
+from .guard import ExclusionGuard, bounded_rates
 from .planning import Planner, default_planner, run_planner
-from .ports import Ack, Observation, PlanSink, RateSource
+from .ports import Ack, GenerationConflict, Observation, PlanSink, RateSource
 
 __all__ = ["Controller", "EventCallback", "ProblemBuilder"]
 
@@ -63,21 +65,6 @@ ProblemBuilder = Callable[[Mapping[int, "float | None"], "Plan | None"], Plannin
 """`builder(rates, plan_in_force) -> PlanningProblem`: `malleus.job.ResolvedJob.problem`."""
 EventCallback = Callable[[DecisionEvent], Any]
 """Called with every event; may be a coroutine function. Its failures are logged, not raised."""
-
-
-def _finite(x: float) -> float | None:
-    """JSON has no infinity: a reference step time of a job that cannot run is None."""
-    return x if math.isfinite(x) else None
-
-
-@dataclass
-class _Pending:
-    """A published plan whose acknowledgement did not come in time: it may still be applied."""
-
-    plan: Plan
-    rates: dict[int, float | None]
-    reason: str
-    planning_seconds: float
 
 
 class Controller:
@@ -96,6 +83,7 @@ class Controller:
         on_event: EventCallback | None = None,
         migration: MigrationModel | None = None,
         initial_rates: Mapping[int, float | None] | None = None,
+        pending_plan: Plan | None = None,
         ack_timeout_seconds: float = 600.0,
         planner_grace_seconds: float = 1.0,
         read_retry_seconds: float = 5.0,
@@ -115,29 +103,32 @@ class Controller:
         self.read_retry_seconds = read_retry_seconds
         self.warmup_steps = warmup_steps
 
-        self.plan: Plan = initial_plan
-        """The plan in force (acknowledged by the trainers)."""
+        self.generations = Generations(initial_plan, pending_plan)
         self.detector = ShiftDetector(self.policy, believed=initial_rates)
+        self.world = problem_builder({}, None).world
+        self.guard = ExclusionGuard(self.policy, self.world)
         self._history: deque[DecisionEvent] = deque(maxlen=history_limit)
         self.last_step = -1
         """The last step observed."""
         self._plan_first_step: int | None = None
         """The first step observed under the plan in force (None: none yet)."""
 
-        self._published = initial_plan.generation
-        self._pending: _Pending | None = None
         self._applied_at: float | None = None
         self._retry_at: float | None = None
         self._deferral_reported = False
         self._step_seconds: deque[float] = deque(maxlen=self.policy.window_steps)
         self._seconds_per_unit: float | None = None
         self._evidence: dict[int, str] = {}
-        self._warned_generation = -1
         # Its own pool, not asyncio's default: a planner thread that ignores its time limit
         # must not hang asyncio.run's shutdown. Daemon-free threads still end with the planner.
         self._planner_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="malleus-planner")
 
     # ---- public API ------------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        """The plan in force (acknowledged by the trainers, or seen running there)."""
+        return self.generations.plan
+
     @property
     def history(self) -> list[DecisionEvent]:
         """Every decision event, oldest first (the last `history_limit`)."""
@@ -194,7 +185,8 @@ class Controller:
         ):
             self._step_seconds.append(obs.step_seconds)
         self._evidence = dict(obs.evidence)  # only current evidence: a past throttle is no reason
-        shift = self.detector.observe(obs.step, obs.rates, now)
+        shift = self.detector.observe(obs.step, bounded_rates(obs.rates, self.world), now)
+        self.guard.track(obs.step, self.detector.smoothed())
         if shift is None:
             self._deferral_reported = False
             return
@@ -225,9 +217,18 @@ class Controller:
                 shift, f"cooldown: {left:.0f} s left of {self.policy.cooldown_seconds:g} s"
             )
             return
+        rates, held = self.guard.limit(self.detector.smoothed(), self.detector.believed, shift.step)
+        if held and set(shift.ranks) <= set(held):
+            left = self.guard.steps_left(held, shift.step)
+            await self._defer(
+                shift,
+                f"{len(held)} of {self.world} GPUs report straggling at once, more than "
+                f"maxExclusionShare allows ({self.guard.allowed}): believed if it lasts "
+                f"{left} more step(s)",
+            )
+            return
         self._deferral_reported = False
         evidence = {r: self._evidence[r] for r in shift.ranks if r in self._evidence}
-        rates = self.detector.smoothed()
         await self._emit(shift.reason, StragglerDetected(shift, rates, evidence))
         try:
             problem = self.problem_builder(rates, self.plan)
@@ -254,7 +255,7 @@ class Controller:
             return
 
         decision = self._decide(problem, new, planning_seconds)
-        new = self._with_estimate(problem, new, decision, planning_seconds)
+        new = with_estimate(problem, new, decision, planning_seconds)
         await self._emit(
             f"planned in {planning_seconds:.2f} s: step time {decision.new_units:.1f} vs "
             f"{decision.old_units:.1f} (layer-time units), {decision.migration_mb:.1f} MiB to move",
@@ -287,24 +288,6 @@ class Controller:
             migration=self.migration,
         )
 
-    @staticmethod
-    def _with_estimate(
-        problem: PlanningProblem, plan: Plan, decision: Decision, planning_seconds: float
-    ) -> Plan:
-        """The plan with its cost-model estimate (filled in if the planner gave none)."""
-        est = plan.estimate
-        if est is None:
-            est = Estimate(
-                step_time=decision.new_units,
-                uniform_step_time=_finite(uniform_step_time(problem)),
-                ideal_step_time=_finite(ideal_step_time(problem)),
-                reference_step_time=_finite(reference_step_time(problem)),
-            )
-        est = est.model_copy(
-            update={"migration_mb": decision.migration_mb, "planning_seconds": planning_seconds}
-        )
-        return plan.model_copy(update={"estimate": est})
-
     async def _switch(
         self,
         new: Plan,
@@ -313,32 +296,35 @@ class Controller:
         planning_seconds: float,
         decision: Decision,
     ) -> None:
-        new = new.model_copy(update={"generation": max(self._published, self.plan.generation) + 1})
+        new = new.model_copy(update={"generation": self.generations.next_generation()})
         try:
             generation = await self.sink.publish(new)
+        except GenerationConflict as e:
+            await self._resync(e, new.generation)
+            return
         except Exception as e:
             await self._fail(f"publishing generation {new.generation} failed: {e}")
             return
-        self._published = max(self._published, generation)
+        self.generations.published(generation)
         new = new.model_copy(update={"generation": generation})
         await self._emit(
             f"published plan generation {generation}: {decision.reason}",
             Replanned(generation, new, decision),
         )
-        pending = _Pending(new, rates, reason, planning_seconds)
+        pending = Pending(new, rates, reason, planning_seconds)
         try:
             ack = await self.sink.wait_applied(generation, self.ack_timeout_seconds)
         except Exception as e:
-            self._pending = pending  # the trainers may still switch; _adopt_if_seen will notice
+            self.generations.pending = pending  # the trainers may still switch to it
             await self._fail(f"generation {generation} was not acknowledged: {e}")
             return
         await self._adopt(pending, ack)
 
-    async def _adopt(self, pending: _Pending, ack: Ack) -> None:
+    async def _adopt(self, pending: Pending, ack: Ack) -> None:
         now = self.clock()
-        self.plan = pending.plan
+        self.generations.plan = pending.plan
+        self.generations.pending = None
         self._plan_first_step = None
-        self._pending = None
         self._applied_at = now
         self._retry_at = None
         self._step_seconds.clear()
@@ -361,16 +347,29 @@ class Controller:
         )
 
     async def _adopt_if_seen(self, obs: Observation) -> None:
-        p = self._pending
-        if p is not None and obs.generation >= p.plan.generation:
-            await self._adopt(p, Ack(p.plan.generation, obs.step, None, None))
-        elif obs.generation > max(self.plan.generation, self._warned_generation) and p is None:
-            self._warned_generation = obs.generation
-            log.warning(
-                "trainers report plan generation %d, newer than the %d this controller applied",
-                obs.generation,
-                self.plan.generation,
-            )
+        if obs.generation > self.plan.generation:
+            await self._catch_up(obs.generation, obs.step)
+
+    async def _catch_up(self, generation: int, step: int) -> None:
+        """The trainers run `generation`, not the plan in force here: make it the plan in force."""
+        pending = await self.generations.catch_up(generation, self.sink)
+        if pending is not None:
+            await self._adopt(pending, Ack(generation, step, None, None))
+        else:  # the layout is unknown: only its measurements start afresh
+            self._plan_first_step = None
+            self._step_seconds.clear()
+
+    async def _resync(self, conflict: GenerationConflict, offered: int) -> None:
+        """A 409: follow the trainers' generations, and re-plan from them at the next step."""
+        if conflict.generation != self.plan.generation:
+            await self._catch_up(conflict.generation, self.last_step)
+        self.generations.conflict(conflict)
+        self._deferral_reported = False
+        message = (
+            f"generation {offered} refused: the trainers run {conflict.generation} and know "
+            f"{conflict.newest}; re-planning from there"
+        )
+        await self._emit(message, ReplanFailed(message))
 
     # ---- helpers ---------------------------------------------------------------------------
     async def _defer(self, shift: Shift, why: str) -> None:

@@ -13,7 +13,16 @@ from typing import Protocol, runtime_checkable
 
 from malleus.planner.plan import Plan
 
-__all__ = ["Ack", "AckTimeout", "Observation", "PlanRejected", "PlanSink", "RateSource"]
+__all__ = [
+    "Ack",
+    "AckTimeout",
+    "GenerationConflict",
+    "Observation",
+    "PlanRecords",
+    "PlanRejected",
+    "PlanSink",
+    "RateSource",
+]
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,18 @@ class PlanRejected(RuntimeError):
         super().__init__(f"plan refused ({status}): {reason}")
 
 
+class GenerationConflict(PlanRejected):
+    """The trainers refused a plan's generation (409): it is not the next one they expect.
+
+    The trainers own the generation counter; `generation` is the one in force there and
+    `newest` the highest they know (pending included), so the next plan must be `newest + 1`.
+    """
+
+    def __init__(self, generation: int, newest: int, reason: str) -> None:
+        super().__init__(409, reason)
+        self.generation, self.newest = generation, newest
+
+
 class AckTimeout(TimeoutError):
     """A published plan was not acknowledged in time."""
 
@@ -70,4 +91,18 @@ class PlanSink(Protocol):
 
     async def wait_applied(self, generation: int, timeout: float) -> Ack:
         """Wait until the trainers run `generation`. Raises AckTimeout."""
+        ...
+
+
+@runtime_checkable
+class PlanRecords(Protocol):
+    """A sink that also remembers plans (the operator's ConfigMap, a simulation).
+
+    When the trainers turn out to run a generation the controller did not see applied (after a
+    restart, a manual ``POST /plan``), it asks here for that plan so that it re-plans from the
+    layout really in force.
+    """
+
+    async def recorded_plan(self, generation: int) -> Plan | None:
+        """The plan of `generation` if it is on record, else None."""
         ...

@@ -11,6 +11,11 @@ Label clash: the trainers label their series `job=<MalleusJob name>`, which is a
 Prometheus gives every target. Unless the scrape config has `honor_labels: true`, Prometheus
 renames the trainers' label to `exported_job`; the queries match either.
 
+Ownership: every worker pod publishes every rank's figure, and Prometheus stamps each series
+with the `pod` it scraped it from. A rate is read from the pod that holds its rank only
+(`own_rank_series`): a pod cannot speak for GPUs that are not its own. Series without a `pod`
+label are dropped, with a warning.
+
 Everything but `PrometheusSource._query` is a pure function of JSON, tested without a server.
 """
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import re
 import urllib.parse
@@ -37,6 +43,7 @@ __all__ = [
     "decode_clock_reasons",
     "default_queries",
     "observation_from_results",
+    "own_rank_series",
     "parse_vector",
     "pod_gpu_rank",
     "query_url",
@@ -59,16 +66,20 @@ THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 
 Sample = tuple[dict[str, str], float]
 
+log = logging.getLogger(__name__)
+
 
 def _quote(value: str) -> str:
     """A PromQL string literal (Go escaping: backslash and double quote)."""
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _selector_or(metric: str, job: str) -> str:
-    """`metric` of one MalleusJob, whether Prometheus kept the trainers' `job` label or not."""
+def _selector_or(metric: str, job: str, scope: str = "") -> str:
+    """`metric` of one MalleusJob, whether Prometheus kept the trainers' `job` label or not;
+    `scope` (`pod=~...,namespace=...`) also requires the series to come from the job's pods."""
     v = _quote(job)
-    return f"{metric}{{job={v}}} or {metric}{{exported_job={v}}}"
+    extra = f",{scope}" if scope else ""
+    return f"{metric}{{job={v}{extra}}} or {metric}{{exported_job={v}{extra}}}"
 
 
 @dataclass(frozen=True)
@@ -91,18 +102,25 @@ def default_queries(
     sm_clock_metric: str | None = "DCGM_FI_DEV_SM_CLOCK",
     clock_reasons_metric: str | None = "DCGM_FI_DEV_CLOCKS_EVENT_REASONS",
 ) -> PromQueries:
-    """Queries for MalleusJob `job`; DCGM series selected by the job's pods (`pod_regex`,
-    default `<job>-.*`) and `namespace`."""
+    """Queries for MalleusJob `job`; every series (the trainers' and DCGM's) selected by the
+    job's pods (`pod_regex`, default `<job>-.*`) and, when given, `namespace`.
 
-    def scalar(metric: str) -> str:
-        return f"max({_selector_or(metric, job)})"
+    The `job` label alone is the trainers' own claim, which any pod can make: `pod` and
+    `namespace` are the target labels Prometheus attaches from service discovery (with
+    `honor_labels: false` a series cannot set them itself), so another team's pod cannot feed
+    this job's rates."""
 
     matchers = [f"pod=~{_quote(pod_regex or re.escape(job) + '-.*')}"]
     if namespace:
         matchers.append(f"namespace={_quote(namespace)}")
-    dcgm_sel = "{" + ",".join(matchers) + "}"
+    scope = ",".join(matchers)
+    dcgm_sel = "{" + scope + "}"
+
+    def scalar(metric: str) -> str:
+        return f"max({_selector_or(metric, job, scope)})"
+
     return PromQueries(
-        rates=f"max by (rank) ({_selector_or('malleus_gpu_straggling_rate', job)})",
+        rates=f"max by (rank, pod) ({_selector_or('malleus_gpu_straggling_rate', job, scope)})",
         step=scalar("malleus_step"),
         step_seconds=scalar("malleus_step_seconds"),
         generation=scalar("malleus_plan_generation"),
@@ -153,6 +171,21 @@ def pod_gpu_rank(
     return rank_of
 
 
+def own_rank_series(
+    gpus_per_node: int, pattern: str = r"-(\d+)$"
+) -> Callable[[Mapping[str, str]], bool]:
+    """keep(labels) for rate series: true when the series' `pod` (node index from the pod name's
+    trailing number, one worker pod per node) holds its `rank`."""
+    rx = re.compile(pattern)
+
+    def keep(labels: Mapping[str, str]) -> bool:
+        m = rx.search(labels.get("pod", ""))
+        rank = labels.get("rank", "")
+        return m is not None and rank.isdigit() and int(rank) // gpus_per_node == int(m.group(1))
+
+    return keep
+
+
 def dcgm_evidence(
     sm_clock: list[Sample],
     clock_reasons: list[Sample],
@@ -188,14 +221,16 @@ def observation_from_results(
     step_seconds: list[Sample],
     generation: list[Sample],
     evidence: Mapping[int, str] | None = None,
+    keep: Callable[[Mapping[str, str]], bool] | None = None,
 ) -> Observation | None:
-    """An Observation from the answers of the queries; None when no step has been reported."""
+    """An Observation from the answers of the queries; None when no step has been reported.
+    `keep` (e.g. `own_rank_series`) drops the rate series it refuses."""
     if not step or not math.isfinite(step[0][1]):
         return None
     seconds = step_seconds[0][1] if step_seconds else math.nan
     out: dict[int, float | None] = {}
     for labels, value in rates:
-        if "rank" in labels:
+        if labels.get("rank", "").isdigit() and (keep is None or keep(labels)):
             out[int(labels["rank"])] = value if math.isfinite(value) else None
     return Observation(
         step=int(step[0][1]),
@@ -215,6 +250,7 @@ class PrometheusSource:
         queries: PromQueries,
         *,
         rank_of: Callable[[Mapping[str, str]], int | None] | None = None,
+        keep: Callable[[Mapping[str, str]], bool] | None = None,
         interval: float = 5.0,
         timeout: float = 10.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
@@ -222,6 +258,8 @@ class PrometheusSource:
         self.url = url
         self.queries = queries
         self.rank_of = rank_of
+        self.keep = keep
+        self._warned = False
         self.interval = interval
         self.timeout = timeout
         self._sleep = sleep
@@ -247,7 +285,11 @@ class PrometheusSource:
             clocks = await self._query(q.sm_clock) if q.sm_clock else []
             reasons = await self._query(q.clock_reasons) if q.clock_reasons else []
             evidence = dcgm_evidence(clocks, reasons, self.rank_of)
-        return observation_from_results(rates, step, seconds, generation, evidence)
+        refused = sorted({m.get("pod", "?") for m, _ in rates if self.keep and not self.keep(m)})
+        if refused and not self._warned:
+            self._warned = True
+            log.warning("rate series from pods that do not hold their rank dropped: %s", refused)
+        return observation_from_results(rates, step, seconds, generation, evidence, self.keep)
 
     async def read(self) -> Observation | None:
         while True:

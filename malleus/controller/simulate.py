@@ -3,7 +3,9 @@
 It closes the decision loop without processes: each `read()` runs one step of the plan in force
 under the true rates of that step (`rates_at(step)`), advancing a manual clock by the step time
 the cost model predicts; `publish` + `wait_applied` switch at the step boundary and charge the
-migration the cost model says the layout change needs. Tests use it to hold the controller to
+migration the cost model says the layout change needs. Like the trainers' inbox it takes only
+the next generation (409 otherwise) and, like them, it remembers the plans it ran, so that a
+controller can catch up with them (`PlanRecords`). Tests use it to hold the controller to
 its promises (no churn, re-admission, cooldown) over hundreds of steps in milliseconds;
 `malleus run` could use it for a dry run of a policy.
 """
@@ -20,7 +22,7 @@ from malleus.planner.problem import PlanningProblem
 from malleus.planner.validate import validate_plan
 
 from .decision import MIB
-from .ports import Ack, AckTimeout, Observation, PlanRejected
+from .ports import Ack, AckTimeout, GenerationConflict, Observation, PlanRejected
 
 __all__ = ["ManualClock", "SimulatedJob"]
 
@@ -74,6 +76,7 @@ class SimulatedJob:
         self.applied: list[tuple[int, Plan]] = []
         """(first step under it, plan) for every switch."""
         self._pending: Plan | None = None
+        self._outside = False  # the pending plan came from `post`: switch at the next step
         self._world = problem_builder({}, None).world
 
     def _problem(self, step: int) -> PlanningProblem:
@@ -85,14 +88,14 @@ class SimulatedJob:
         mb = migration_mb(self._problem(self.step), self.plan, pending)
         seconds = mb * MIB / self.bandwidth
         self.clock.advance(seconds)
-        self.plan, self._pending = pending, None
+        self.plan, self._pending, self._outside = pending, None, False
         self.applied.append((self.step, pending))
         return Ack(pending.generation, self.step, seconds, mb * MIB)
 
     async def read(self) -> Observation | None:
         if self.step >= self.steps:
             return None
-        if self._pending is not None and self.acknowledge == "late":
+        if self._pending is not None and (self.acknowledge == "late" or self._outside):
             self._switch()
         step = self.step
         problem = self._problem(step)
@@ -106,14 +109,28 @@ class SimulatedJob:
 
     async def publish(self, plan: Plan) -> int:
         newest = max(self.plan.generation, self._pending.generation if self._pending else -1)
-        if plan.generation <= newest:
-            raise PlanRejected(409, f"generation {plan.generation} is not newer than {newest}")
+        if plan.generation != newest + 1:
+            raise GenerationConflict(
+                self.plan.generation, newest, f"generation {plan.generation} is not {newest + 1}"
+            )
         violations = validate_plan(self._problem(self.step), plan)
         if violations:
             raise PlanRejected(400, "; ".join(violations))
         self._pending = plan
         self.published.append(plan)
         return plan.generation
+
+    async def post(self, plan: Plan) -> int:
+        """A plan from outside the controller (a person's POST /plan, a `--switch`): accepted
+        like any other and switched to at the next step."""
+        generation = await self.publish(plan)
+        self._outside = True
+        return generation
+
+    async def recorded_plan(self, generation: int) -> Plan | None:
+        """The plan of `generation` if these trainers ran it or hold it pending."""
+        known = [self.plan, *(p for _, p in self.applied), *self.published]
+        return next((p for p in reversed(known) if p.generation == generation), None)
 
     async def wait_applied(self, generation: int, timeout: float) -> Ack:
         pending = self._pending

@@ -5,6 +5,11 @@ and its series tell "not measured yet" from "failed", which `/status` does not n
 `HttpPlanSink` posts plans to `POST /plan` and polls `GET /status` for the switch. Both go
 through `malleus.job.control.AsyncControlClient`, the one client of the control API; the
 exposition text is parsed by prometheus-client's own parser.
+
+The coordinator speaks for every rank: each rank's figure is its own slot of a collective
+(`trainer/worker.py`), so no rank can write another's. What the page claims is still checked
+against the layout: a series for a rank outside the job, with a rank that is not a number, or
+whose ``node`` label is not the node that holds that rank is dropped, not believed.
 """
 
 from __future__ import annotations
@@ -14,10 +19,16 @@ import math
 from collections.abc import Awaitable, Callable
 
 from malleus.errors import BadInput
-from malleus.job.control import AsyncControlClient, ControlError, ControlStatus
+from malleus.job.control import (
+    AsyncControlClient,
+    ControlError,
+    ControlStatus,
+    ControlTLS,
+    PlanConflict,
+)
 from malleus.planner.plan import Plan
 
-from .ports import Ack, AckTimeout, Observation, PlanRejected
+from .ports import Ack, AckTimeout, GenerationConflict, Observation, PlanRejected
 
 __all__ = [
     "HttpPlanSink",
@@ -33,12 +44,33 @@ def _sample_value(v: float) -> float | None:
     return float(v) if math.isfinite(v) else None
 
 
-def observation_from_metrics(text: str, job: str | None = None) -> Observation | None:
+def _rank(labels: dict[str, str], world: int | None, gpus_per_node: int | None) -> int | None:
+    """The rank a rate series is for, or None when its labels contradict the job's layout."""
+    text = labels.get("rank", "")
+    if not text.isdigit():
+        return None
+    rank = int(text)
+    if world is not None and rank >= world:
+        return None
+    node = labels.get("node")
+    if gpus_per_node is not None and node is not None and node != str(rank // gpus_per_node):
+        return None
+    return rank
+
+
+def observation_from_metrics(
+    text: str,
+    job: str | None = None,
+    *,
+    world: int | None = None,
+    gpus_per_node: int | None = None,
+) -> Observation | None:
     """An Observation from a /metrics page (only `job`'s series if given).
 
     None when the page has no step yet. A rate series with a NaN value means an unusable rank;
     a rank with no series has no sample (the trainer removes the series of a rank not measured).
-    A step time of 0 is the gauge's initial value: not measured.
+    A step time of 0 is the gauge's initial value: not measured. With `world` and
+    `gpus_per_node`, rate series whose rank or node does not fit the job are dropped.
     """
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -48,8 +80,10 @@ def observation_from_metrics(text: str, job: str | None = None) -> Observation |
         for sample in family.samples:
             if job is not None and sample.labels.get("job", job) != job:
                 continue
-            if sample.name == RATE_METRIC and "rank" in sample.labels:
-                rates[int(sample.labels["rank"])] = _sample_value(sample.value)
+            if sample.name == RATE_METRIC:
+                rank = _rank(sample.labels, world, gpus_per_node)
+                if rank is not None:
+                    rates[rank] = _sample_value(sample.value)
             elif sample.name in ("malleus_step", "malleus_step_seconds", "malleus_plan_generation"):
                 scalars[sample.name] = sample.value
     if "malleus_step" not in scalars:
@@ -81,7 +115,8 @@ def ack_from_status(status: ControlStatus, generation: int) -> Ack | None:
 
 
 class TrainerScrapeSource:
-    """RateSource over the coordinator's /metrics: polls until a new step appears."""
+    """RateSource over the coordinator's /metrics: polls until a new step appears. `world` and
+    `gpus_per_node` (the job's) drop rate series that do not fit the layout."""
 
     def __init__(
         self,
@@ -89,19 +124,26 @@ class TrainerScrapeSource:
         token: str | None = None,
         *,
         job: str | None = None,
+        world: int | None = None,
+        gpus_per_node: int | None = None,
         interval: float = 5.0,
         timeout: float = 10.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        tls: ControlTLS | None = None,
     ) -> None:
-        self.client = AsyncControlClient(url, token, timeout=timeout)
+        self.client = AsyncControlClient(url, token, timeout=timeout, tls=tls)
         self.job = job
+        self.world, self.gpus_per_node = world, gpus_per_node
         self.interval = interval
         self._sleep = sleep
         self._last_step = -1
 
     async def read(self) -> Observation | None:
         while True:
-            obs = observation_from_metrics(await self.client.metrics_text(), self.job)
+            text = await self.client.metrics_text()
+            obs = observation_from_metrics(
+                text, self.job, world=self.world, gpus_per_node=self.gpus_per_node
+            )
             if obs is not None and obs.step > self._last_step:
                 self._last_step = obs.step
                 return obs
@@ -118,14 +160,18 @@ class HttpPlanSink:
         *,
         poll_seconds: float = 0.5,
         timeout: float = 10.0,
+        tls: ControlTLS | None = None,
     ) -> None:
-        self.client = AsyncControlClient(url, token, timeout=timeout)
+        self.client = AsyncControlClient(url, token, timeout=timeout, tls=tls)
         self.poll_seconds = poll_seconds
 
     async def publish(self, plan: Plan) -> int:
-        """POST /plan; a refusal (400, 401, 409, ...) is PlanRejected, silence a ControlError."""
+        """POST /plan; a refusal (400, 401, 409, ...) is PlanRejected (a 409 the
+        GenerationConflict that carries the trainers' generations), silence a ControlError."""
         try:
             return await self.client.post_plan(plan)
+        except PlanConflict as e:
+            raise GenerationConflict(e.generation, e.newest, str(e)) from e
         except BadInput as e:
             raise PlanRejected(400, "; ".join(map(str, e.faults))) from e
         except ControlError as e:

@@ -11,6 +11,9 @@ three exceptions:
   generation in force so the caller can resynchronise;
 - `ControlError`: nothing answered, or an answer the contract does not allow.
 
+Over HTTPS (a trainer in a pod serves the job's certificate) a client trusts only what its
+`ControlTLS` names: the job's own CA, never the system's store and never no verification.
+
 Torch-free and in `malleus.job` so that the trainer (which may import job and planner only)
 serves the very model its readers parse.
 """
@@ -18,6 +21,10 @@ serves the very model its readers parse.
 from __future__ import annotations
 
 import json
+import os
+import ssl
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Self
 
 import httpx
@@ -31,6 +38,7 @@ __all__ = [
     "ControlClient",
     "ControlError",
     "ControlStatus",
+    "ControlTLS",
     "MigrationRecord",
     "PlanConflict",
     "PlanFailure",
@@ -113,6 +121,31 @@ class PlanConflict(ControlError):
         self.generation, self.newest = generation, newest
 
 
+@dataclass(frozen=True)
+class ControlTLS:
+    """How a client verifies an HTTPS control endpoint: against the job's CA alone.
+
+    ``ca``: the CA certificate as PEM text (what the job's Secret holds under ``ca.crt``) or a
+    file holding it. ``server_name``: the name the server's certificate must carry when it is
+    not the URL's host, e.g. the pod's stable DNS name while the URL reaches it by IP or
+    through a port-forward; the certificate is then checked for that name (and it is sent as
+    the TLS server name), so a reachable address is never mistaken for the right server.
+    """
+
+    ca: str | os.PathLike[str]
+    server_name: str | None = None
+
+    @cached_property
+    def context(self) -> ssl.SSLContext:
+        """A client context trusting only ``ca``, checking the host name (TLS 1.2+)."""
+        if isinstance(self.ca, str) and "-----BEGIN" in self.ca:
+            ctx = ssl.create_default_context(cadata=self.ca)
+        else:
+            ctx = ssl.create_default_context(cafile=os.fspath(self.ca))
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        return ctx
+
+
 def _decode(response: httpx.Response) -> Any:
     try:
         return response.json()
@@ -145,15 +178,24 @@ def _bad_input(url: str, path: str, body: Any) -> BadInput:
 class _Calls:
     """What both clients share: URLs, headers, and reading each answer into the contract."""
 
-    def __init__(self, base_url: str, token: str | None, timeout: float) -> None:
+    def __init__(
+        self, base_url: str, token: str | None, timeout: float, tls: ControlTLS | None
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.token = token or None
         # Control endpoints are pod-to-pod or localhost: an environment proxy would be wrong.
+        # Without `tls` an https URL is verified against the system's CAs, which never sign
+        # a job's certificate: such a client is refused, it does not fall back to trusting.
         self._options: dict[str, Any] = {
             "base_url": self.base_url,
             "timeout": httpx.Timeout(timeout),
             "trust_env": False,
         }
+        if tls is not None:
+            self._options["verify"] = tls.context
+        self._extensions: dict[str, Any] = (
+            {"sni_hostname": tls.server_name} if tls is not None and tls.server_name else {}
+        )
 
     def _auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
@@ -209,13 +251,21 @@ _JSON = {"Content-Type": "application/json"}
 
 
 class ControlClient(_Calls):
-    """Blocking client of one control endpoint (``http://host:port``); a context manager.
+    """Blocking client of one control endpoint (``http(s)://host:port``); a context manager.
 
-    Reads are open; writes send ``Authorization: Bearer <token>``.
+    Reads are open; writes send ``Authorization: Bearer <token>``; `tls` says whom to trust
+    over HTTPS.
     """
 
-    def __init__(self, base_url: str, token: str | None = None, *, timeout: float = 5.0) -> None:
-        super().__init__(base_url, token, timeout)
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        timeout: float = 5.0,
+        tls: ControlTLS | None = None,
+    ) -> None:
+        super().__init__(base_url, token, timeout, tls)
         self._http = httpx.Client(**self._options)
 
     def _call(
@@ -223,7 +273,9 @@ class ControlClient(_Calls):
     ) -> httpx.Response:
         headers = {**(_JSON if body is not None else {}), **(self._auth() if auth else {})}
         try:
-            return self._http.request(method, path, content=body, headers=headers)
+            return self._http.request(
+                method, path, content=body, headers=headers, extensions=self._extensions
+            )
         except httpx.HTTPError as e:
             raise self._unreachable(path, e) from e
 
@@ -270,8 +322,15 @@ class ControlClient(_Calls):
 class AsyncControlClient(_Calls):
     """The same calls as `ControlClient`, for asyncio code; usable as ``async with``."""
 
-    def __init__(self, base_url: str, token: str | None = None, *, timeout: float = 5.0) -> None:
-        super().__init__(base_url, token, timeout)
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        timeout: float = 5.0,
+        tls: ControlTLS | None = None,
+    ) -> None:
+        super().__init__(base_url, token, timeout, tls)
         self._http = httpx.AsyncClient(**self._options)
 
     async def _call(
@@ -279,7 +338,9 @@ class AsyncControlClient(_Calls):
     ) -> httpx.Response:
         headers = {**(_JSON if body is not None else {}), **(self._auth() if auth else {})}
         try:
-            return await self._http.request(method, path, content=body, headers=headers)
+            return await self._http.request(
+                method, path, content=body, headers=headers, extensions=self._extensions
+            )
         except httpx.HTTPError as e:
             raise self._unreachable(path, e) from e
 

@@ -110,6 +110,10 @@ class StragglerPolicy(_Model):
     """Steps over which the predicted gain must repay the migration and the planning."""
     allow_exclusion: bool = True
     """Whether a plan may leave usable GPUs idle."""
+    max_exclusion_share: float = 0.25
+    """Largest share of the GPUs (at least one) that one re-plan may newly count as straggling
+    or failed; more only once the signal has persisted for three windows. Reported rates steer
+    the job, so a burst of implausible reports (most GPUs slow at once) must not shrink it."""
     planning_timeout_seconds: int = 30
     """Time budget of one planner run."""
 

@@ -21,7 +21,7 @@ def test_policy_defaults_are_the_crds() -> None:
     assert p == StragglerPolicy()
     assert (p.threshold, p.hysteresis, p.window_steps, p.cooldown_seconds) == (1.2, 0.3, 5, 30)
     assert (p.min_gain, p.horizon_steps, p.allow_exclusion) == (0.05, 100, True)
-    assert p.planning_timeout_seconds == 30
+    assert (p.planning_timeout_seconds, p.max_exclusion_share) == (30, 0.25)
 
 
 def test_policy_reads_every_field_of_the_manifest() -> None:
@@ -34,6 +34,7 @@ def test_policy_reads_every_field_of_the_manifest() -> None:
         horizonSteps=500,
         allowExclusion=False,
         planningTimeoutSeconds=5,
+        maxExclusionShare=0.5,
     ).policy
     assert p.model_dump() == {
         "threshold": 1.5,
@@ -44,6 +45,7 @@ def test_policy_reads_every_field_of_the_manifest() -> None:
         "horizon_steps": 500,
         "allow_exclusion": False,
         "planning_timeout_seconds": 5,
+        "max_exclusion_share": 0.5,
     }
 
 

@@ -36,11 +36,14 @@ def vector(*items: tuple[dict[str, str], float | str]) -> dict:
 
 def test_default_queries_match_either_job_label_and_select_the_jobs_pods() -> None:
     q = default_queries("ctl-test", namespace="ml")
+    scope = 'pod=~"ctl\\\\-test-.*",namespace="ml"'  # only the job's pods in its namespace
     assert q.rates == (
-        'max by (rank) (malleus_gpu_straggling_rate{job="ctl-test"} '
-        'or malleus_gpu_straggling_rate{exported_job="ctl-test"})'
+        f'max by (rank) (malleus_gpu_straggling_rate{{job="ctl-test",{scope}}} '
+        f'or malleus_gpu_straggling_rate{{exported_job="ctl-test",{scope}}})'
     )
-    assert q.step == 'max(malleus_step{job="ctl-test"} or malleus_step{exported_job="ctl-test"})'
+    assert q.step == (
+        f'max(malleus_step{{job="ctl-test",{scope}}} or malleus_step{{exported_job="ctl-test",{scope}}})'
+    )
     assert q.generation.startswith("max(malleus_plan_generation{")
     # re.escape's backslash is itself escaped inside the PromQL string literal
     assert q.sm_clock == 'DCGM_FI_DEV_SM_CLOCK{pod=~"ctl\\\\-test-.*",namespace="ml"}'

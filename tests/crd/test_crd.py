@@ -108,6 +108,7 @@ def test_server_defaults(k8s_apiserver: ApiServer, k8s_namespace: str) -> None:
         "minGain": 0.05,
         "horizonSteps": 100,
         "allowExclusion": True,
+        "maxExclusionShare": 0.25,
         "planningTimeoutSeconds": 30,
     }
     assert spec["training"]["weightDecay"] == 0.1 and spec["training"]["seed"] == 1234

@@ -60,6 +60,8 @@ class Operator:
         args = [
             *("--kubeconfig", str(cluster.kubeconfig), "--namespace", namespace),
             *("--liveness", "", "--metrics-port", "0", "--ack-timeout", "60"),
+            # The test cluster serves the core API only (no networking.k8s.io).
+            "--no-network-policies",
             # Every pod runs on 127.0.0.1; node 0 keeps the control port of its manifest.
             *("--endpoint-template", "http://{pod_ip}:{port}"),
         ]

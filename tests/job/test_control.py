@@ -178,12 +178,12 @@ def test_async_client_speaks_the_same(trainer: Trainer) -> None:
         async with AsyncControlClient(trainer.server.url, TOKEN) as c:
             assert await c.healthz()
             before = await c.status()
-            assert await c.post_plan(plan(5)) == 5
+            assert await c.post_plan(plan(2)) == 2
             with pytest.raises(PlanConflict) as conflict:
-                await c.post_plan(plan(4))
-            assert conflict.value.newest == 5
+                await c.post_plan(plan(2))
+            assert conflict.value.newest == 2
             with pytest.raises(BadInput):
-                await c.post_plan(plan(6, tp=4))
+                await c.post_plan(plan(3, tp=4))
             await c.inject(1, 2.0)
             await c.stop(checkpoint=False)
             assert "malleus_plan_generation" in await c.metrics_text()
@@ -191,5 +191,5 @@ def test_async_client_speaks_the_same(trainer: Trainer) -> None:
 
     before, after = asyncio.run(session())
     assert before.pending_generation is None and not before.stopping
-    assert after.pending_generation == 5 and after.stopping
+    assert after.pending_generation == 2 and after.stopping
     assert trainer.injections.drain() == {1: 2.0}

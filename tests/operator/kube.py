@@ -38,6 +38,7 @@ KINDS = {
     "ConfigMap": kmock.resource("", "v1", "configmaps"),
     "Secret": kmock.resource("", "v1", "secrets"),
     "Event": kmock.resource("", "v1", "events"),
+    "NetworkPolicy": kmock.resource("networking.k8s.io", "v1", "networkpolicies"),
     "MalleusJob": kmock.resource("malleus.io", "v1alpha1", "malleusjobs"),
 }
 

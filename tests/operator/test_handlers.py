@@ -43,7 +43,8 @@ def test_create_makes_service_configmap_secret_and_pods(
     assert len(kube.of_kind("Service")) == 1
     assert len(kube.of_kind("ConfigMap")) == 1
     assert len(kube.of_kind("Secret")) == 1
-    for kind in ("Pod", "Service", "ConfigMap", "Secret"):
+    assert len(kube.of_kind("NetworkPolicy")) == 1
+    for kind in ("Pod", "Service", "ConfigMap", "Secret", "NetworkPolicy"):
         for obj in kube.of_kind(kind):
             assert obj["metadata"]["ownerReferences"][0]["uid"] == "uid-1234"
     st = patch["status"]
@@ -53,7 +54,7 @@ def test_create_makes_service_configmap_secret_and_pods(
     assert st["gpus"] == 12
     assert st["conditions"][0]["reason"] == "PodsPending"
     assert kube.reasons() == ["Created"]
-    assert len(result) == 6
+    assert len(result) == 7
     # the ConfigMap holds the same plan the status shows
     cm = kube.of_kind("ConfigMap")[0]
     assert Plan.from_json(cm["data"]["plan.json"]).generation == st["plan"]["generation"]
@@ -289,6 +290,7 @@ def test_delete_removes_every_child_and_nothing_else(
     assert kube.names() == [
         ("ConfigMap", "demo-config-backup"),
         ("ConfigMap", "other-config"),
+        ("NetworkPolicy", "other-network"),
         ("Pod", "other-node-0"),
         ("Pod", "other-node-1"),
         ("Secret", "other-control"),
@@ -296,7 +298,7 @@ def test_delete_removes_every_child_and_nothing_else(
     ]
     deleted = [r for r in list(kube.emulator)[deletes:] if r.action == "DELETE"]
     assert deleted[0].resource == KINDS["Pod"]  # workers first
-    assert len(deleted) == 5
+    assert len(deleted) == 6
 
 
 def test_delete_of_an_invalid_job_spares_same_named_objects(

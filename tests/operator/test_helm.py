@@ -27,10 +27,19 @@ ALLOWED_VERBS: dict[tuple[str, str], set[str]] = {
     ("", "secrets"): {"create", "get", "delete"},
     ("", "configmaps"): {"create", "get", "patch", "delete"},
     ("", "events"): {"create"},
+    ("networking.k8s.io", "networkpolicies"): {"create", "get", "delete"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
     ("", "namespaces"): {"list", "watch"},
 }
 CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces")}
+MODES = [
+    (),
+    ("watchNamespaces={ml,research}",),
+    ("rbac.clusterWide=true",),
+    ("networkPolicy.enabled=false",),
+]
+"""The chart's RBAC and NetworkPolicy modes: default (the release namespace only), more
+namespaces, cluster-wide, and no NetworkPolicies."""
 
 
 def _helm() -> str:
@@ -110,9 +119,7 @@ def test_chart_sources_pass_yamllint() -> None:
 # ---- helm -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "sets", [(), ("watchNamespaces={ml,research}",), ("metrics.serviceMonitor.enabled=true",)]
-)
+@pytest.mark.parametrize("sets", [*MODES, ("metrics.serviceMonitor.enabled=true",)])
 def test_helm_lint_strict(sets: tuple[str, ...]) -> None:
     args = ["lint", "--strict", str(CHART)]
     for s in sets:
@@ -133,7 +140,7 @@ def test_schema_rejects_unsafe_or_unknown_values() -> None:
         assert "schema" in (result.stderr + result.stdout).lower()
 
 
-@pytest.mark.parametrize("sets", [(), ("watchNamespaces={ml,research}",)])
+@pytest.mark.parametrize("sets", MODES)
 def test_rendered_objects_validate_against_kubernetes(sets: tuple[str, ...]) -> None:
     kv = pytest.importorskip(
         "kubernetes_validate", reason="pip install kubernetes-validate (in the test extra)"
@@ -172,27 +179,32 @@ def _rules(docs: list[dict[str, Any]]) -> list[tuple[str, str, str, set[str]]]:
     return out
 
 
-@pytest.mark.parametrize("sets", [(), ("watchNamespaces={ml,research}",)])
+def _args(docs: list[dict[str, Any]]) -> list[str]:
+    (dep,) = _kind(docs, "Deployment")
+    args: list[str] = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    return args
+
+
+@pytest.mark.parametrize("sets", MODES)
 def test_rbac_is_least_privilege(sets: tuple[str, ...]) -> None:
     docs = render(*sets)
-    rules = _rules(docs)
+    cluster_wide = "rbac.clusterWide=true" in sets
+    policies = "networkPolicy.enabled=false" not in sets
     granted: dict[tuple[str, str], set[str]] = {}
-    for kind, group, resource, verbs in rules:
+    for kind, group, resource, verbs in _rules(docs):
         assert "*" not in (group, resource) and "*" not in verbs, (kind, group, resource, verbs)
         assert not verbs & {"escalate", "bind", "impersonate", "deletecollection", "update"}
         key = (group, resource)
         assert key in ALLOWED_VERBS, f"unexpected access to {key}"
         assert verbs <= ALLOWED_VERBS[key], f"{key}: {verbs - ALLOWED_VERBS[key]} not needed"
         granted.setdefault(key, set()).update(verbs)
-        if sets and key not in CLUSTER_SCOPED:
-            assert kind == "Role", f"{key} must be namespaced when watchNamespaces is set"
-    assert granted == ALLOWED_VERBS  # and everything the operator uses is granted
-    assert ("", "secrets") in granted and "list" not in granted[("", "secrets")]
-    if sets:
-        roles = _kind(docs, "Role")
-        assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml", "research"]
-        bindings = _kind(docs, "RoleBinding")
-        assert sorted(b["metadata"]["namespace"] for b in bindings) == ["ml", "research"]
+        if not cluster_wide and key not in CLUSTER_SCOPED:
+            assert kind == "Role", f"{key} must be namespaced unless rbac.clusterWide"
+    expected = dict(ALLOWED_VERBS)
+    if not policies:
+        del expected[("networking.k8s.io", "networkpolicies")]
+    assert granted == expected  # and everything the operator uses is granted
+    assert "list" not in granted[("", "secrets")]
     (sa,) = _kind(docs, "ServiceAccount")
     for binding in _kind(docs, "ClusterRoleBinding") + _kind(docs, "RoleBinding"):
         assert binding["subjects"] == [
@@ -202,6 +214,57 @@ def test_rbac_is_least_privilege(sets: tuple[str, ...]) -> None:
                 "namespace": "malleus-system",
             }
         ]
+
+
+@pytest.mark.parametrize(
+    ("sets", "namespaces"),
+    [
+        ((), ["malleus-system"]),
+        (("watchNamespaces={ml,research}",), ["malleus-system", "ml", "research"]),
+        (("watchNamespaces={malleus-system,ml}",), ["malleus-system", "ml"]),
+        (("rbac.clusterWide=true",), []),
+    ],
+)
+def test_the_default_is_namespaced_and_cluster_wide_only_when_asked(
+    sets: tuple[str, ...], namespaces: list[str]
+) -> None:
+    """A Role and RoleBinding per watched namespace, and the operator told to watch exactly
+    those; a ClusterRole that reaches into namespaces only with rbac.clusterWide."""
+    docs = render(*sets)
+    for kind in ("Role", "RoleBinding"):
+        assert sorted(d["metadata"]["namespace"] for d in _kind(docs, kind)) == namespaces
+    watched = [a.removeprefix("--namespace=") for a in _args(docs) if a.startswith("--namespace")]
+    assert watched == namespaces  # none: kopf runs cluster-wide
+    (cluster_role,) = _kind(docs, "ClusterRole")
+    reach = {(g, r) for _, g, r, _ in _rules([cluster_role])}
+    if namespaces:
+        assert reach == CLUSTER_SCOPED  # no pods, no Secrets outside the watched namespaces
+    else:
+        assert ("", "secrets") in reach and ("", "pods") in reach
+    out = helm(
+        "install",
+        "rel",
+        str(CHART),
+        "--dry-run=client",
+        "-n",
+        "malleus-system",
+        *(a for s in sets for a in ("--set", s)),
+    ).stdout
+    assert ("all namespaces" in out) == (not namespaces)
+
+
+def test_cluster_wide_and_a_namespace_list_are_refused_together() -> None:
+    result = helm(
+        "template",
+        "rel",
+        str(CHART),
+        "--set",
+        "rbac.clusterWide=true",
+        "--set",
+        "watchNamespaces={ml}",
+        check=False,
+    )
+    assert result.returncode != 0 and "not both" in result.stderr
 
 
 def test_deployment_is_hardened_single_and_probed() -> None:
@@ -221,7 +284,7 @@ def test_deployment_is_hardened_single_and_probed() -> None:
     assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"]
     assert c["command"] == ["python", "-m", "malleus.operator"]
     assert "--liveness=http://0.0.0.0:8080/healthz" in c["args"]
-    assert "--namespace=ml" in c["args"]
+    assert c["args"].count("--namespace=ml") == 1
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"healthz": 8080, "metrics": 8081}
     probe = c["livenessProbe"]["httpGet"]

@@ -241,9 +241,19 @@ def test_sink_records_pending_then_in_force(
     assert Plan.from_json(cm(kube)[resources.PLAN_KEY]).generation == 2
 
 
-@pytest.mark.parametrize(("running", "expected"), [(2, 2), (1, 1), (None, 1)])
+@pytest.mark.parametrize(
+    ("running", "trainers_pending", "expected", "kept"),
+    [(2, None, 2, False), (1, 2, 1, True), (1, None, 1, False), (None, None, 1, True)],
+)
 def test_resume_promotes_a_pending_plan_only_if_it_runs(
-    kube: Kube, memo: kopf.Memo, ctx: Context, make_job: Any, running: int | None, expected: int
+    kube: Kube,
+    memo: kopf.Memo,
+    ctx: Context,
+    make_job: Any,
+    running: int | None,
+    trainers_pending: int | None,
+    expected: int,
+    kept: bool,
 ) -> None:
     created(kube, memo, make_job())
     stored = kube.get("ConfigMap", "ml", "demo-config")
@@ -251,7 +261,12 @@ def test_resume_promotes_a_pending_plan_only_if_it_runs(
     pending = Plan.from_json(stored["data"]["plan.json"]).model_copy(update={"generation": 2})
     stored["data"][planstore.PENDING_KEY] = pending.to_json()
     kube.put("ConfigMap", stored)
-    plan = run(planstore.resume_plan(ctx.cluster, REF, running))
+    answer = None
+    if running is not None:
+        answer = ControlStatus.model_validate(
+            {**IDLE, "generation": running, "pending_generation": trainers_pending}
+        )
+    plan, still = run(planstore.resume_plan(ctx.cluster, REF, answer))
     assert plan is not None and plan.generation == expected
-    assert planstore.PENDING_KEY not in cm(kube)
+    assert (still is not None) == kept and (planstore.PENDING_KEY in cm(kube)) == kept
     assert Plan.from_json(cm(kube)[resources.PLAN_KEY]).generation == expected

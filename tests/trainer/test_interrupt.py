@@ -1,7 +1,10 @@
-"""`malleus train` stops on the first Ctrl-C: every rank gone within seconds, one line, exit 130.
+"""`malleus train` stops on the first Ctrl-C or SIGTERM: every rank gone within seconds, one
+line, exit 130.
 
-A real run of examples/tiny-cpu.yaml (8 rank processes, gloo) is interrupted while it trains;
-its rank processes are found in /proc, not assumed.
+A real run of examples/tiny-cpu.yaml (8 rank processes, gloo) is interrupted while it trains:
+by Ctrl-C as a terminal sends it (SIGINT to the whole process group, the ranks included), twice,
+or by SIGTERM to the launcher alone (as a supervisor sends it). The rank processes are found in
+/proc, not assumed.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MALLEUS = Path(sys.executable).with_name("malleus")
@@ -42,7 +47,19 @@ def _running(pid: int) -> bool:
     return state != "Z"  # a zombie has exited (its new parent may never reap it)
 
 
-def test_first_sigint_stops_every_rank_quietly() -> None:
+def _ctrl_c_twice(proc: subprocess.Popen[str]) -> None:
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.3)  # impatient: the second changes nothing
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+
+
+def _sigterm(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGTERM)
+
+
+@pytest.mark.parametrize("stop", [_ctrl_c_twice, _sigterm], ids=["ctrl-c twice", "sigterm"])
+def test_the_first_signal_stops_every_rank_quietly(stop) -> None:
     proc = subprocess.Popen(
         [str(MALLEUS), "train", "examples/tiny-cpu.yaml", "--steps", "1000"],
         cwd=ROOT,
@@ -50,6 +67,7 @@ def test_first_sigint_stops_every_rank_quietly() -> None:
         stderr=subprocess.STDOUT,
         text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        start_new_session=True,  # its own process group, as a terminal's foreground job
     )
     lines: list[str] = []
     training = threading.Event()
@@ -68,7 +86,7 @@ def test_first_sigint_stops_every_rank_quietly() -> None:
         ranks = _children(proc.pid)
         assert len(ranks) >= 8  # the 8 ranks (and multiprocessing's resource tracker)
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGINT)
+        stop(proc)
         code = proc.wait(timeout=30)
         took = time.monotonic() - t0
     finally:

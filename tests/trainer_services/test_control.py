@@ -11,7 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from malleus.errors import BadInput
 from malleus.job.control import ControlClient, ControlError, PlanConflict
 from malleus.planner.plan import Plan
-from malleus.trainer.control import ControlServer, load_token
+from malleus.trainer.control import ControlServer
+from malleus.trainer.credentials import load_token
 from malleus.trainer.emulation import InjectionQueue
 from malleus.trainer.metrics import TrainerMetrics, parse_rates
 from malleus.trainer.plan_inbox import PlanInbox

@@ -68,6 +68,30 @@ Least privilege: exactly the verbs malleus.operator (kopf + k8s.py) uses.
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+{{- if .Values.networkPolicy.enabled }}
+# The per-job NetworkPolicy (only the job's pods reach its rendezvous store and control port):
+# created, read by name, deleted with the job.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["create", "get", "delete"]
+{{- end }}
+{{- end -}}
+
+{{/*
+The namespaces the operator watches without rbac.clusterWide, as a JSON list: the release
+namespace, then every watchNamespaces entry (duplicates dropped).
+*/}}
+{{- define "malleus-operator.namespaces" -}}
+{{- prepend .Values.watchNamespaces .Release.Namespace | uniq | toJson -}}
+{{- end -}}
+
+{{/* The operator pod's selector labels as k=v,k=v (its per-job NetworkPolicies admit it). */}}
+{{- define "malleus-operator.selectorLabelsCsv" -}}
+{{- $pairs := list -}}
+{{- range $k, $v := include "malleus-operator.selectorLabels" . | fromYaml -}}
+{{- $pairs = append $pairs (printf "%s=%s" $k $v) -}}
+{{- end -}}
+{{- join "," $pairs -}}
 {{- end -}}
 
 {{/* Cluster-scoped reads kopf needs to discover resources and namespaces. */}}

@@ -1,0 +1,177 @@
+"""A job's certificates (`operator/tls.py`) and the trainer's control endpoint serving them.
+
+The certificates are read back with `cryptography` and used for real: a `ControlServer` over
+TLS on 127.0.0.1 with a certificate issued for ``localhost``, and the clients of
+`malleus.job.control`, which trust the job's CA and nothing else.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import socket
+import ssl
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from malleus.job.control import ControlClient, ControlError, ControlStatus, ControlTLS
+from malleus.operator import tls
+from malleus.operator.resources import JobRef
+from malleus.trainer.control import ControlServer
+from malleus.trainer.credentials import (
+    TLS_CERT_ENV,
+    TLS_KEY_ENV,
+    control_host,
+    load_tls,
+    server_context,
+)
+from malleus.trainer.emulation import InjectionQueue
+
+TOKEN = "s3cret"
+NOW = dt.datetime(2026, 12, 1, 9, 0, tzinfo=dt.UTC)
+
+
+def status() -> ControlStatus:
+    return ControlStatus(job="demo", world=2, generation=1, pending_generation=None, step=3,
+                         steps=10, done=False, stopping=False, rates={0: 1.0, 1: 1.0},
+                         step_seconds=None, tokens_per_second=None, last_migration=None,
+                         last_failure=None)  # fmt: skip
+
+
+def write(certs: tls.JobCertificates, folder: Path) -> tuple[Path, Path]:
+    """The Secret's server files as the pod mounts them."""
+    cert, key = folder / tls.CERT_KEY, folder / tls.KEY_KEY
+    cert.write_text(certs.cert)
+    key.write_text(certs.key)
+    return cert, key
+
+
+class Served:
+    """A TLS control endpoint on 127.0.0.1 with `certs`, emulation on (so /inject exists)."""
+
+    def __init__(self, certs: tls.JobCertificates, folder: Path) -> None:
+        self.injections = InjectionQueue()
+        self.server = ControlServer("127.0.0.1", 0, TOKEN, status=status, inbox=None,
+                                    metrics=None, inject=self.injections.put,
+                                    tls=server_context(*write(certs, folder)))  # fmt: skip
+
+    def url(self, host: str = "localhost") -> str:
+        return f"https://{host}:{self.server.port}"
+
+
+@pytest.fixture(scope="module")
+def certs() -> tls.JobCertificates:
+    return tls.issue(["localhost"], dt.datetime.now(dt.UTC))
+
+
+@pytest.fixture
+def served(certs: tls.JobCertificates, tmp_path: Path) -> Iterator[Served]:
+    s = Served(certs, tmp_path)
+    with s.server:
+        yield s
+
+
+def test_certificates_name_the_workers_and_only_the_ca_signs() -> None:
+    ref = JobRef("ml", "tiny")
+    names = tls.worker_names(ref, 2)
+    assert names == ["tiny-node-0.tiny.ml.svc", "tiny-node-1.tiny.ml.svc"]
+    certs = tls.issue(names, NOW)
+    assert set(certs.secret_data()) == {"ca.crt", "tls.crt", "tls.key"}
+    ca = x509.load_pem_x509_certificate(certs.ca.encode())
+    cert = x509.load_pem_x509_certificate(certs.cert.encode())
+    cert.verify_directly_issued_by(ca)
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.path_length == 0
+    assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert sans.get_values_for_type(x509.DNSName) == names
+    usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert list(usage) == [ExtendedKeyUsageOID.SERVER_AUTH]
+    assert cert.not_valid_after_utc == NOW + tls.VALIDITY
+    assert NOW - dt.timedelta(minutes=10) < cert.not_valid_before_utc < NOW
+    assert "PRIVATE KEY" in certs.key and "PRIVATE KEY" not in certs.ca + certs.cert
+    other = x509.load_pem_x509_certificate(tls.issue(names, NOW).ca.encode())
+    assert other.public_key() != ca.public_key()  # every job (every issue) has a CA of its own
+    with pytest.raises(ValueError, match="at least one name"):
+        tls.issue([], NOW)
+
+
+def test_a_client_trusting_the_job_ca_works_and_the_token_still_counts(
+    served: Served, certs: tls.JobCertificates
+) -> None:
+    with ControlClient(served.url(), TOKEN, tls=ControlTLS(certs.ca)) as client:
+        assert client.status().step == 3 and client.healthz()
+        client.inject(1, 2.0)
+    assert served.injections.drain() == {1: 2.0}
+    with (
+        pytest.raises(ControlError) as refused,
+        ControlClient(served.url(), "wrong", tls=ControlTLS(certs.ca)) as client,
+    ):
+        client.inject(1, 2.0)
+    assert refused.value.code == 401 and served.injections.drain() == {}
+    # By IP, asking for the name the certificate carries (the operator reaching a pod by IP).
+    by_ip = ControlTLS(certs.ca, server_name="localhost")
+    with ControlClient(served.url("127.0.0.1"), TOKEN, tls=by_ip) as client:
+        assert client.status().generation == 1
+
+
+@pytest.mark.parametrize("trust", ["none", "another job's CA", "wrong name"])
+def test_a_client_that_cannot_verify_the_server_is_refused(
+    served: Served, certs: tls.JobCertificates, trust: str
+) -> None:
+    given = {
+        "none": None,  # the system's CAs: they never signed a job's certificate
+        "another job's CA": ControlTLS(tls.issue(["localhost"], NOW).ca),
+        "wrong name": ControlTLS(certs.ca, server_name="tiny-node-0.tiny.ml.svc"),
+    }[trust]
+    with ControlClient(served.url(), TOKEN, timeout=2.0, tls=given) as client:
+        assert not client.healthz()
+        with pytest.raises(ControlError) as refused:
+            client.inject(0, 2.0)
+    assert refused.value.code is None and "CERTIFICATE_VERIFY_FAILED" in str(refused.value)
+    assert served.injections.drain() == {}  # the token never reached the server
+
+
+def test_a_certificate_for_another_name_or_expired_is_refused(tmp_path: Path) -> None:
+    for bad in (
+        tls.issue(["tiny-node-0.tiny.ml.svc"], NOW),
+        tls.issue(["localhost"], NOW - 2 * tls.VALIDITY),
+    ):
+        s = Served(bad, tmp_path)
+        with (
+            s.server,  # started first: the client's URL needs its port
+            ControlClient(s.url(), TOKEN, timeout=2.0, tls=ControlTLS(bad.ca)) as client,
+            pytest.raises(ControlError, match="CERTIFICATE_VERIFY_FAILED"),
+        ):
+            client.status()
+
+
+def test_plain_http_and_silent_clients_do_not_stall_the_server(
+    served: Served, certs: tls.JobCertificates
+) -> None:
+    plain = ControlClient(served.url().replace("https", "http"), TOKEN, timeout=2.0)
+    with plain, pytest.raises(ControlError):
+        plain.status()  # no answer in clear, not even an error page
+    with socket.create_connection(("127.0.0.1", served.server.port)):  # connects, says nothing
+        started = time.monotonic()
+        with ControlClient(served.url(), TOKEN, tls=ControlTLS(certs.ca)) as client:
+            assert client.healthz()
+        assert time.monotonic() - started < 2.0  # its handshake waits in its own thread
+
+
+def test_the_trainer_finds_its_certificate_and_address_in_the_environment(
+    certs: tls.JobCertificates, tmp_path: Path
+) -> None:
+    cert, key = write(certs, tmp_path)
+    assert load_tls({}) is None  # local runs: plain HTTP on loopback
+    assert isinstance(load_tls({TLS_CERT_ENV: str(cert), TLS_KEY_ENV: str(key)}), ssl.SSLContext)
+    with pytest.raises(RuntimeError, match=TLS_KEY_ENV):
+        load_tls({TLS_CERT_ENV: str(cert)})
+    with pytest.raises(RuntimeError, match="cannot load"):
+        load_tls({TLS_CERT_ENV: str(cert), TLS_KEY_ENV: str(tmp_path / "missing")})
+    assert control_host({}) == "127.0.0.1"
+    assert control_host({"POD_IP": "10.1.2.3"}) == "10.1.2.3"
