@@ -20,10 +20,11 @@ from malleus.errors import Fault
 
 __all__ = ["DEFAULT_ENDPOINT", "Settings", "url_allowed"]
 
-DEFAULT_ENDPOINT = "http://{pod}.{service}.{namespace}.svc:{port}"
+DEFAULT_ENDPOINT = "https://{pod}.{service}.{namespace}.svc:{port}"
 """How the operator reaches a worker's control port: its stable DNS name via the headless
-Service. Fields: pod, service, namespace, port, index, pod_ip. Tests and out-of-cluster runs
-use e.g. ``http://{pod_ip}:{port}`` or ``http://127.0.0.1:{port}``."""
+Service, over HTTPS (the job's certificate, verified against the job's CA for that name
+whatever the URL's host). Fields: pod, service, namespace, port, index, pod_ip. Tests and
+out-of-cluster runs use e.g. ``https://{pod_ip}:{port}`` or ``https://127.0.0.1:{port}``."""
 
 _PREFIX = "MALLEUS_OPERATOR_"
 _TRUE = frozenset({"1", "true", "yes", "on"})

@@ -18,7 +18,7 @@ __all__ = ["Endpoints"]
 
 
 class Endpoints:
-    """Base URLs of a job's workers from a template such as ``http://{pod}.{service}...``."""
+    """Base URLs of a job's workers from a template such as ``https://{pod}.{service}...``."""
 
     def __init__(self, cluster: Cluster, ref: resources.JobRef, port: int, template: str) -> None:
         self.cluster = cluster

@@ -38,7 +38,7 @@ def test_default_queries_match_either_job_label_and_select_the_jobs_pods() -> No
     q = default_queries("ctl-test", namespace="ml")
     scope = 'pod=~"ctl\\\\-test-.*",namespace="ml"'  # only the job's pods in its namespace
     assert q.rates == (
-        f'max by (rank) (malleus_gpu_straggling_rate{{job="ctl-test",{scope}}} '
+        f'max by (rank, pod) (malleus_gpu_straggling_rate{{job="ctl-test",{scope}}} '
         f'or malleus_gpu_straggling_rate{{exported_job="ctl-test",{scope}}})'
     )
     assert q.step == (

@@ -21,6 +21,7 @@ from malleus.controller.events import (
     StragglerDetected,
 )
 from malleus.controller.ports import Ack, Observation
+from malleus.job.control import ControlStatus
 from malleus.operator import handlers, jobs, planstore, resources
 from malleus.operator.context import Context
 from malleus.operator.reporter import JobReporter
@@ -263,8 +264,20 @@ def test_resume_promotes_a_pending_plan_only_if_it_runs(
     kube.put("ConfigMap", stored)
     answer = None
     if running is not None:
-        answer = ControlStatus.model_validate(
-            {**IDLE, "generation": running, "pending_generation": trainers_pending}
+        answer = ControlStatus(
+            job="demo",
+            world=8,
+            generation=running,
+            pending_generation=trainers_pending,
+            step=5,
+            steps=100,
+            done=False,
+            stopping=False,
+            rates={},
+            step_seconds=None,
+            tokens_per_second=None,
+            last_migration=None,
+            last_failure=None,
         )
     plan, still = run(planstore.resume_plan(ctx.cluster, REF, answer))
     assert plan is not None and plan.generation == expected
