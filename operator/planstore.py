@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from malleus.controller.ports import Ack, PlanSink
+from malleus.controller.ports import Ack, PlanRejected, PlanSink
 from malleus.job.control import ControlStatus
 from malleus.planner.plan import Plan
 
@@ -56,7 +56,11 @@ class ConfigMapPlanSink:
 
     async def publish(self, plan: Plan) -> int:
         await _patch_data(self.cluster, self.ref, {PENDING_KEY: plan.to_json()})
-        generation = await self.inner.publish(plan)
+        try:
+            generation = await self.inner.publish(plan)
+        except PlanRejected:  # refused for certain: it is pending nowhere (silence might not be)
+            await _patch_data(self.cluster, self.ref, {PENDING_KEY: None})
+            raise
         self._pending[generation] = plan.model_copy(update={"generation": generation})
         return generation
 

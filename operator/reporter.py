@@ -23,6 +23,7 @@ from malleus.controller.events import (
     ReplanFailed,
     Replanned,
 )
+from malleus.controller.guard import bounded_rates
 from malleus.controller.ports import Observation
 from malleus.job import LastReplan, MalleusJobStatus, Phase, ResolvedJob
 from malleus.planner.plan import Plan
@@ -89,7 +90,7 @@ class JobReporter:
 
     async def on_observation(self, obs: Observation) -> None:
         """After each new step: step, tokens/s, stragglers and their condition (if changed)."""
-        self.detector.add(obs.rates)
+        self.detector.add(bounded_rates(obs.rates, self.job.world))  # as the controller sees them
         patch = status.stragglers(self.detector.smoothed(), self.job.policy, self.job.gpus_per_node)
         patch.step = max(0, obs.step)
         if obs.step_seconds:

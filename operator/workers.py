@@ -40,8 +40,9 @@ RUN_AS_USER = 1000
 """The non-root user of the trainer image (Dockerfile's ``malleus`` user)."""
 GPU_RESOURCE = "nvidia.com/gpu"
 TLS_MOUNT = "/etc/malleus-tls"
-"""Where the job Secret's server certificate and key are mounted (the trainer's
-``MALLEUS_CONTROL_TLS_CERT`` / ``_KEY`` point there); beside, not inside, the ConfigMap's."""
+"""Where the job Secret's server certificate, key and CA are mounted (the trainer's
+``MALLEUS_CONTROL_TLS_CERT`` / ``_KEY`` point there; the CA is for clients run in the pod);
+beside, not inside, the ConfigMap's mount."""
 
 
 def torchrun_command(job: ResolvedJob, ref: JobRef, index: int) -> list[str]:
@@ -122,7 +123,7 @@ def _volumes(job: ResolvedJob, ref: JobRef) -> tuple[list[dict[str, Any]], list[
             "name": "control-tls",
             "secret": {
                 "secretName": secret_name(ref.name),
-                "items": [{"key": k, "path": k} for k in (tls.CERT_KEY, tls.KEY_KEY)],
+                "items": [{"key": k, "path": k} for k in (tls.CERT_KEY, tls.KEY_KEY, tls.CA_KEY)],
                 "defaultMode": 0o440,  # owner root, group fsGroup (the trainer's)
             },
         },

@@ -1,30 +1,42 @@
-"""Plan-independent checkpoints: the set of pieces, their Adam state, the step, the RNG.
+"""Plan-independent checkpoints that cannot be silently wrong.
 
 Layout on disk (one directory per checkpoint, written atomically):
 
-    DIR/step-00000020/manifest.json   step, job shape, and which file holds each piece
-    DIR/step-00000020/rank-00003.pt   the pieces rank 3 owns: params, exp_avg, exp_avg_sq, step
-    DIR/step-00000020/rng.pt          the CPU RNG state of rank 0
+    DIR/step-00000020/manifest.json   step, job identity, every file's sha256 and size, every
+                                      piece's file, shape, dtypes and finiteness; its own sha256
+    DIR/step-00000020/rank-00003.pt   the pieces rank 3 owns (params, exp_avg, exp_avg_sq, Adam
+                                      steps) and the step they belong to
+    DIR/step-00000020/rng.pt          the CPU RNG state of rank 0, and the step
     DIR/latest                        "step-00000020"
 
 Every piece is written once, by its owner, as its full logical tensor, so the content does not
 depend on the plan: a job can stop under one plan and resume under any other (each rank reads
 the pieces it holds now, wherever they were written). Ranks write into a temporary directory
-that rank 0 renames after a barrier, then `latest` is replaced: a crash leaves either the old
-or the new checkpoint, never half of one. Across nodes DIR must be one shared volume
-(a ReadWriteMany claim): every rank writes into it, rank 0 publishes.
+that rank 0 renames after every rank reported its files; then `latest` is replaced (temp file,
+fsync, rename, fsync of DIR): a crash leaves either the old or the new checkpoint, never half
+of one. Across nodes DIR must be one shared volume (a ReadWriteMany claim).
+
+Nothing is trusted on load. `latest` must name a `step-N` directory inside DIR (its absence
+while checkpoints exist is an error, not a fresh start); the manifest must match its own sha256
+and the step its directory and every payload name; each file read must match its sha256 and
+size; each piece must have its recorded and the model's shape, its recorded dtypes, and finite
+values. Every refusal is a `CheckpointError` naming the file and the piece. Files are loaded
+with `weights_only=True` and only from inside the checkpoint's directory.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import re
 import shutil
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -32,24 +44,31 @@ from torch import Tensor
 
 from malleus.job import ResolvedJob
 
+from .model import pieces
 from .parallel.optim import AdamState
 
 __all__ = [
     "FORMAT",
     "CheckpointError",
     "LoadedPieces",
+    "checkpoints",
     "latest",
     "load_pieces",
     "read_manifest",
     "save",
+    "verify",
 ]
 
-FORMAT = 1
-LATEST = "latest"
+log = logging.getLogger(__name__)
+
+FORMAT = 2
+LATEST, MANIFEST, RNG = "latest", "manifest.json", "rng.pt"
+KINDS = ("params", "exp_avg", "exp_avg_sq")
+_STEP_NAME = re.compile(r"step-(\d{8})")
 
 
 class CheckpointError(RuntimeError):
-    pass
+    """A checkpoint that cannot be resumed; the message names the file (and piece) and why."""
 
 
 def _identity(job: ResolvedJob) -> dict[str, Any]:
@@ -69,6 +88,51 @@ def _step_dir(directory: Path, step: int) -> Path:
     return directory / f"step-{step:08d}"
 
 
+def checkpoints(directory: str | Path) -> list[Path]:
+    """The complete checkpoint directories under `directory`, oldest step first (temporary
+    ones, `.step-N.tmp`, are not checkpoints)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if _STEP_NAME.fullmatch(p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: p.name)
+
+
+# ---- writing --------------------------------------------------------------------------------
+class _Hashing:
+    """A file wrapper torch.save writes through: the sha256 is taken of the bytes as they go
+    to disk, so a checkpoint costs no second read and no in-memory copy of the file."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _save_hashed(obj: object, path: Path) -> dict[str, Any]:
+    """torch.save `obj` to `path`, fsync'd; returns its manifest entry {sha256, bytes}."""
+    with open(path, "wb") as f:
+        out = _Hashing(f)
+        torch.save(obj, out)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"sha256": out.sha.hexdigest(), "bytes": out.size}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
@@ -76,6 +140,22 @@ def _write_text_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _digest(manifest: Mapping[str, Any]) -> str:
+    """The manifest's own sha256: of its canonical JSON without the `sha256` field."""
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _describe(tensors: Mapping[str, Tensor]) -> dict[str, Any]:
+    """A piece's manifest entry: its shape, each kind's dtype, and whether all are finite."""
+    return {
+        "shape": list(tensors["params"].shape),
+        "dtypes": {k: str(t.dtype).removeprefix("torch.") for k, t in tensors.items()},
+        "finite": all(bool(torch.isfinite(t).all()) for t in tensors.values()),
+    }
 
 
 def save(
@@ -88,7 +168,8 @@ def save(
     state: Mapping[str, AdamState],
     generation: int = 0,
 ) -> Path:
-    """Collective: every rank writes the pieces it owns; rank 0 publishes. Returns the path."""
+    """Collective: every rank writes the pieces it owns; rank 0 publishes and prunes (keeping
+    `spec.checkpoint.keep`). Returns the path."""
     directory = Path(directory)
     final = _step_dir(directory, step)
     tmp = directory / f".{final.name}.tmp"
@@ -97,22 +178,34 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
+    files: dict[str, Any] = {}
+    described: dict[str, Any] = {}
     mine = sorted(name for name, owner in owners.items() if owner == rank)
     if mine:
         tmp.mkdir(parents=True, exist_ok=True)  # made by rank 0 already on a shared volume
-        torch.save(
-            {
-                "params": {n: params[n].detach().cpu() for n in mine},
-                "exp_avg": {n: state[n].exp_avg.cpu() for n in mine},
-                "exp_avg_sq": {n: state[n].exp_avg_sq.cpu() for n in mine},
-                "step": {n: state[n].step for n in mine},
-            },
-            tmp / f"rank-{rank:05d}.pt",
-        )
+        name = f"rank-{rank:05d}.pt"
+        payload: dict[str, Any] = {
+            "step": step,
+            "params": {n: params[n].detach().cpu() for n in mine},
+            "exp_avg": {n: state[n].exp_avg.cpu() for n in mine},
+            "exp_avg_sq": {n: state[n].exp_avg_sq.cpu() for n in mine},
+            "adam_step": {n: state[n].step for n in mine},
+        }
+        files[name] = _save_hashed(payload, tmp / name)
+        for n in mine:
+            described[n] = {"file": name, **_describe({k: payload[k][n] for k in KINDS})}
     if rank == 0:
-        torch.save(torch.get_rng_state(), tmp / "rng.pt")
-    dist.barrier()
+        files[RNG] = _save_hashed({"step": step, "rng": torch.get_rng_state()}, tmp / RNG)
+    reports: list[Any] = [None] * dist.get_world_size() if rank == 0 else []
+    dist.gather_object((files, described), reports if rank == 0 else None, dst=0)
     if rank == 0:
+        for their_files, their_pieces in reports:
+            files.update(their_files)
+            described.update(their_pieces)
+        if set(described) != set(owners):
+            raise CheckpointError(
+                f"{tmp}: pieces not written: {sorted(set(owners) - set(described))[:4]}"
+            )
         manifest = {
             "format": FORMAT,
             "job": job.name,
@@ -120,66 +213,245 @@ def save(
             "plan_generation": generation,
             "saved_at": time.time(),
             **_identity(job),
-            "pieces": {name: f"rank-{owner:05d}.pt" for name, owner in sorted(owners.items())},
+            "files": dict(sorted(files.items())),
+            "pieces": dict(sorted(described.items())),
         }
-        _write_text_atomic(tmp / "manifest.json", json.dumps(manifest, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _write_text_atomic(directory / LATEST, final.name)
+        manifest["sha256"] = _digest(manifest)
+        _write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        _publish(directory, tmp, final)
+        if all(p["finite"] for p in described.values()):  # a diverged run keeps the good ones
+            _prune(directory, step, job.spec.checkpoint.keep)
+        else:
+            log.warning("checkpoint %s holds non-finite values: older ones are kept", final)
     dist.barrier()
     return final
 
 
+def _publish(directory: Path, tmp: Path, final: Path) -> None:
+    """Move the complete `tmp` into place as `final`, then point `latest` at it. A step saved
+    again (a resumed run's last step) replaces the old directory only after the new one is
+    complete, so `latest` names a missing directory for two renames at most."""
+    old = directory / f".{final.name}.old"
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(directory)
+    _write_text_atomic(directory / LATEST, final.name)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _prune(directory: Path, step: int, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints up to `step` (one from a later step, left by
+    another run in this directory, is not older and stays)."""
+    older = [p for p in checkpoints(directory) if int(p.name[5:]) < step]
+    for path in older[: max(0, len(older) - (keep - 1))]:
+        try:
+            shutil.rmtree(path)
+        except OSError as e:  # a shared volume may refuse; training need not stop for that
+            log.warning("could not delete old checkpoint %s: %s", path, e)
+
+
+# ---- reading --------------------------------------------------------------------------------
+def _inside(root: Path, name: object, source: Path) -> Path:
+    """`root/name`, refused unless it resolves (symlinks too) to a path inside `root`."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{source}: {name!r} is not a file name")
+    path = (root / name).resolve()
+    if not path.is_relative_to(root.resolve()) or path == root.resolve():
+        raise CheckpointError(f"{source}: {name!r} points outside {root}")
+    return path
+
+
 def latest(directory: str | Path) -> Path | None:
-    """The newest complete checkpoint under `directory`, if any."""
-    pointer = Path(directory) / LATEST
-    if not pointer.exists():
+    """The checkpoint `directory/latest` names; None only when `directory` holds none at all.
+
+    A missing or broken `latest` while checkpoints exist raises: resuming must never turn into
+    a silent restart from step 0."""
+    directory = Path(directory)
+    pointer = directory / LATEST
+    saved = checkpoints(directory)
+    if not pointer.exists() and not pointer.is_symlink():
+        if saved:
+            names = ", ".join(p.name for p in saved[-3:])
+            raise CheckpointError(
+                f"{pointer} is missing but {directory} holds checkpoints ({names}); refusing "
+                "to start over from step 0 (restore it, or use another directory)"
+            )
         return None
-    path = Path(directory) / pointer.read_text().strip()
-    return path if (path / "manifest.json").exists() else None
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{pointer}: unreadable ({e})") from None
+    if not _STEP_NAME.fullmatch(name):
+        raise CheckpointError(f"{pointer}: {name[:80]!r} is not a checkpoint name (step-NNNNNNNN)")
+    path = _inside(directory, name, pointer)
+    if not (path / MANIFEST).is_file():
+        raise CheckpointError(f"{pointer} names {name}, but {path / MANIFEST} does not exist")
+    return path
 
 
 def read_manifest(path: str | Path, job: ResolvedJob | None = None) -> dict[str, Any]:
-    """The manifest of a checkpoint; with `job`, checks it continues the same training."""
-    manifest = json.loads((Path(path) / "manifest.json").read_text())
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {manifest.get('format')}, expected {FORMAT}")
+    """The manifest of a checkpoint, checked against its own sha256 and its directory's step;
+    with `job`, also that it continues the same training and holds every piece of the model
+    with the model's shape."""
+    path = Path(path)
+    file = path / MANIFEST
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{file}: unreadable ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"{file}: format {found}, expected {FORMAT}")
+    if manifest.get("sha256") != _digest(manifest):
+        raise CheckpointError(f"{file} was changed after it was written (its sha256 differs)")
+    named = _STEP_NAME.fullmatch(path.name)
+    if named is None or manifest.get("step") != int(named[1]):
+        raise CheckpointError(
+            f"{file}: step {manifest.get('step')!r}, but the directory is {path.name}"
+        )
+    try:
+        for name in manifest["files"]:
+            _inside(path, name, file)
+        for piece, entry in manifest["pieces"].items():
+            if entry["file"] not in manifest["files"]:
+                raise CheckpointError(f"{file}: piece {piece} is in {entry['file']!r}, not listed")
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{file}: malformed ({type(e).__name__}: {e})") from None
     if job is not None:
-        want = _identity(job)
-        diff = [k for k, v in want.items() if manifest.get(k) != v]
-        if diff:
-            details = ", ".join(f"{k}: checkpoint {manifest.get(k)} vs job {want[k]}" for k in diff)
-            raise CheckpointError(f"{path} belongs to a different training ({details})")
+        _check_identity(path, manifest, job)
     return manifest
 
 
-class LoadedPieces:
-    """Pieces read back from a checkpoint: parameters and Adam state by piece name."""
+def _check_identity(path: Path, manifest: dict[str, Any], job: ResolvedJob) -> None:
+    want = _identity(job)
+    diff = [k for k, v in want.items() if manifest.get(k) != v]
+    if diff:
+        details = ", ".join(f"{k}: checkpoint {manifest.get(k)} vs job {want[k]}" for k in diff)
+        raise CheckpointError(f"{path} belongs to a different training ({details})")
+    shapes = {p.name: list(p.shape(job.tp)) for p in pieces(job.model, job.tp)}
+    missing = sorted(set(shapes) - set(manifest["pieces"]))
+    if missing:
+        raise CheckpointError(f"{path / MANIFEST}: no piece {missing[0]} ({len(missing)} missing)")
+    for name, entry in manifest["pieces"].items():
+        if shapes.get(name) != entry.get("shape"):
+            raise CheckpointError(
+                f"{path / MANIFEST}: piece {name} has shape {entry.get('shape')}, "
+                f"the model's is {shapes.get(name)}"
+            )
 
-    def __init__(self, params: dict[str, Tensor], state: dict[str, AdamState], step: int) -> None:
-        self.params, self.state, self.step = params, state, step
+
+def _load_file(path: Path, name: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """One payload file: its size and sha256 as recorded, loaded with weights_only, its step
+    the manifest's. Any failure names the file."""
+    file = _inside(path, name, path / MANIFEST)
+    entry = manifest["files"].get(name)
+    if entry is None:
+        raise CheckpointError(f"{path / MANIFEST} lists no {name}")
+    try:
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{file}: {size} bytes, the manifest recorded {entry['bytes']}")
+        sha = hashlib.sha256()
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 22):
+                sha.update(chunk)
+        if sha.hexdigest() != entry["sha256"]:
+            raise CheckpointError(
+                f"{file}: sha256 {sha.hexdigest()[:16]}... differs from the manifest's"
+            )
+        data = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except CheckpointError:
+        raise
+    except Exception as e:  # whatever a file does to the loader, it is this file's fault
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{file}: unreadable ({type(e).__name__}: {first})") from None
+    if not isinstance(data, dict) or data.get("step") != manifest["step"]:
+        found = data.get("step") if isinstance(data, dict) else None
+        raise CheckpointError(f"{file}: holds step {found!r}, the manifest says {manifest['step']}")
+    return data
+
+
+def _checked_piece(
+    file: Path, name: str, data: dict[str, Any], entry: dict[str, Any]
+) -> dict[str, Tensor]:
+    """A piece's tensors, each with the recorded shape and dtype and finite."""
+    out = {}
+    for kind in KINDS:
+        where = f"{file}: piece {name} ({kind})"
+        t = data.get(kind, {}).get(name) if isinstance(data.get(kind), dict) else None
+        if not isinstance(t, Tensor):
+            raise CheckpointError(f"{where}: missing")
+        if list(t.shape) != entry["shape"]:
+            raise CheckpointError(
+                f"{where}: shape {tuple(t.shape)}, expected {tuple(entry['shape'])}"
+            )
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype != entry["dtypes"].get(kind):
+            raise CheckpointError(f"{where}: dtype {dtype}, expected {entry['dtypes'].get(kind)}")
+        if not bool(torch.isfinite(t).all()):
+            how = (
+                "it was saved so" if not entry["finite"] else "the manifest recorded finite values"
+            )
+            raise CheckpointError(f"{where}: holds NaN or inf ({how})")
+        out[kind] = t
+    return out
+
+
+def _pieces(
+    path: Path, manifest: dict[str, Any], names: Iterable[str]
+) -> Iterator[tuple[str, dict[str, Tensor], int]]:
+    """(name, tensors, Adam step) of the named pieces, each file checked once before use."""
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        if name not in manifest["pieces"]:
+            raise CheckpointError(f"{path / MANIFEST} has no piece {name!r}")
+        by_file.setdefault(manifest["pieces"][name]["file"], []).append(name)
+    for file, wanted in sorted(by_file.items()):
+        data = _load_file(path, file, manifest)
+        for n in wanted:
+            tensors = _checked_piece(path / file, n, data, manifest["pieces"][n])
+            adam = data.get("adam_step", {}).get(n)
+            if not isinstance(adam, int) or adam < 0:
+                raise CheckpointError(f"{path / file}: piece {n}: Adam step {adam!r}")
+            yield n, tensors, adam
+
+
+@dataclass
+class LoadedPieces:
+    """Pieces read back from a checkpoint: parameters and Adam state by piece name, the step,
+    and the RNG state to restore."""
+
+    params: dict[str, Tensor]
+    state: dict[str, AdamState]
+    step: int
+    rng: Tensor
 
 
 def load_pieces(
     path: str | Path, names: Iterable[str], job: ResolvedJob | None = None
 ) -> LoadedPieces:
-    """Read the named pieces (and restore the RNG), touching only the files that hold them."""
+    """Read and check the named pieces (and the RNG file), touching only the files that hold
+    them. Raises CheckpointError naming the file and piece at the first fault."""
     path = Path(path)
     manifest = read_manifest(path, job)
-    by_file: dict[str, list[str]] = {}
-    for name in names:
-        if name not in manifest["pieces"]:
-            raise CheckpointError(f"{path} has no piece {name!r}")
-        by_file.setdefault(manifest["pieces"][name], []).append(name)
     params: dict[str, Tensor] = {}
     state: dict[str, AdamState] = {}
-    for file, wanted in sorted(by_file.items()):
-        data = torch.load(path / file, map_location="cpu", weights_only=True, mmap=True)
-        for n in wanted:
-            params[n] = data["params"][n].clone()
-            state[n] = AdamState(
-                data["exp_avg"][n].clone(), data["exp_avg_sq"][n].clone(), int(data["step"][n])
-            )
-    torch.set_rng_state(torch.load(path / "rng.pt", weights_only=True))
-    return LoadedPieces(params, state, int(manifest["step"]))
+    for name, t, adam in _pieces(path, manifest, names):
+        params[name] = t["params"].clone()
+        state[name] = AdamState(t["exp_avg"].clone(), t["exp_avg_sq"].clone(), adam)
+    rng = _load_file(path, RNG, manifest).get("rng")
+    if not isinstance(rng, Tensor) or rng.dtype != torch.uint8:
+        raise CheckpointError(f"{path / RNG}: no RNG state")
+    return LoadedPieces(params, state, int(manifest["step"]), rng.clone())
+
+
+def verify(path: str | Path, job: ResolvedJob) -> None:
+    """Check the whole checkpoint (every file and piece) without keeping it: what a launcher
+    does before it starts any rank, so a bad checkpoint is refused before any collective."""
+    path = Path(path)
+    manifest = read_manifest(path, job)
+    for _ in _pieces(path, manifest, manifest["pieces"]):
+        pass
+    _load_file(path, RNG, manifest)

@@ -9,8 +9,9 @@ that this machine can carry the job's ranks, as `malleus run` does, before start
 Under torchrun (a pod), the checkpoint directory defaults to spec.checkpoint and an existing
 checkpoint there is always resumed, so a recreated worker continues the job.
 
-Exit codes: 0 done, 1 training failed, 2 bad input (manifest, plan, machine) refused before any
-process or collective starts, 130 interrupted (Ctrl-C or SIGTERM: every rank is stopped).
+Exit codes: 0 done, 1 training failed, 2 bad input (manifest, plan, machine, a checkpoint that
+fails its checks) refused before any process or collective starts, 130 interrupted (Ctrl-C or
+SIGTERM: every rank is stopped).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def load_inputs(args: argparse.Namespace, *, pod: bool = False) -> tuple[Resolve
         _check_machine(job, args)
     plan = _first_plan(job, args)
     args.switch_plans = _switch_plans(job, plan, args.switch)
-    _check_resume(job, args)
+    _check_resume(job, args, whole=not pod)
     return job, plan
 
 
@@ -181,17 +182,25 @@ def _switch_plans(job: ResolvedJob, first: Plan, specs: list[str]) -> tuple[tupl
     return tuple(out)
 
 
-def _check_resume(job: ResolvedJob, args: argparse.Namespace) -> None:
-    """A checkpoint to resume must continue this very training (same model, data, seed)."""
+def _check_resume(job: ResolvedJob, args: argparse.Namespace, *, whole: bool) -> None:
+    """A checkpoint to resume must be intact and continue this very training (same model, data,
+    seed); a broken `latest` is refused, never taken for "no checkpoint".
+
+    `whole` (locally, before any rank starts): every file's sha256 and every piece. In a pod
+    each rank checks the pointer and the manifest here, and its own files once it has joined
+    (`state.resume`), rather than every rank reading the whole model.
+    """
     if not (args.resume and args.checkpoint_dir):
         return
-    from .checkpoint import CheckpointError, latest, read_manifest
+    from .checkpoint import CheckpointError, latest, read_manifest, verify
 
-    path = latest(args.checkpoint_dir)
     try:
-        if path is not None:
+        path = latest(args.checkpoint_dir)
+        if path is not None and whole:
+            verify(path, job)
+        elif path is not None:
             read_manifest(path, job)
-    except (CheckpointError, OSError, ValueError) as e:
+    except CheckpointError as e:
         raise BadInput.one("--resume", str(e), what="arguments") from None
 
 
@@ -268,10 +277,16 @@ def _run_reference(job: ResolvedJob, args: argparse.Namespace) -> int:
 def _local_rank(
     job: ResolvedJob, plan: Plan, opts: RunOptions, port: int | None, init_timeout: float
 ) -> int:
+    from .checkpoint import CheckpointError
     from .launch import DistEnv
 
     env = DistEnv.from_env()
-    return _run(job, plan, opts, env, port if env.rank == 0 else None, init_timeout)
+    try:
+        return _run(job, plan, opts, env, port if env.rank == 0 else None, init_timeout)
+    except CheckpointError as e:  # changed since the launcher checked it: every rank refuses
+        if env.rank == 0:
+            print(f"malleus train: {e}", file=sys.stderr, flush=True)
+        return 2
 
 
 def _run(
@@ -340,8 +355,13 @@ def worker_main(argv: list[str] | None = None) -> int:
         port = args.control_port if env.local_rank == 0 else None
     else:
         port = job.spec.control_port if env.local_rank == 0 else None
+    from .checkpoint import CheckpointError
+
     try:
         return _run(job, plan, _options(args), env, port, args.init_timeout)
+    except CheckpointError as e:  # every rank refuses together (state.resume), naming the fault
+        print(f"malleus trainer: {e}", file=sys.stderr)
+        return 2
     except LaunchError as e:
         print(f"malleus trainer: {e}", file=sys.stderr)
         return 1

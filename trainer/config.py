@@ -34,6 +34,14 @@ class RunOptions:
     quiet: bool = False
     switches: tuple[tuple[int, Plan], ...] = ()
     """(step, plan): the plan is in force from that step on."""
+    report: str | None = None
+    """Rank 0 writes the run's JSON report here at the end (`--report`, trainer/report.py)."""
+    command: str = ""
+    """The command line, as the report quotes it."""
+    float64: bool = False
+    """Tests only: train in float64 throughout (masters, copies, activations, Adam), whatever
+    `spec.training.precision` says, so that any difference left between two plans cannot be
+    float32 summation order (tests/trainer/test_float64.py)."""
 
     def total_steps(self, job: ResolvedJob) -> int:
         """The run's length: `steps`, or the job's."""

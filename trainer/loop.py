@@ -14,10 +14,11 @@ import torch
 from malleus.job import ResolvedJob
 from malleus.planner import Plan
 
-from . import checkpoint
 from .config import RunOptions
+from .precision import Precision
+from .report import RunLog
 from .services import Services
-from .state import gather_full, load_checkpoint, save_atomic, save_checkpoint
+from .state import gather_full, resume, save_atomic, save_checkpoint
 from .worker import StepReport, Trainer
 
 __all__ = ["run_rank"]
@@ -38,19 +39,27 @@ def run_rank(
     world: int,
     device: torch.device,
     services: Services | None = None,
+    log: RunLog | None = None,
 ) -> list[StepReport]:
-    """Train this rank from step 0 (or the latest checkpoint) to `opts.until` or the end."""
+    """Train this rank from step 0 (or the latest checkpoint) to `opts.until` or the end;
+    `log` (rank 0, `--report`) records every step and switch."""
     steps = opts.total_steps(job)
+    precision = Precision.of(job.spec.training.precision, float64=opts.float64)
     trainer = Trainer(
-        job, plan, rank=rank, world=world, device=device, steps=steps, services=services
+        job,
+        plan,
+        rank=rank,
+        world=world,
+        device=device,
+        steps=steps,
+        services=services,
+        precision=precision,
     )
     speak = rank == 0 and not opts.quiet
     if opts.resume and opts.checkpoint_dir:
-        path = checkpoint.latest(opts.checkpoint_dir)
-        if path is not None:
-            load_checkpoint(trainer, path)
-            if speak:
-                _say(f"[malleus] resumed from {path} at step {trainer.step}")
+        path = resume(trainer, opts.checkpoint_dir)  # refuses a bad checkpoint on every rank
+        if speak and path is not None:
+            _say(f"[malleus] resumed from {path} at step {trainer.step}")
         elif speak:
             _say(f"[malleus] no checkpoint in {opts.checkpoint_dir}; starting at step 0")
     if speak:
@@ -70,6 +79,10 @@ def run_rank(
         r = trainer.train_step()
         reports.append(r)
         m = trainer.last_migration
+        if log is not None:
+            log.step(r.step, r.loss, seconds=r.seconds, rates=r.rates)
+            if m is not None and m.step == trainer.step:
+                log.switched(m)
         if speak and m is not None and m.step == trainer.step:
             _say(
                 f"[malleus] switched to plan generation {m.generation} at step {m.step}: "

@@ -12,6 +12,12 @@ Ownership of the ends (chosen so that tied and untied heads shard alike):
   the embedding's output columns are gathered across the TP group, the head's partial logits
   are summed across it. With tied embeddings the head is `embed.weight`, held by the first and
   the last stage, whose gradients are summed like any data-parallel replica's.
+- Because the ends are cut by hidden columns, the vocabulary is never padded: any vocabulary
+  size shards, and no padding row is trained or exported.
+- Grouped-query attention: `wk`/`wv` (and Qwen2's k/v biases) hold kv_heads heads. With at
+  least tp of them they are cut into tp shards like `wq`; with fewer, each piece is one kv
+  head that the tp/kv_heads consecutive shards of its query heads compute with (Megatron's
+  replicated K/V): all its holders contribute to its gradient (`ParamSpec.units`).
 - `norm.weight` (final RMSNorm) lives on every GPU of the last stage; `layers.L.*_norm.weight`
   on every GPU holding layer L. Their gradients are identical inside a TP group and summed
   across pipelines (grad_sync.py).
@@ -21,7 +27,8 @@ and the sharded stages, which feed it their local heads / ffn columns.
 
 Sizes come from `malleus.job.ModelConfig` and the number of logical shards from the job's `tp`
 (`ResolvedJob.model`, `ResolvedJob.tp`); the shapes are judged there (`ResolvedJob.faults`), so
-the code here assumes heads, ffn and hidden divide by `tp` and the head size is even.
+the code here assumes heads, ffn and hidden divide by `tp`, kv heads and tp divide one another
+and the head size is even.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ from torch import Tensor, nn
 
 from malleus.job import ModelConfig
 
+from .precision import loss_logits
+from malleus.job.presets import RopeScaling
+
 __all__ = [
     "GPT",
     "NORM_EPS",
@@ -47,32 +57,52 @@ __all__ = [
     "attention",
     "init_piece",
     "join_pieces",
+    "local_names",
+    "model_rope",
     "param_specs",
     "pieces",
     "rms_norm",
     "rope_tables",
+    "spec_table",
     "split_full",
     "swiglu",
 ]
 
 NORM_EPS = 1e-5
-ROPE_BASE = 10000.0
+"""The presets' RMSNorm epsilon (`ModelConfig.norm_eps` is the model's own)."""
 
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """A full (logical) parameter: shape, the dimension cut into tp shards, init and decay."""
+    """A full (logical) parameter: shape, the dimension cut into tp shards, init and decay.
+
+    `units` caps the pieces: K/V projections have only kv_heads heads to cut, so with fewer
+    kv heads than tp each piece is one kv head serving tp/kv_heads consecutive shards
+    (Megatron's replicated K/V). Every holder of such a piece computes its gradient from its own
+    query heads; summing over holders (grad_sync.py) gives the whole gradient.
+    """
 
     name: str
     shape: tuple[int, ...]
     split: int | None  # None: replicated (one piece, the full tensor)
-    std: float | None  # None: ones (norm weights)
+    std: float | None  # None: ones (norm weights); 0.0: zeros (biases)
     layer: int | None  # transformer layer, None for embed / norm / head
+    units: int | None = None  # at most this many pieces (kv heads); None: tp
 
     @property
     def decay(self) -> bool:
-        """Weight decay on matrices only (nanoGPT's rule), never on norm weights."""
+        """Weight decay on matrices only (nanoGPT's rule), never on norm weights or biases."""
         return len(self.shape) >= 2
+
+    def count(self, tp: int) -> int:
+        """Pieces this parameter is cut into under `tp` logical shards."""
+        if self.split is None:
+            return 1
+        return tp if self.units is None else min(tp, self.units)
+
+    def piece_of(self, shard: int, tp: int) -> int:
+        """Index of the piece that logical shard `shard` computes with."""
+        return shard * self.count(tp) // tp
 
 
 @dataclass(frozen=True)
@@ -80,7 +110,7 @@ class Piece:
     """One logical shard of a parameter (or a replicated parameter): the unit of state."""
 
     spec: ParamSpec
-    shard: int | None
+    shard: int | None  # piece index (= logical shard unless kv heads are replicated)
 
     @property
     def name(self) -> str:
@@ -90,20 +120,35 @@ class Piece:
         if self.spec.split is None:
             return self.spec.shape
         shape = list(self.spec.shape)
-        shape[self.spec.split] //= tp
+        shape[self.spec.split] //= self.spec.count(tp)
         return tuple(shape)
+
+    def serves(self, tp: int) -> range:
+        """The logical shards that compute with this piece."""
+        if self.shard is None:
+            return range(tp)
+        per = tp // self.spec.count(tp)
+        return range(self.shard * per, (self.shard + 1) * per)
 
 
 def _layer_specs(cfg: ModelConfig, layer: int) -> list[ParamSpec]:
-    C, F_ = cfg.hidden, cfg.ffn
+    C, F_, Q, KV, kv = cfg.hidden, cfg.ffn, cfg.q_width, cfg.kv_width, cfg.kv_heads
     out_std = 0.02 / math.sqrt(2 * cfg.layers)  # GPT-2: residual projections scaled by depth
     p = f"layers.{layer}."
-    return [
+    specs = [
         ParamSpec(p + "attn_norm.weight", (C,), None, None, layer),
-        ParamSpec(p + "attn.wq.weight", (C, C), 0, 0.02, layer),  # rows = heads
-        ParamSpec(p + "attn.wk.weight", (C, C), 0, 0.02, layer),
-        ParamSpec(p + "attn.wv.weight", (C, C), 0, 0.02, layer),
-        ParamSpec(p + "attn.wo.weight", (C, C), 1, out_std, layer),  # columns = heads
+        ParamSpec(p + "attn.wq.weight", (Q, C), 0, 0.02, layer),  # rows = heads
+        ParamSpec(p + "attn.wk.weight", (KV, C), 0, 0.02, layer, kv),  # rows = kv heads
+        ParamSpec(p + "attn.wv.weight", (KV, C), 0, 0.02, layer, kv),
+        ParamSpec(p + "attn.wo.weight", (C, Q), 1, out_std, layer),  # columns = heads
+    ]
+    if cfg.attention_bias:  # Qwen2: q/k/v biases, cut like their projections' rows
+        specs += [
+            ParamSpec(p + "attn.wq.bias", (Q,), 0, 0.0, layer),
+            ParamSpec(p + "attn.wk.bias", (KV,), 0, 0.0, layer, kv),
+            ParamSpec(p + "attn.wv.bias", (KV,), 0, 0.0, layer, kv),
+        ]
+    return specs + [
         ParamSpec(p + "mlp_norm.weight", (C,), None, None, layer),
         ParamSpec(p + "mlp.w1.weight", (F_, C), 0, 0.02, layer),  # rows = ffn columns
         ParamSpec(p + "mlp.w3.weight", (F_, C), 0, 0.02, layer),
@@ -123,12 +168,19 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
 
 
 @functools.cache
+def spec_table(cfg: ModelConfig) -> Mapping[str, ParamSpec]:
+    """Full parameters by canonical name."""
+    return {s.name: s for s in param_specs(cfg)}
+
+
+@functools.cache
 def pieces(cfg: ModelConfig, tp: int) -> tuple[Piece, ...]:
     """Every piece of the model cut into `tp` logical shards, in the global order used for
     collectives: by layer, then shard.
 
-    Embedding shards first, then per layer its sharded pieces shard by shard and its replicated
-    norms, then the final norm and the head shards.
+    Embedding shards first, then per layer its sharded pieces shard by shard (a replicated kv
+    piece at the first shard it serves) and its replicated norms, then the final norm and the
+    head shards.
     """
     return tuple(_pieces(cfg, tp))
 
@@ -140,7 +192,9 @@ def _pieces(cfg: ModelConfig, tp: int) -> Iterator[Piece]:
     for layer in range(cfg.layers):
         inner = _layer_specs(cfg, layer)
         for s in range(tp):
-            yield from (Piece(sp, s) for sp in inner if sp.split is not None)
+            for sp in inner:
+                if sp.split is not None and s * sp.count(tp) % tp == 0:  # first shard served
+                    yield Piece(sp, sp.piece_of(s, tp))
         yield from (Piece(sp, None) for sp in inner if sp.split is None)
     for spec in ends[1:]:
         yield from _shards_of(spec, tp)
@@ -150,7 +204,15 @@ def _shards_of(spec: ParamSpec, tp: int) -> Iterator[Piece]:
     if spec.split is None:
         yield Piece(spec, None)
     else:
-        yield from (Piece(spec, s) for s in range(tp))
+        yield from (Piece(spec, s) for s in range(spec.count(tp)))
+
+
+def local_names(spec: ParamSpec, shards: range, tp: int) -> list[str]:
+    """The pieces, in order, that a GPU computing logical shards `shards` holds of `spec`."""
+    if spec.split is None:
+        return [spec.name]
+    index = sorted({spec.piece_of(s, tp) for s in shards})
+    return [f"{spec.name}@{i}" for i in index]
 
 
 def init_piece(piece: Piece, tp: int, seed: int) -> Tensor:
@@ -158,6 +220,8 @@ def init_piece(piece: Piece, tp: int, seed: int) -> Tensor:
     shape = piece.shape(tp)
     if piece.spec.std is None:
         return torch.ones(shape)
+    if piece.spec.std == 0.0:
+        return torch.zeros(shape)
     g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(piece.name.encode())) % 2**62)
     return torch.empty(shape).normal_(0.0, piece.spec.std, generator=g)
 
@@ -169,49 +233,84 @@ def join_pieces(cfg: ModelConfig, tp: int, parts: Mapping[str, Tensor]) -> dict[
         if spec.split is None:
             out[spec.name] = parts[spec.name]
         else:
-            shards = [parts[f"{spec.name}@{s}"] for s in range(tp)]
+            shards = [parts[f"{spec.name}@{s}"] for s in range(spec.count(tp))]
             out[spec.name] = torch.cat(shards, dim=spec.split)
     return out
 
 
 def split_full(cfg: ModelConfig, tp: int, full: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Pieces from full tensors (inverse of `join_pieces`)."""
-    specs = {s.name: s for s in param_specs(cfg)}
     out: dict[str, Tensor] = {}
     for piece in pieces(cfg, tp):
-        t = full[piece.spec.name]
+        t, spec = full[piece.spec.name], piece.spec
         if piece.shard is None:
             out[piece.name] = t
         else:
-            out[piece.name] = t.chunk(tp, dim=specs[piece.spec.name].split)[piece.shard]
+            out[piece.name] = t.chunk(spec.count(tp), dim=spec.split)[piece.shard]
     return out
 
 
 # ---- the math, shared by the reference and the sharded stages ---------------------------------
 
 
-def rms_norm(x: Tensor, weight: Tensor) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float = NORM_EPS) -> Tensor:
     """x / rms(x) * weight over the last dimension."""  # (B, T, C) -> (B, T, C)
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS) * weight
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _llama3(inv: Tensor, scaling: RopeScaling) -> Tensor:
+    """Llama 3.1's frequency scaling, as transformers computes it (`rope_type: llama3`)."""
+    old = scaling.original_max_position_embeddings
+    low_wavelen = old / scaling.low_freq_factor
+    high_wavelen = old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def rope_tables(
-    sequence: int, head_dim: int, device: torch.device | None = None
+    sequence: int,
+    head_dim: int,
+    device: torch.device | None = None,
+    *,
+    theta: float = 10000.0,
+    scaling: RopeScaling | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """cos, sin of the rotary angles, each (T, head_dim/2)."""
-    inv = ROPE_BASE ** (
-        -torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
-    )
-    angles = torch.outer(torch.arange(sequence, dtype=torch.float32, device=device), inv)
+    """cos, sin of the rotary angles, each (T, head_dim/2), computed in the order transformers
+    uses (so that a Hugging Face model's logits are matched to the last bits)."""
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64).float()
+    inv = 1.0 / (theta ** (steps / head_dim))  # (d/2,)
+    if scaling is not None:
+        inv = _llama3(inv, scaling)
+    positions = torch.arange(sequence, dtype=torch.int64).float()
+    angles = (positions[:, None] * inv[None, :]).to(device)  # (T, d/2)
     return angles.cos(), angles.sin()
+
+
+def model_rope(cfg: ModelConfig, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+    """The rotary tables of a model config."""
+    return rope_tables(
+        cfg.sequence, cfg.head_dim, device, theta=cfg.rope_theta, scaling=cfg.rope_scaling
+    )
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate (first half, second half) pairs of each head by position."""  # (B, h, T, d)
     T, half = x.shape[-2], x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:T], sin[:T]  # (T, d/2)
+    c, s = cos[:T].to(x.dtype), sin[:T].to(x.dtype)  # (T, d/2)
     return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+
+
+def _project(x: Tensor, w: Tensor, b: Tensor | None, head_dim: int) -> Tensor:
+    B, T, _ = x.shape  # (B, T, C)
+    y = x @ w.T if b is None else x @ w.T + b  # (B, T, heads*d)
+    return y.view(B, T, -1, head_dim).transpose(1, 2)  # (B, heads, T, d)
 
 
 def attention(
@@ -222,20 +321,24 @@ def attention(
     wo: Tensor,
     head_dim: int,
     rope: tuple[Tensor, Tensor],
+    bias: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """Causal self-attention over the heads whose rows wq/wk/wv hold (all, or a TP slice).
+    """Causal self-attention over the query heads whose rows wq holds (all, or a TP slice) and
+    the key/value heads wk/wv hold for them (grouped-query attention: consecutive query heads
+    share a kv head).
 
     Returns this slice's contribution to the output projection: summing it over the slices of
     a layer gives the full attention output.
     """
     B, T, _ = x.shape  # (B, T, C)
-    h = wq.shape[0] // head_dim  # local heads
-    q = (x @ wq.T).view(B, T, h, head_dim).transpose(1, 2)  # (B, h, T, d)
-    k = (x @ wk.T).view(B, T, h, head_dim).transpose(1, 2)  # (B, h, T, d)
-    v = (x @ wv.T).view(B, T, h, head_dim).transpose(1, 2)  # (B, h, T, d)
+    bq, bk, bv = bias if bias is not None else (None, None, None)
+    q = _project(x, wq, bq, head_dim)  # (B, h, T, d)
+    k = _project(x, wk, bk, head_dim)  # (B, kv, T, d)
+    v = _project(x, wv, bv, head_dim)  # (B, kv, T, d)
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, h, T, d)
-    y = y.transpose(1, 2).reshape(B, T, h * head_dim)  # (B, T, h*d)
+    gqa = k.shape[1] != q.shape[1]
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, h, T, d)
+    y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, h*d)
     return y @ wo.T  # (B, T, C)
 
 
@@ -248,25 +351,27 @@ def swiglu(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        C = cfg.hidden
+        C, Q, KV, bias = cfg.hidden, cfg.q_width, cfg.kv_width, cfg.attention_bias
         self.head_dim = cfg.head_dim
-        self.wq, self.wk = nn.Linear(C, C, bias=False), nn.Linear(C, C, bias=False)
-        self.wv, self.wo = nn.Linear(C, C, bias=False), nn.Linear(C, C, bias=False)
+        self.wq, self.wk = nn.Linear(C, Q, bias=bias), nn.Linear(C, KV, bias=bias)
+        self.wv, self.wo = nn.Linear(C, KV, bias=bias), nn.Linear(Q, C, bias=False)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
         w = (self.wq.weight, self.wk.weight, self.wv.weight, self.wo.weight)
-        return attention(x, *w, self.head_dim, rope)
+        b = (self.wq.bias, self.wk.bias, self.wv.bias) if self.wq.bias is not None else None
+        return attention(x, *w, self.head_dim, rope, b)
 
 
 class MLP(nn.Module):
@@ -283,8 +388,8 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.attn_norm, self.attn = RMSNorm(cfg.hidden), Attention(cfg)
-        self.mlp_norm, self.mlp = RMSNorm(cfg.hidden), MLP(cfg)
+        self.attn_norm, self.attn = RMSNorm(cfg.hidden, cfg.norm_eps), Attention(cfg)
+        self.mlp_norm, self.mlp = RMSNorm(cfg.hidden, cfg.norm_eps), MLP(cfg)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
         x = x + self.attn(self.attn_norm(x), rope)  # (B, T, C)
@@ -299,11 +404,11 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.norm = RMSNorm(cfg.hidden)
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tied_embeddings:
             self.head.weight = self.embed.weight
-        cos, sin = rope_tables(cfg.sequence, cfg.head_dim)
+        cos, sin = model_rope(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -311,15 +416,19 @@ class GPT(nn.Module):
     def from_seed(cls, cfg: ModelConfig, tp: int, seed: int) -> GPT:
         """The model every plan of a `tp`-sharded job starts from: full tensors joined from the
         seeded pieces (each piece draws its own values, so they depend on `tp`)."""
-        model = cls(cfg)
         parts = {p.name: init_piece(p, tp, seed) for p in pieces(cfg, tp)}
-        full = join_pieces(cfg, tp, parts)
+        return cls.from_full(cfg, join_pieces(cfg, tp, parts))
+
+    @classmethod
+    def from_full(cls, cfg: ModelConfig, full: Mapping[str, Tensor]) -> GPT:
+        """The model holding these full tensors (canonical names)."""
+        model = cls(cfg)
         model.load_full_state(full)
         return model
 
     def full_state(self) -> dict[str, Tensor]:
         """Canonical full tensors (the tied head is not repeated)."""
-        names = {s.name for s in param_specs(self.cfg)}
+        names = spec_table(self.cfg)
         return {k: v.detach().clone() for k, v in self.state_dict().items() if k in names}
 
     def load_full_state(self, full: Mapping[str, Tensor]) -> None:
@@ -327,11 +436,15 @@ class GPT(nn.Module):
             for name, param in self.named_parameters():
                 param.copy_(full[name])
 
-    def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
-        """Mean cross-entropy of next-token prediction."""  # tokens, targets: (B, T)
+    def logits(self, tokens: Tensor) -> Tensor:
+        """Next-token logits."""  # tokens: (B, T) -> (B, T, V)
         rope = (self.rope_cos, self.rope_sin)
         x = self.embed(tokens)  # (B, T, C)
         for block in self.layers:
             x = block(x, rope)  # (B, T, C)
-        logits = self.head(self.norm(x))  # (B, T, V)
+        return self.head(self.norm(x))  # (B, T, V)
+
+    def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
+        """Mean cross-entropy of next-token prediction."""  # tokens, targets: (B, T)
+        logits = self.logits(tokens)  # (B, T, V)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -25,6 +25,7 @@ from malleus.job.control import MigrationRecord
 from malleus.planner import Plan, check_plan
 
 from .data import make_source, micro_batch
+from .hf import initial_pieces
 from .model import init_piece, pieces
 from .parallel import migrate
 from .parallel.grad_sync import owned_square_norm, sync_gradients
@@ -34,6 +35,7 @@ from .parallel.optim import AdamState, PieceAdamW, clip_coefficient, lr_at
 from .parallel.pipeline import LayerTimer, PipelineStage
 from .parallel.stage import StageModel
 from .parallel.tensor import CommMeter, TPGroup
+from .precision import ComputeCopies, Precision
 from .profiling import healthy_reference
 from .services import Services
 from .switch import (
@@ -86,6 +88,7 @@ class Trainer:
         services: Services | None = None,
         groups: GroupCache | None = None,
         migration_timeout_s: float = MIGRATION_TIMEOUT_S,
+        precision: Precision | None = None,
     ) -> None:
         if world != job.world:
             raise ValueError(
@@ -102,14 +105,19 @@ class Trainer:
         self.meter = CommMeter(cuda=device.type == "cuda")
         self.timer = LayerTimer(self.services.clock, self.services.profiler, self.meter, device)
         tr = self.training
-        self.source = make_source(tr.dataset, job.model.sequence, job.model.vocab, tr.seed)
+        self.source = make_source(tr.dataset, job.model.sequence, job.model.vocab, tr.seed, tr.data)
         self.step = 0
         self.layout = Layout.from_plan(plan, job.model, rank, world)
         self.groups.ensure(self.layout.member_sets())  # collective: all ranks, same order
         held = self.layout.held()
-        self.params: dict[str, Tensor] = {
-            p.name: init_piece(p, job.tp, tr.seed).to(device).requires_grad_() for p in held
+        # the job's precision unless a test asks for float64 (RunOptions.float64)
+        self.precision = precision if precision is not None else Precision.of(tr.precision)
+        master = self.precision.master
+        start = initial_pieces(job, held)  # seeded, or read slice by slice from safetensors
+        self.params: dict[str, Tensor] = {  # master pieces: what is updated, saved, migrated
+            p.name: start[p.name].to(device, master).requires_grad_() for p in held
         }
+        self.compute = ComputeCopies(self.params, self.precision)  # what the layers read
         self.optim = PieceAdamW(self.params, {p.name: p.spec.decay for p in held}, tr.weight_decay)
         self.act_shape = (tr.micro_batch_size, job.model.sequence, job.model.hidden)
         self.pipeline = self._pipeline(self.layout.place) if self.layout.place else None
@@ -133,7 +141,15 @@ class Trainer:
     def _pipeline(self, place: Place) -> PipelineStage:
         group = self.groups.get(place.group) if len(place.group) > 1 else None
         tp = TPGroup(group, place.group, place.index, self.meter)
-        model = StageModel(self.model, self.job.tp, place, self.params, tp, self.device)
+        model = StageModel(
+            self.model,
+            self.job.tp,
+            place,
+            self.compute.tensors,
+            tp,
+            self.device,
+            self.precision.compute,
+        )
         return PipelineStage(
             model,
             place,
@@ -142,6 +158,8 @@ class Trainer:
             self.timer,
             self.act_shape,
             self.device,
+            dtype=self.precision.compute,
+            recompute=self.training.activation_checkpointing,
         )
 
     def _batch(self, micro: int) -> tuple[Tensor, Tensor]:
@@ -183,6 +201,7 @@ class Trainer:
         norm = math.sqrt(stats[0])
         lr = lr_at(self.step, tr.learning_rate, tr.warmup_steps, self.steps)
         self.optim.step(lr, clip_coefficient(norm, tr.grad_clip))
+        self.compute.refresh()
 
         seconds = time.perf_counter() - t0
         report = StepReport(
@@ -227,11 +246,14 @@ class Trainer:
             self.services.note(doing)
         try:
             new = Layout.from_plan(plan, self.model, self.rank, self.world)
+            width = self.precision.master_bytes  # masters and Adam state move, never copies
             moves = migrate.plan_transfers(
-                self.layout.roles, new.roles, self.model, self.job.tp, self.job.gpus_per_node
+                self.layout.roles, new.roles, self.model, self.job.tp, self.job.gpus_per_node, width
             )
-            minimal = migrate.minimal_bytes(self.model, self.plan, plan)
-            exchange = migrate.post(moves, self.rank, self.params, self.optim.state, self.device)
+            minimal = migrate.minimal_bytes(self.model, self.plan, plan, width)
+            exchange = migrate.post(
+                moves, self.rank, self.params, self.optim.state, self.device, self.precision.master
+            )
             fault_point("migration", self.rank)
             received = exchange.wait(self.migration_timeout_s)
             settle(self.migration_timeout_s)
@@ -273,6 +295,7 @@ class Trainer:
         if received:
             raise RuntimeError(f"received pieces this rank does not hold: {sorted(received)[:4]}")
         self.params = params
+        self.compute = ComputeCopies(params, self.precision)  # copies derived anew, never moved
         self.optim.rebind(params, {p.name: p.spec.decay for p in new.held()}, state)
         self.plan, self.layout = plan, new
         self.pipeline = self._pipeline(new.place) if new.place else None
@@ -306,8 +329,9 @@ class Trainer:
         if self._bench is None:
             place = Place(-1, 0, 1, 0, (self.rank,), range(1), range(1), 1, 0)
             tp, seed = self.job.tp, self.training.seed
+            dtype = self.precision.compute  # benchmarked in the dtype it would serve in
             params = {
-                p.name: init_piece(p, tp, seed).to(self.device).requires_grad_()
+                p.name: init_piece(p, tp, seed).to(self.device, dtype).requires_grad_()
                 for p in pieces(self.model, tp)
                 if p.spec.layer == 0 and p.shard in (None, 0)
             }
@@ -318,9 +342,12 @@ class Trainer:
                 params,
                 TPGroup(None, (self.rank,), 0, self.meter),
                 self.device,
+                dtype,
             )
         bench = self._bench
-        x = torch.ones(self.act_shape, device=self.device, requires_grad=True)
+        x = torch.ones(
+            self.act_shape, dtype=self.precision.compute, device=self.device, requires_grad=True
+        )
         y = self.timer("forward", 1, lambda: bench.layer(0, x))
         self.timer("backward", 1, lambda: _backward_ones(y, x))
         for p in bench.params.values():

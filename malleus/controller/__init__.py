@@ -5,7 +5,9 @@ rates -> detect a shift (detector) -> plan (planning) -> is it worth the migrati
 (`malleus.job.StragglerPolicy`) and planning problem (`malleus.job.ResolvedJob.problem`).
 Every decision is a `DecisionEvent` with a typed payload (events).
 Where rates come from and how plans reach the trainers are the ports (RateSource, PlanSink):
-HTTP to the trainers (sources), Prometheus (prometheus), or a simulation (simulate).
+HTTP to the trainers (sources), Prometheus (prometheus), or a simulation (simulate). The
+trainers own the plan generations and the loop follows them (generations); reported rates are
+bounded and cannot write off more than a share of the job at once (guard).
 
 No torch and no Kubernetes here; prometheus-client is imported only to parse /metrics.
 """
@@ -24,9 +26,20 @@ from .events import (
     StragglerDetected,
     plan_summary,
 )
+from .generations import Generations
+from .guard import ExclusionGuard, bounded_rates
 from .loop import Controller, EventCallback, ProblemBuilder
 from .planning import Planner, PlanningTimeout, default_planner, run_planner
-from .ports import Ack, AckTimeout, Observation, PlanRejected, PlanSink, RateSource
+from .ports import (
+    Ack,
+    AckTimeout,
+    GenerationConflict,
+    Observation,
+    PlanRecords,
+    PlanRejected,
+    PlanSink,
+    RateSource,
+)
 from .prometheus import PrometheusSource, default_queries
 from .simulate import ManualClock, SimulatedJob
 from .sources import HttpPlanSink, TrainerScrapeSource
@@ -41,11 +54,15 @@ __all__ = [
     "EventCallback",
     "EventData",
     "EventKind",
+    "ExclusionGuard",
+    "GenerationConflict",
+    "Generations",
     "HttpPlanSink",
     "ManualClock",
     "Migrated",
     "MigrationModel",
     "Observation",
+    "PlanRecords",
     "PlanRejected",
     "PlanSink",
     "Planned",
@@ -62,6 +79,7 @@ __all__ = [
     "SimulatedJob",
     "StragglerDetected",
     "TrainerScrapeSource",
+    "bounded_rates",
     "decide",
     "default_planner",
     "default_queries",

@@ -4,8 +4,9 @@ The memory model is derived from the model's sizes, per *logical shard* (one of 
 every layer is cut into), because the cost model multiplies it by the shards a GPU holds:
 
 - state of one layer-shard: fp32 parameters, gradients and Adam's two moments, 16 bytes per
-  parameter (4 + 4 + 4 + 4), over the layer's parameters / tp. A layer has 4 h^2 + 4 h attention
-  weights and biases, `MLP_MATRICES` h x ffn MLP matrices plus biases, and two norms.
+  parameter (4 + 4 + 4 + 4), over the layer's parameters / tp. A layer has 2 h (q + kv) + 4 h
+  attention weights and biases (q = heads x head_dim, kv = kv_heads x head_dim: 4 h^2 without
+  grouped-query attention), `MLP_MATRICES` h x ffn MLP matrices plus biases, and two norms.
 - activations kept for one layer-shard and one in-flight micro-batch:
   micro_batch x sequence x hidden x 34 bytes / tp. This is Korthikanti et al. 2022 ("Reducing
   Activation Recomputation in Large Transformer Models", eq. 1-4): `sbh(34 + 5as/h)` bytes per
@@ -49,7 +50,8 @@ FIXED_MB = 2000.0
 def layer_parameters(cfg: ModelConfig) -> int:
     """Parameters of one transformer block (attention + MLP + two norms)."""
     h, f = cfg.hidden, cfg.ffn
-    attention = 4 * h * h + 4 * h
+    # q and o: h x heads*head_dim each; k and v: h x kv_heads*head_dim each (smaller with GQA)
+    attention = 2 * h * cfg.q_width + 2 * h * cfg.kv_width + 4 * h
     mlp = MLP_MATRICES * h * f + f + h
     norms = 4 * h
     return attention + mlp + norms
@@ -64,7 +66,9 @@ def memory_model(
     fixed_mb: float = FIXED_MB,
 ) -> MemorySpec:
     """The per-logical-shard memory model of a model config (`layers, hidden, ffn, vocab, ...`)."""
-    layer = layer_parameters(cfg) * STATE_BYTES_PER_PARAM / tp
+    # With fewer kv heads than tp each shard holds a whole (replicated) kv head: tp of them.
+    replicated = 2 * cfg.hidden * cfg.head_dim * max(tp - cfg.kv_heads, 0)
+    layer = (layer_parameters(cfg) + replicated) * STATE_BYTES_PER_PARAM / tp
     activation = micro_batch_size * cfg.sequence * cfg.hidden * ACTIVATION_BYTES / tp
     embedding = cfg.vocab * cfg.hidden * STATE_BYTES_PER_PARAM / tp
     return MemorySpec(

@@ -17,6 +17,7 @@ __all__ = [
     "GpuProfile",
     "ModelConfig",
     "Preset",
+    "RopeScaling",
     "estimate_layer_shard_seconds",
 ]
 
@@ -25,8 +26,24 @@ GpuProfile = Literal["h100-llama-70b-tp8", "h100-llama-13b-tp4", "a100-llama-7b-
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's rotary frequency scaling (Hugging Face ``rope_type: llama3``): long wavelengths
+    are divided by `factor`, short ones kept, the band between interpolated."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """Resolved transformer sizes (vocab 256 = bytes, the tiny corpus's tokenization)."""
+    """Resolved transformer sizes (vocab 256 = bytes, the tiny corpus's tokenization).
+
+    The fields after `tied_embeddings` default to the presets' multi-head attention (one K/V
+    head per query head, head size hidden/heads, rotary base 10000, RMSNorm eps 1e-5); a
+    Hugging Face config.json sets them all (`malleus.job.hf`).
+    """
 
     layers: int
     hidden: int
@@ -35,11 +52,35 @@ class ModelConfig:
     vocab: int
     sequence: int
     tied_embeddings: bool = False
+    kv_heads: int = 0
+    """Key/value heads (grouped-query attention); 0 = `heads`."""
+    head_dim: int = 0
+    """Width of one attention head; 0 = hidden // heads (Mistral-style configs may differ)."""
+    rope_theta: float = 10000.0
+    """Rotary base wavelength."""
+    rope_scaling: RopeScaling | None = None
+    """Llama 3 frequency scaling; None = plain rotary positions."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    attention_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2); never on the output projection."""
+
+    def __post_init__(self) -> None:
+        # Normalise the "same as" defaults so that equal models compare (and hash) equal.
+        if self.kv_heads == 0:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden // max(self.heads, 1))
 
     @property
-    def head_dim(self) -> int:
-        """Width of one attention head."""
-        return self.hidden // self.heads
+    def q_width(self) -> int:
+        """Rows of the query projection: heads x head_dim."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Rows of the key (and of the value) projection: kv_heads x head_dim."""
+        return self.kv_heads * self.head_dim
 
 
 PRESETS: Mapping[str, ModelConfig] = MappingProxyType(

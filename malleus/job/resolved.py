@@ -21,6 +21,10 @@ from malleus.planner.plan import Plan
 from malleus.planner.problem import MAX_RATE, MemorySpec, ModelSpec, PlanningProblem
 from malleus.planner.validate import validate_plan
 
+from pydantic.alias_generators import to_camel
+
+from .data import data_faults, data_file_faults
+from .hf import config_in, model_config, read_config
 from .load import load_job
 from .memory import memory_model, model_parameters
 from .presets import PRESETS, ModelConfig
@@ -44,10 +48,23 @@ Planner = Callable[..., Plan]
 """`planner(problem, *, time_limit=seconds) -> Plan`, e.g. `malleus.planner.search.plan`."""
 
 _SIZES = ("layers", "hidden", "heads", "ffn", "vocab", "sequence")
+_OPTIONAL = {"kv_heads": 0, "head_dim": 0}  # ModelConfig's "same as heads / hidden/heads"
 
 
 def resolve_model(model: ModelSection) -> ModelConfig:
-    """The sizes of ``spec.model``: the preset's, overridden by any size given explicitly."""
+    """The sizes of ``spec.model``: config.json's when `path` is readable here (explicit sizes
+    must then agree with it), else the preset's, overridden by any size given explicitly.
+
+    Where the folder is not readable (the operator's case) the explicit sizes are the model:
+    the trainers, which read the folder, refuse to start if config.json disagrees with them.
+    """
+    config = config_in(model.path) if model.path is not None else None
+    if config is not None:
+        if model.sequence is None:
+            raise BadInput([Fault("spec.model.sequence", "Required value: the training length")])
+        cfg = model_config(read_config(config), model.sequence, str(config))
+        _check_agreement(model, cfg, str(config))
+        return cfg
     base = PRESETS[model.preset] if model.preset is not None else None
     sizes: dict[str, int] = {}
     missing: list[Fault] = []
@@ -56,12 +73,31 @@ def resolve_model(model: ModelSection) -> ModelConfig:
         if value is None and base is not None:
             value = getattr(base, name)
         if value is None:
-            missing.append(Fault(f"spec.model.{name}", "Required value: no preset gives it"))
+            why = "no preset gives it"
+            if model.path is not None:
+                why = f"{model.path}/config.json is not readable here, so the sizes must be stated"
+            missing.append(Fault(f"spec.model.{name}", f"Required value: {why}"))
         else:
             sizes[name] = value
     if missing:
         raise BadInput(missing)
-    return ModelConfig(**sizes, tied_embeddings=model.tied_embeddings)
+    optional = {k: getattr(model, k) or default for k, default in _OPTIONAL.items()}
+    return ModelConfig(**sizes, **optional, tied_embeddings=model.tied_embeddings)
+
+
+def _check_agreement(model: ModelSection, cfg: ModelConfig, label: str) -> None:
+    """Sizes stated beside `path` (what the operator planned with) must be config.json's."""
+    faults = [
+        Fault(f"spec.model.{to_camel(name)}", f"{stated} disagrees with {label} ({getattr(cfg, name)})")
+        for name in (*_SIZES[:-1], *_OPTIONAL)
+        if (stated := getattr(model, name)) is not None and stated != getattr(cfg, name)
+    ]
+    if model.tied_embeddings and not cfg.tied_embeddings:  # false is also the CRD's default
+        faults.append(
+            Fault("spec.model.tiedEmbeddings", f"true disagrees with {label} (untied)")
+        )
+    if faults:
+        raise BadInput(faults)
 
 
 def clean_rates(rates: Mapping[int, float | None], world: int) -> dict[int, float | None]:
@@ -201,7 +237,8 @@ class ResolvedJob:
                     "a tensor-parallel group lives inside one node",
                 )
             )
-        if cfg.hidden % cfg.heads:
+        derived = self.spec.model.head_dim is None and self.spec.model.path is None
+        if derived and cfg.hidden % cfg.heads:
             faults.append(
                 Fault(
                     "spec.model.hidden",
@@ -215,6 +252,7 @@ class ResolvedJob:
                     f"head size hidden/heads = {cfg.head_dim} must be even (rotary positions)",
                 )
             )
+        faults += self._kv_faults()
         for name, unit in (
             ("heads", "attention heads"),
             ("ffn", "MLP columns"),
@@ -230,7 +268,25 @@ class ResolvedJob:
                     )
                 )
         faults += self._degree_faults()
+        faults += data_faults(spec.training, cfg.vocab)
         return faults
+
+    def _kv_faults(self) -> list[Fault]:
+        """Grouped-query attention: kv heads split into tp shards, or (fewer than tp) each
+        replicated over tp/kv shards, Megatron-style; either way the groups must tile."""
+        cfg, tp = self.model, self.tp
+        kv, where = cfg.kv_heads, "spec.model.kvHeads"
+        if cfg.heads % kv:
+            return [Fault(where, f"kvHeads({kv}) does not divide heads({cfg.heads})")]
+        if kv % tp and tp % kv:
+            return [
+                Fault(
+                    where,
+                    f"kvHeads({kv}) and tp({tp}): one must divide the other (kv heads are "
+                    "split into tp shards, or each replicated over tp/kvHeads shards)",
+                )
+            ]
+        return []
 
     def _degree_faults(self) -> list[Fault]:
         spec, tp, gpus = self.spec, self.tp, self.world
@@ -272,6 +328,19 @@ class ResolvedJob:
     def check(self) -> ResolvedJob:
         """Self, or `BadInput` listing every semantic fault."""
         faults = self.faults()
+        if faults:
+            raise BadInput(faults, self.source)
+        return self
+
+    def file_faults(self) -> list[Fault]:
+        """Faults of the data files the job names (`malleus.job.data`): judged where the files
+        are (`malleus check` / `run` / `train`, each trainer at its start), never by the operator,
+        which cannot see the trainers' volumes."""
+        return data_file_faults(self.spec.training, self.model.vocab, self.model.sequence)
+
+    def check_files(self) -> ResolvedJob:
+        """Self, or `BadInput` listing every fault of the job's data files."""
+        faults = self.file_faults()
         if faults:
             raise BadInput(faults, self.source)
         return self

@@ -18,6 +18,8 @@ from .presets import GPU_PROFILES, GpuProfile, Preset
 
 __all__ = [
     "CheckpointSpec",
+    "DataFormat",
+    "DataSpec",
     "Dataset",
     "DcgmSpec",
     "EmulationSpec",
@@ -27,15 +29,20 @@ __all__ = [
     "MetricsSpec",
     "ModelSpec",
     "ParallelismSpec",
+    "Precision",
     "PrometheusSpec",
     "ResourcesSpec",
     "ScheduleEntry",
     "StragglerPolicy",
+    "TokenDtype",
     "TrainingSpec",
 ]
 
 Dataset = Literal["tiny-corpus", "synthetic"]
+DataFormat = Literal["tokens", "hf-dataset", "text"]
+TokenDtype = Literal["uint16", "uint32"]
 MetricsSource = Literal["trainer", "prometheus"]
+Precision = Literal["fp32", "bf16"]
 
 
 class _Model(BaseModel):
@@ -59,16 +66,48 @@ class JobMetadata(BaseModel):
 
 
 class ModelSpec(_Model):
-    """A preset, or every size explicitly; explicit sizes override the preset's."""
+    """A preset, explicit sizes, or a Hugging Face folder (`path`); explicit sizes override the
+    preset's, and beside `path` they must agree with its config.json."""
 
     preset: Preset | None = None
+    """Named sizes (`malleus.job.PRESETS`)."""
+    path: str | None = None
+    """A Hugging Face model folder (config.json, *.safetensors, optional index) on the trainers'
+    volume. The operator cannot read it, so a cluster job states the sizes beside it; where the
+    folder is readable (`malleus check`, the trainers) they are checked against config.json."""
     layers: int | None = None
+    """Transformer blocks; the planner splits them into pipeline stages."""
     hidden: int | None = None
+    """Model (embedding) width."""
     heads: int | None = None
+    """Attention (query) heads."""
+    kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); unset: as many as `heads`."""
+    head_dim: int | None = None
+    """Width of one head; unset: hidden / heads."""
     ffn: int | None = None
+    """Width of the MLP's inner layer."""
     vocab: int | None = None
+    """Vocabulary size."""
     sequence: int | None = None
+    """Training sequence length in tokens (with `path`: at most max_position_embeddings)."""
     tied_embeddings: bool = False
+    """Share the input embedding with the output head (with `path`: config.json decides)."""
+
+
+class DataSpec(_Model):
+    """The user's own data (docs/data.md); the files are read by the trainers, never the operator."""
+
+    format: DataFormat
+    """tokens: one flat file of token ids; hf-dataset: a `save_to_disk` folder; text: .txt/.jsonl."""
+    path: str
+    """The token file, the dataset folder, or a text file or folder of them."""
+    dtype: TokenDtype = "uint16"
+    """tokens: width of one little-endian token id."""
+    column: str = "input_ids"
+    """hf-dataset: the column of token-id lists, packed into one stream in row order."""
+    tokenizer: str | None = None
+    """text: a folder holding tokenizer.json."""
 
 
 class TrainingSpec(_Model):
@@ -83,6 +122,14 @@ class TrainingSpec(_Model):
     grad_clip: float = 1.0
     seed: int = 1234
     dataset: Dataset = "tiny-corpus"
+    data: DataSpec | None = None
+    """The user's own data; when given it replaces `dataset`."""
+    precision: Precision = "fp32"
+    """fp32, or bf16: bf16 parameters and activations in the layers, with float32 master
+    weights, gradient reduction and Adam state (docs/trainer.md, Precision)."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in the backward instead of keeping them: less memory
+    for one more forward per layer; the same math."""
 
 
 class ParallelismSpec(_Model):
@@ -150,6 +197,11 @@ class CheckpointSpec(_Model):
     claim_name: str | None = None
     path: str = "/checkpoints"
     interval_steps: int = 0
+    keep: int = 3
+    """Checkpoints kept on disk, the newest; an older one is deleted only once a newer one is
+    complete (and finite), so a crash or a diverged run never leaves the job without one to
+    resume. More than one: the newest can be refused on load (corrupt), and a human then needs
+    an older one."""
 
 
 class ResourcesSpec(_Model):

@@ -10,13 +10,12 @@ import argparse
 import asyncio
 import datetime as dt
 import json
-import math
 import shlex
 import sys
-from pathlib import Path
 from typing import Any, TextIO
 
 from malleus.job import BadInput
+from malleus.job.report import write_json
 from malleus.job.resources import Machine
 
 from .prepare import MODES, LocalRunOptions, Prepared, ideal_step_seconds, prepare
@@ -71,24 +70,6 @@ def main(args: argparse.Namespace) -> int:
         check_resources=not args.no_resource_check,
     )
     return run(options, command=shlex.join(["malleus", "run", *sys.argv[2:]]))
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
-def write_json(obj: Any, path: str | Path) -> Path:
-    """Strict JSON (no NaN or Infinity: null instead)."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(_finite(obj), indent=1, allow_nan=False) + "\n")
-    return out
 
 
 def make_report(

@@ -22,6 +22,7 @@ from typing import Any
 
 from malleus.controller.ports import Observation, RateSource
 from malleus.job import INITIAL_GENERATION, StragglerPolicy
+from malleus.job.report import step_row
 
 __all__ = [
     "PlanSwitch",
@@ -80,15 +81,15 @@ class StepRecord:
     rates: dict[int, float | None] = field(default_factory=dict)
 
     def to_dict(self, generation: int) -> dict[str, Any]:
-        return {
-            "step": self.index,
-            "time": self.time,
-            "seconds": self.seconds,
-            "tokens_per_second": self.tokens_per_second,
-            "loss": self.loss,
-            "generation": generation,
-            "rates": {str(r): v for r, v in sorted(self.rates.items())},
-        }
+        return step_row(
+            self.index,
+            time=self.time,
+            seconds=self.seconds,
+            tokens_per_second=self.tokens_per_second,
+            loss=self.loss,
+            generation=generation,
+            rates=self.rates,
+        )
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from malleus.controller.events import (
     StragglerDetected,
     plan_summary,
 )
+from malleus.job.report import generation_segments
 
 from .record import PlanSwitch
 
@@ -66,27 +67,6 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def _finite(x: float) -> float | None:
     """A cost-model step time, None when infinite (a plan that cannot run), as in its JSON."""
     return x if math.isfinite(x) else None
-
-
-def generation_segments(rows: Sequence[Mapping[str, Any]], tokens_per_step: int) -> list[dict]:
-    """Per plan generation: its steps, mean tokens/s (tokens over summed step time), median step."""
-    by_gen: dict[int, list[Mapping[str, Any]]] = {}
-    for row in rows:
-        by_gen.setdefault(int(row["generation"]), []).append(row)
-    out = []
-    for gen, steps in sorted(by_gen.items()):
-        secs = [r["seconds"] for r in steps if r.get("seconds")]
-        out.append(
-            {
-                "generation": gen,
-                "first_step": min(r["step"] for r in steps),
-                "last_step": max(r["step"] for r in steps),
-                "steps": len(steps),
-                "mean_tokens_per_second": tokens_per_step * len(secs) / sum(secs) if secs else None,
-                "median_step_seconds": _median(secs),
-            }
-        )
-    return out
 
 
 def plan_changes(

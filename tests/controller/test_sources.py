@@ -19,13 +19,14 @@ from malleus.controller import (
     AckTimeout,
     Controller,
     EventKind,
+    GenerationConflict,
     HttpPlanSink,
     PlanRejected,
     TrainerScrapeSource,
 )
 from malleus.controller.sources import ack_from_status, observation_from_metrics
 from malleus.job import StragglerPolicy
-from malleus.job.control import ControlStatus, MigrationRecord, PlanFailure
+from malleus.job.control import ControlClient, ControlStatus, MigrationRecord, PlanFailure
 from malleus.planner import Plan
 from malleus.trainer.control import ControlServer
 from malleus.trainer.metrics import TrainerMetrics
@@ -133,6 +134,14 @@ def test_observation_from_metrics_filters_by_job_and_needs_a_step() -> None:
     assert observation_from_metrics("# nothing here\n") is None
 
 
+def test_observation_from_metrics_drops_series_that_contradict_the_layout() -> None:
+    m = TrainerMetrics(JOB, rank=0, node=0)
+    m.observe_rates({0: 2.0, 5: 3.0, 9: 4.0, 6: 1.5}, {0: 0, 5: 0, 9: 2, 6: 1})
+    obs = observation_from_metrics(m.render().decode(), JOB, world=8, gpus_per_node=4)
+    # rank 5 is on node 1, not 0; the job has no rank 9
+    assert obs is not None and obs.rates == {0: 2.0, 6: 1.5}
+
+
 def test_plan_sink_publishes_and_waits_for_the_switch(
     coordinator: Coordinator, builder: Any
 ) -> None:
@@ -144,9 +153,12 @@ def test_plan_sink_publishes_and_waits_for_the_switch(
         ack = await sink.wait_applied(1, timeout=5)
         assert (ack.generation, ack.migration_seconds, ack.migration_bytes) == (1, 0.25, 4e6)
         assert ack.step == coordinator.step  # the first step under the new plan
-        with pytest.raises(PlanRejected) as stale:
+        with pytest.raises(GenerationConflict) as stale:
             await sink.publish(plan)
-        assert stale.value.status == 409
+        assert (stale.value.status, stale.value.generation, stale.value.newest) == (409, 1, 1)
+        with pytest.raises(GenerationConflict) as ahead:  # the next generation or nothing
+            await sink.publish(plan.model_copy(update={"generation": 10**30}))
+        assert (ahead.value.generation, ahead.value.newest) == (1, 1)
         bad = plan.model_copy(update={"generation": 2, "excluded": [0]})
         with pytest.raises(PlanRejected) as invalid:
             await sink.publish(bad)
@@ -225,3 +237,40 @@ def test_the_controller_over_http(
         EventKind.MIGRATED,
     ]
     assert coordinator.applied[0].excluded == [2, 3]
+
+
+def test_the_controller_over_http_follows_a_plan_posted_by_hand(
+    coordinator: Coordinator, builder: Any, initial_plan: Plan
+) -> None:
+    """A person's POST /plan moved the trainers' counter: the controller, which has no record
+    of that plan, follows the generation and its own plan is the next one, applied."""
+    by_hand = initial_plan.model_copy(update={"generation": initial_plan.generation + 1})
+    with ControlClient(coordinator.url, TOKEN) as client:
+        assert client.post_plan(by_hand) == 1
+    coordinator.train_step()
+
+    async def next_step(_: float) -> None:
+        if coordinator.step >= 5:
+            coordinator.rates[3] = 4.0
+        coordinator.train_step()
+
+    async def main() -> Controller:
+        stop = asyncio.Event()
+        c = Controller(
+            TrainerScrapeSource(coordinator.url, job=JOB, sleep=next_step),
+            HttpPlanSink(coordinator.url, TOKEN, poll_seconds=0.01),
+            initial_plan=initial_plan,
+            problem_builder=builder,
+            policy=StragglerPolicy(),
+            planner=greedy_planner,
+            on_event=lambda e: stop.set() if e.kind is EventKind.MIGRATED else None,
+            ack_timeout_seconds=5,
+        )
+        await asyncio.wait_for(c.run(stop), timeout=10)
+        c.close()
+        return c
+
+    c = asyncio.run(main())
+    assert [p.generation for p in coordinator.applied] == [1, 2]
+    assert c.plan.generation == 2 and c.plan.excluded == [2, 3]
+    assert not [e for e in c.history if e.kind is EventKind.REPLAN_FAILED]

@@ -117,7 +117,7 @@ def test_server_defaults(k8s_apiserver: ApiServer, k8s_namespace: str) -> None:
         "smClockMetric": "DCGM_FI_DEV_SM_CLOCK",
         "clockEventReasonsMetric": "DCGM_FI_DEV_CLOCKS_EVENT_REASONS",
     }
-    assert spec["checkpoint"] == {"path": "/checkpoints", "intervalSteps": 0}
+    assert spec["checkpoint"] == {"path": "/checkpoints", "intervalSteps": 0, "keep": 3}
     assert spec["resources"] == {"gpuMemoryMiB": 81559}
     assert spec["emulation"] == {"enabled": False, "layerForwardMs": 10, "layerBackwardMs": 20}
     assert spec["controlPort"] == 8040 and spec["model"]["tiedEmbeddings"] is False

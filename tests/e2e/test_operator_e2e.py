@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pytest
 import yaml
 
-from malleus.job.control import ControlClient, ControlError
+from malleus.job.control import ControlClient, ControlError, ControlTLS
 from tests.e2e.pods import LocalKubelet, listen_port
 from tests.k8s.apiserver import ApiServerError, wait_until
 
@@ -62,8 +62,9 @@ class Operator:
             *("--liveness", "", "--metrics-port", "0", "--ack-timeout", "60"),
             # The test cluster serves the core API only (no networking.k8s.io).
             "--no-network-policies",
-            # Every pod runs on 127.0.0.1; node 0 keeps the control port of its manifest.
-            *("--endpoint-template", "http://{pod_ip}:{port}"),
+            # Every pod runs on 127.0.0.1; node 0 keeps the control port of its manifest and
+            # serves HTTPS, verified for its stable DNS name (which does not resolve here).
+            *("--endpoint-template", "https://{pod_ip}:{port}"),
         ]
         with log.open("wb") as out:
             self.process = subprocess.Popen(
@@ -346,15 +347,24 @@ def test_a_job_runs_replans_around_a_straggler_and_is_deleted(
     for pod in world.children("pods", JOB):
         assert pod["status"]["phase"] == "Running" and pod["status"]["podIP"] == "127.0.0.1"
     first_step, first_generation = running["step"], running["plan"]["generation"]
-    coordinator = kubelet.control_url(f"{JOB}-node-0")
-    assert coordinator == f"http://127.0.0.1:{port}"  # where the operator's template points
+    served = kubelet.control_url(f"{JOB}-node-0")
+    assert served == f"http://127.0.0.1:{port}"  # where the operator's template points
+    coordinator = served.replace("http:", "https:", 1)  # the Secret's certificate, mounted
+    ca = base64.b64decode(secret["data"]["ca.crt"]).decode()
+    trust = ControlTLS(ca, server_name=f"{JOB}-node-0.{JOB}.{ns}.svc")
 
-    # A straggler: writes need the Secret's token.
+    # A straggler: writes need the Secret's token, and a client that trusts the job's CA.
+    with ControlClient(coordinator, token) as client, pytest.raises(ControlError) as e:
+        client.inject(STRAGGLER, FACTOR)
+    assert e.value.code is None and "CERTIFICATE_VERIFY_FAILED" in str(e.value)
     for refused in (None, "wrong"):
-        with ControlClient(coordinator, refused) as client, pytest.raises(ControlError) as e:
+        with (
+            ControlClient(coordinator, refused, tls=trust) as client,
+            pytest.raises(ControlError) as e,
+        ):
             client.inject(STRAGGLER, FACTOR)
         assert e.value.code == 401
-    with ControlClient(coordinator, token) as client:
+    with ControlClient(coordinator, token, tls=trust) as client:
         client.inject(STRAGGLER, FACTOR)
 
     def replanned() -> dict[str, Any] | None:
@@ -381,7 +391,7 @@ def test_a_job_runs_replans_around_a_straggler_and_is_deleted(
     assert conditions["Ready"]["status"] == "True", conditions
     generation = after["plan"]["generation"]
     # The trainers run that plan (their own word), the ConfigMap holds it, training goes on.
-    with ControlClient(coordinator) as client:
+    with ControlClient(coordinator, tls=trust) as client:
         coord = client.status()
     assert coord.generation >= generation, coord
     cm = store.get("configmaps", ns, f"{JOB}-config")

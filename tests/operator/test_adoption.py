@@ -218,3 +218,24 @@ def test_a_planted_secret_is_refused_by_the_real_cluster_path(
     assert [c["metadata"]["name"] for c in k8s_cluster.core.list("configmaps", ns)] == [
         "demo-config"
     ]
+
+
+def test_a_resumed_pending_job_does_not_adopt_a_replaced_secret(
+    kube: Kube, memo: kopf.Memo, make_job: Any
+) -> None:
+    """After an operator restart, re-creating what a Pending job lacks refuses a Secret that
+    was swapped for a planted one while the operator was away."""
+    body = make_job()
+    kube.add_job(body)
+    patch = kopf.Patch()
+    asyncio.run(handlers.on_create(body=body, patch=patch, memo=memo))
+    kube.merge_status("ml", "demo", patch["status"])
+    kube.remove("Secret", "ml", "demo-control")
+    kube.put("Secret", _planted_secret())
+    resumed = kopf.Patch()
+    with pytest.raises(kopf.TemporaryError, match="Secret/demo-control"):
+        asyncio.run(handlers.on_resume(body=kube.job("ml", "demo"), patch=resumed, memo=memo))
+    ready = [c for c in resumed["status"]["conditions"] if c["type"] == "Ready"]
+    assert [c["reason"] for c in ready] == ["NameConflict"]
+    secret = kube.get("Secret", "ml", "demo-control")
+    assert secret is not None and secret["data"]["token"] == KNOWN_TOKEN

@@ -7,20 +7,29 @@ TLS on 127.0.0.1 with a certificate issued for ``localhost``, and the clients of
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import datetime as dt
 import socket
 import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from malleus.job.control import ControlClient, ControlError, ControlStatus, ControlTLS
-from malleus.operator import tls
-from malleus.operator.resources import JobRef
+from malleus.job.control import (
+    AsyncControlClient,
+    ControlClient,
+    ControlError,
+    ControlStatus,
+    ControlTLS,
+)
+from malleus.operator import jobs, tls, workers
+from malleus.operator.resources import JobRef, coordinator_host
 from malleus.trainer.control import ControlServer
 from malleus.trainer.credentials import (
     TLS_CERT_ENV,
@@ -175,3 +184,49 @@ def test_the_trainer_finds_its_certificate_and_address_in_the_environment(
         load_tls({TLS_CERT_ENV: str(cert), TLS_KEY_ENV: str(tmp_path / "missing")})
     assert control_host({}) == "127.0.0.1"
     assert control_host({"POD_IP": "10.1.2.3"}) == "10.1.2.3"
+
+
+def test_the_pods_serve_what_the_secret_holds_and_the_operator_trusts(
+    make_job: Any, tmp_path: Path
+) -> None:
+    """Secret -> pod mount and env -> the trainer's `load_tls` -> a client verifying node 0's
+    stable name with the Secret's CA, as the daemon does (here reached by IP)."""
+    job = jobs.resolve(make_job())
+    ref = JobRef("ml", "demo", uid="u-1")
+    certs = tls.issue(tls.worker_names(ref, job.nodes), dt.datetime.now(dt.UTC))
+    kids = workers.build_children(job, ref, job.initial_plan(), "tok", certificates=certs)
+    secret = next(c for c in kids if c["kind"] == "Secret")
+    files = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert files == {"token": "tok", **certs.secret_data()}
+    pod = next(c for c in kids if c["kind"] == "Pod")
+    container = pod["spec"]["containers"][0]
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == workers.TLS_MOUNT)
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    for item in volume["secret"]["items"]:  # the kubelet's copy of the mounted keys
+        (tmp_path / item["path"]).write_text(files[item["key"]])
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert next(e["valueFrom"] for e in container["env"] if e["name"] == "POD_IP") == {
+        "fieldRef": {"fieldPath": "status.podIP"}
+    }
+    local = {k: v.replace(workers.TLS_MOUNT, str(tmp_path)) for k, v in env.items() if v}
+    served = ControlServer(control_host({**local, "POD_IP": "127.0.0.1"}), 0, TOKEN,
+                           status=status, inbox=None, metrics=None, inject=None,
+                           tls=load_tls(local))  # fmt: skip
+    trust = ControlTLS(files[tls.CA_KEY], server_name=coordinator_host(ref))
+    with served, ControlClient(served.url, TOKEN, tls=trust) as client:
+        assert served.url.startswith("https://127.0.0.1:")
+        assert client.status().job == "demo"
+
+
+def test_the_async_client_verifies_alike(served: Served, certs: tls.JobCertificates) -> None:
+    async def session() -> tuple[int, bool]:
+        trust = ControlTLS(certs.ca, server_name="localhost")  # as the daemon: by IP, by name
+        async with AsyncControlClient(served.url("127.0.0.1"), TOKEN, tls=trust) as client:
+            await client.inject(0, 3.0)
+            generation = (await client.status()).generation
+        async with AsyncControlClient(served.url(), TOKEN, timeout=2.0) as untrusting:
+            return generation, await untrusting.healthz()
+
+    assert asyncio.run(session()) == (1, False)
+    assert served.injections.drain() == {0: 3.0}

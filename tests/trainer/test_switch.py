@@ -152,14 +152,14 @@ def _operate(url: str, seen: dict[str, Any]) -> None:
     client = ControlClient(url, TOKEN, timeout=10)
     try:
         _until(client, lambda s: s.generation == 1)  # the pinned --switch
-        c = Plan.model_validate(TIED_C | {"generation": 5})
+        c = Plan.model_validate(TIED_C | {"generation": 2})  # the next one: the only one taken
         seen["post"] = client.post_plan(c)
         seen["again"] = _refusal(lambda: client.post_plan(c))
         stale = Plan.model_validate(TIED_A | {"generation": 1})
         seen["stale"] = _refusal(lambda: client.post_plan(stale))
-        gap = sc.plan_dict((8, [([0, 1], 0, 3)]), excluded=[2, 3]) | {"generation": 9}
+        gap = sc.plan_dict((8, [([0, 1], 0, 3)]), excluded=[2, 3]) | {"generation": 3}
         seen["invalid"] = _refusal(lambda: client.post_plan(Plan.model_validate(gap)))
-        seen["status"] = _until(client, lambda s: s.generation == 5)
+        seen["status"] = _until(client, lambda s: s.generation == 2)
         seen["metrics"] = client.metrics_text()
         seen["anonymous"] = _refusal(lambda: ControlClient(url, None).stop())
         seen["stop"] = _refusal(client.stop)
@@ -187,20 +187,20 @@ def test_live_switches_over_http_then_stop_with_a_checkpoint(
     operator.join(timeout=30)
     assert rc == 0 and "error" not in seen, seen
 
-    assert seen["post"] == 5
+    assert seen["post"] == 2
     assert isinstance(seen["again"], PlanConflict) and isinstance(seen["stale"], PlanConflict)
     assert isinstance(seen["invalid"], BadInput) and seen["invalid"].faults
     status = seen["status"]
     mig = status.last_migration
     resolved = ResolvedJob.load(str(job))
     b = Plan.model_validate(TIED_B)
-    assert mig is not None and mig.generation == 5 and 2 < mig.step <= status.step
+    assert mig is not None and mig.generation == 2 and 2 < mig.step <= status.step
     assert mig.bytes == minimal_bytes(resolved.model, b, Plan(**TIED_C))
-    assert status.pending_generation is None and status.generation == 5
+    assert status.pending_generation is None and status.generation == 2
     metrics = seen["metrics"]
     assert _gauge(metrics, "malleus_migration_bytes") == mig.bytes
     assert _gauge(metrics, "malleus_migration_seconds") == pytest.approx(mig.seconds)
-    assert _gauge(metrics, "malleus_plan_generation") == 5
+    assert _gauge(metrics, "malleus_plan_generation") == 2
     assert set(parse_rates(metrics)) <= set(range(4))
     anonymous = seen["anonymous"]
     assert isinstance(anonymous, ControlError) and anonymous.code == 401  # writes need the token
@@ -210,7 +210,7 @@ def test_live_switches_over_http_then_stop_with_a_checkpoint(
     path = latest(ckpt)
     manifest = read_manifest(path)
     step = manifest["step"]
-    assert mig.step <= step < 60 and manifest["plan_generation"] == 5
+    assert mig.step <= step < 60 and manifest["plan_generation"] == 2
     loaded = load_pieces(path, [p.name for p in pieces(resolved.model, 2)], resolved)
     got = join_pieces(resolved.model, 2, loaded.params)
     assert tc.rel_diff(got, reference(resolved, step)) <= TOL

@@ -109,8 +109,13 @@ def _stage_pieces(
             held = first or (last and cfg.tied_embeddings)
         else:  # norm.weight, head.weight
             held = last
-        if held and (piece.shard is None or piece.shard in shards):
+        if held and (piece.shard is None or _meets(piece.serves(tp), shards)):
             yield piece
+
+
+def _meets(a: range, b: range) -> bool:
+    """Whether two shard ranges overlap (a replicated kv piece serves several shards)."""
+    return a.start < b.stop and b.start < a.stop
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ alone. A piece goes to each new holder that lacks it, from one of its current ho
 on the receiver's node first, then the sender with the fewest bytes assigned so far, so the
 volume is the minimum (`minimal_bytes`, computed independently from the planner's `holdings`)
 and spread over the senders. A piece travels with its optimizer state: parameter, both Adam
-moments and the step count, `3n + 1` elements.
+moments and the step count, `3n + 1` elements, in the masters' dtype: under `precision: bf16`
+the float32 master weights and Adam state move and each receiver derives its bf16 copies from
+them (trainer/precision.py), so a switch changes no bit of the training state.
 
 The executing half (`post` then `Exchange.wait`) packs, per (sender, receiver) pair, the pieces
 in canonical order into one flat buffer and posts every pair in one `batch_isend_irecv`, so
@@ -48,8 +50,7 @@ __all__ = [
 ]
 
 MIGRATE_TAG = 3  # pipeline traffic uses 1 and 2
-STATE_DTYPE = torch.float32
-_ELEMENT_BYTES = 4
+MASTER_BYTES = 4  # float32 masters and Adam state (float64 in tests: 8)
 
 
 def state_elements(numel: int) -> int:
@@ -65,6 +66,7 @@ class Transfer:
     src: int
     dst: int
     shape: tuple[int, ...]
+    element_bytes: int = MASTER_BYTES
 
     @property
     def numel(self) -> int:
@@ -72,7 +74,7 @@ class Transfer:
 
     @property
     def nbytes(self) -> int:
-        return state_elements(self.numel) * _ELEMENT_BYTES
+        return state_elements(self.numel) * self.element_bytes
 
 
 @dataclass(frozen=True)
@@ -114,9 +116,10 @@ def plan_transfers(
     cfg: ModelConfig,
     tp: int,
     gpus_per_node: int,
+    element_bytes: int = MASTER_BYTES,
 ) -> MigrationPlan:
     """The transfers from the holders of `old` to those of `new` (Layout.roles of two plans of
-    a model cut into `tp` logical shards)."""
+    a model cut into `tp` logical shards, state of `element_bytes` per element)."""
     load: dict[int, int] = defaultdict(int)  # bytes assigned to each sender so far
     out: list[Transfer] = []
     for piece in pieces(cfg, tp):
@@ -125,7 +128,7 @@ def plan_transfers(
         for dst in sorted(set(new[piece.name].holders) - set(before)):
             node = dst // gpus_per_node
             src = min(before, key=lambda r: (r // gpus_per_node != node, load[r], r))
-            t = Transfer(piece.name, src, dst, shape)
+            t = Transfer(piece.name, src, dst, shape, element_bytes)
             load[src] += t.nbytes
             out.append(t)
     return MigrationPlan(tuple(out))
@@ -134,22 +137,26 @@ def plan_transfers(
 # ---- the minimal volume, from the planner's holdings -----------------------------------------
 
 
-def unit_pieces(cfg: ModelConfig, units: set[Unit]) -> set[str]:
+def unit_pieces(cfg: ModelConfig, units: set[Unit], tp: int | None = None) -> set[str]:
     """The trainer's pieces behind a rank's planner units (`malleus.planner.cost.holdings`).
 
     A ("layer", L, s) unit is shard s of every sharded weight of layer L; holding any shard of a
     layer also means holding its (replicated) norms. An ("emb", 0, s) unit is `embed.weight@s`;
     a ("head", 0, s) unit is `head.weight@s` (`embed.weight@s` when tied: one piece, not two)
-    plus the final norm.
+    plus the final norm. With fewer kv heads than `tp` (needed then) shard s holds the kv piece
+    that serves it (`ParamSpec.piece_of`).
     """
     head = "embed.weight" if cfg.tied_embeddings else "head.weight"
     first = [spec for spec in param_specs(cfg) if spec.layer == 0]
-    sharded = {spec.name.removeprefix("layers.0.") for spec in first if spec.split is not None}
+    sharded = {spec.name.removeprefix("layers.0."): spec for spec in first if spec.split is not None}
     norms = {spec.name.removeprefix("layers.0.") for spec in first if spec.split is None}
     out: set[str] = set()
     for kind, layer, shard in units:
         if kind == "layer":
-            out.update(f"layers.{layer}.{n}@{shard}" for n in sharded)
+            out.update(
+                f"layers.{layer}.{n}@{sp.piece_of(shard, tp) if tp else shard}"
+                for n, sp in sharded.items()
+            )
             out.update(f"layers.{layer}.{n}" for n in norms)
         elif kind == "emb":
             out.add(f"embed.weight@{shard}")
@@ -160,15 +167,17 @@ def unit_pieces(cfg: ModelConfig, units: set[Unit]) -> set[str]:
     return out
 
 
-def minimal_bytes(cfg: ModelConfig, old: Plan, new: Plan) -> int:
+def minimal_bytes(
+    cfg: ModelConfig, old: Plan, new: Plan, element_bytes: int = MASTER_BYTES
+) -> int:
     """Bytes a change from `old` to `new` must move at least: every piece (with its optimizer
     state) that a rank holds under `new` and did not hold under `old`, once per such rank."""
     tp = new.tp
-    size = {p.name: state_elements(prod(p.shape(tp))) * _ELEMENT_BYTES for p in pieces(cfg, tp)}
+    size = {p.name: state_elements(prod(p.shape(tp))) * element_bytes for p in pieces(cfg, tp)}
     before = holdings(old)
     total = 0
     for rank, units in holdings(new).items():
-        lacking = unit_pieces(cfg, units) - unit_pieces(cfg, before.get(rank, set()))
+        lacking = unit_pieces(cfg, units, tp) - unit_pieces(cfg, before.get(rank, set()), tp)
         total += sum(size[n] for n in lacking)
     return total
 
@@ -191,9 +200,9 @@ def _pack(
     parts: list[Tensor] = []
     for t in ts:
         p, st = params[t.piece].detach(), state[t.piece]
-        step = torch.full((1,), float(st.step), dtype=STATE_DTYPE, device=p.device)
+        step = torch.full((1,), float(st.step), dtype=p.dtype, device=p.device)
         parts += [p.reshape(-1), st.exp_avg.reshape(-1), st.exp_avg_sq.reshape(-1), step]
-    return torch.cat([x.to(STATE_DTYPE) for x in parts])  # (sum of 3n+1,)
+    return torch.cat(parts)  # (sum of 3n+1,) in the masters' dtype
 
 
 def _unpack(ts: list[Transfer], buf: Tensor) -> dict[str, tuple[Tensor, AdamState]]:
@@ -242,8 +251,10 @@ def post(
     params: Mapping[str, Tensor],
     state: Mapping[str, AdamState],
     device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> Exchange:
-    """Post this rank's sends and receives of `plan`, all at once, in the global pair order."""
+    """Post this rank's sends and receives of `plan`, all at once, in the global pair order;
+    `dtype` is the masters' (every rank's pieces and Adam state share it)."""
     ops: list[tuple[str, int, list[Transfer], Tensor]] = []
     p2p: list[dist.P2POp] = []
     for src, dst in plan.pairs():
@@ -256,7 +267,7 @@ def post(
             p2p.append(dist.P2POp(dist.isend, buf, dst, tag=MIGRATE_TAG))
         else:
             buf = torch.empty(
-                sum(state_elements(t.numel) for t in ts), dtype=STATE_DTYPE, device=device
+                sum(state_elements(t.numel) for t in ts), dtype=dtype, device=device
             )
             ops.append(("recv", src, ts, buf))
             p2p.append(dist.P2POp(dist.irecv, buf, src, tag=MIGRATE_TAG))

@@ -5,6 +5,11 @@ forward and one backward, then drains the warm-up backwards (Megatron's non-inte
 schedule). Sends and receives that meet in the steady state are batched (isend/irecv issued
 together, then waited on), so no two neighbours block on each other. Every layer's forward and
 backward is timed separately from communication and charged to the (optionally emulated) clock.
+
+Activations travel in the compute dtype (bf16 under `precision: bf16`). With activation
+checkpointing each layer keeps only its input between forward and backward and recomputes the
+rest (`torch.utils.checkpoint`, non-reentrant); the recomputation runs the layer's TP
+collectives again, which stays in step because every GPU of a TP group runs the same schedule.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from .layout import Place
 from .stage import StageModel
@@ -95,11 +101,15 @@ class PipelineStage:
         timer: LayerTimer,
         act_shape: tuple[int, ...],
         device: torch.device,
+        *,
+        dtype: torch.dtype = torch.float32,
+        recompute: bool = False,
     ) -> None:
         self.model, self.place, self.batch = model, place, batch
         self.total = total_micro_batches
         self.timer = timer
-        self.act_shape, self.device = act_shape, device
+        self.act_shape, self.device, self.dtype = act_shape, device, dtype
+        self.recompute = recompute  # activation checkpointing, per layer
         self.shards = len(place.shards)
         self.loss_sum = 0.0
 
@@ -138,7 +148,7 @@ class PipelineStage:
         """Post a receive and sends together and wait for all of them."""
         ops, buf = [], None
         if recv is not None and recv[0] is not None:
-            buf = torch.empty(self.act_shape, device=self.device)
+            buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
             ops.append(dist.P2POp(dist.irecv, buf, recv[0], tag=recv[1]))
         if send is not None and send[0] is not None:
             ops += [dist.P2POp(dist.isend, send[0], dst, tag=send[2]) for dst in send[1]]
@@ -158,7 +168,7 @@ class PipelineStage:
             assert received is not None
             x = received.requires_grad_()
         for layer in self.place.layers:
-            y = self.timer("forward", self.shards, lambda x=x, layer=layer: model.layer(layer, x))
+            y = self.timer("forward", self.shards, lambda x=x, layer=layer: self._layer(layer, x))
             st.layer_io.append((x, y))
             x = y.detach().requires_grad_()
         if not self.place.last:
@@ -167,6 +177,12 @@ class PipelineStage:
         st.head_input, st.loss = x, model.loss(x, targets)
         self.loss_sum += float(st.loss.detach())
         return None, st
+
+    def _layer(self, layer: int, x: Tensor) -> Tensor:
+        if not self.recompute:
+            return self.model.layer(layer, x)
+        out: Tensor = checkpoint(self.model.layer, layer, x, use_reentrant=False)
+        return out
 
     def _backward(self, st: _InFlight, grad: Tensor | None) -> Tensor | None:
         if self.place.last:

@@ -16,7 +16,8 @@ from torch import Tensor
 
 from malleus.job import ModelConfig
 
-from ..model import attention, rms_norm, rope_tables, swiglu
+from ..model import attention, local_names, model_rope, rms_norm, spec_table, swiglu
+from ..precision import loss_logits
 from .layout import Place
 from .tensor import TPGroup, copy_to_group, gather_from_group, reduce_from_group
 
@@ -35,16 +36,22 @@ class StageModel:
         params: Mapping[str, Tensor],
         tp: TPGroup,
         device: torch.device,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.cfg, self.place, self.params, self.tp = cfg, place, params, tp
+        self.degree, self.specs = degree, spec_table(cfg)
         self.shards = place.shards
-        self.rope = rope_tables(cfg.sequence, cfg.head_dim, device)
+        # computed in float32, applied in the compute dtype (as transformers does)
+        cos, sin = model_rope(cfg, device)
+        self.rope = (cos.to(dtype), sin.to(dtype))
         width = cfg.hidden // degree  # hidden columns per logical shard (embedding / head)
         self.columns = slice(self.shards.start * width, self.shards.stop * width)
 
     def _local(self, name: str, dim: int) -> Tensor:
-        """This GPU's slice of a sharded weight: its pieces concatenated along `dim`."""
-        parts = [self.params[f"{name}@{s}"] for s in self.shards]
+        """This GPU's slice of a sharded weight: its pieces concatenated along `dim` (a kv
+        head serving several of its shards is one piece, taken once)."""
+        names = local_names(self.specs[name], self.shards, self.degree)
+        parts = [self.params[n] for n in names]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
     def embed(self, tokens: Tensor) -> Tensor:
@@ -55,18 +62,24 @@ class StageModel:
     def layer(self, layer: int, x: Tensor) -> Tensor:
         """One transformer block on this GPU's heads and ffn columns."""  # (b, T, C)
         p, tp = f"layers.{layer}.", self.tp
-        h = copy_to_group(rms_norm(x, self.params[p + "attn_norm.weight"]), tp)  # (b, T, C)
+        eps = self.cfg.norm_eps
+        h = copy_to_group(rms_norm(x, self.params[p + "attn_norm.weight"], eps), tp)  # (b, T, C)
+        bias = None
+        if self.cfg.attention_bias:  # (h_local*d,), (kv_local*d,) x 2
+            bq, bk, bv = (self._local(p + f"attn.w{n}.bias", 0) for n in "qkv")
+            bias = (bq, bk, bv)
         a = attention(
             h,
             self._local(p + "attn.wq.weight", 0),  # (h_local*d, C)
-            self._local(p + "attn.wk.weight", 0),
+            self._local(p + "attn.wk.weight", 0),  # (kv_local*d, C)
             self._local(p + "attn.wv.weight", 0),
             self._local(p + "attn.wo.weight", 1),  # (C, h_local*d)
             self.cfg.head_dim,
             self.rope,
+            bias,
         )  # (b, T, C) partial over heads
         x = x + reduce_from_group(a, tp)  # (b, T, C)
-        h = copy_to_group(rms_norm(x, self.params[p + "mlp_norm.weight"]), tp)
+        h = copy_to_group(rms_norm(x, self.params[p + "mlp_norm.weight"], eps), tp)
         m = swiglu(
             h,
             self._local(p + "mlp.w1.weight", 0),  # (F_local, C)
@@ -77,8 +90,8 @@ class StageModel:
 
     def loss(self, x: Tensor, targets: Tensor) -> Tensor:
         """Final norm, head (partial logits over hidden columns, summed) and mean CE."""
-        h = copy_to_group(rms_norm(x, self.params["norm.weight"]), self.tp)  # (b, T, C)
+        h = copy_to_group(rms_norm(x, self.params["norm.weight"], self.cfg.norm_eps), self.tp)
         head = "embed.weight" if self.cfg.tied_embeddings else "head.weight"
         w = self._local(head, 1)  # (V, C_local)
         logits = reduce_from_group(h[..., self.columns] @ w.T, self.tp)  # (b, T, V)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return F.cross_entropy(loss_logits(logits).flatten(0, 1), targets.flatten())

@@ -1,0 +1,150 @@
+"""A Hugging Face model folder's config.json, read and judged without torch.
+
+`spec.model.path` names a folder as `save_pretrained` writes it (config.json, *.safetensors,
+maybe model.safetensors.index.json). The trainer executes one decoder (trainer/model.py:
+RMSNorm, rotary positions, SwiGLU, grouped-query attention), so a config is accepted exactly
+when that decoder computes what the config describes: Llama, Mistral without a sliding window
+narrower than the training sequence, and Qwen2 (its q/k/v biases are sharded by heads like the
+projections' rows). Everything else is refused here, naming the config field and what is
+supported, so `malleus check` refuses it before any trainer starts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from malleus.errors import BadInput, Fault
+
+from .presets import ModelConfig, RopeScaling
+
+__all__ = ["CONFIG", "SUPPORTED", "config_in", "model_config", "read_config"]
+
+CONFIG = "config.json"
+SUPPORTED = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+"""Architectures the trainer's decoder computes exactly, with their model_type."""
+
+WHERE = "spec.model.path"
+
+
+def config_in(folder: str | Path) -> Path | None:
+    """The folder's config.json when it is readable here (the operator never sees the folder)."""
+    path = Path(folder) / CONFIG
+    return path if path.is_file() else None
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """config.json as a dict; `BadInput` naming the file if it is no JSON object."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadInput([Fault(WHERE, f"{path}: not a readable JSON config: {e}")]) from None
+    if not isinstance(data, dict):
+        raise BadInput([Fault(WHERE, f"{path}: not a JSON object")])
+    return data
+
+
+def _rope(config: Mapping[str, Any], say: Any) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from transformers 5's `rope_parameters` or 4.x's rope_theta/rope_scaling."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        say("rope_parameters", f"rope_type {kind!r}; supported: default, llama3")
+        return theta, None
+    try:
+        scaling = RopeScaling(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        say("rope_parameters", f"llama3 scaling lacks or mistypes {e}")
+        return theta, None
+    return theta, scaling
+
+
+def model_config(config: Mapping[str, Any], sequence: int, label: str = CONFIG) -> ModelConfig:
+    """The trainer's `ModelConfig` for a Hugging Face config, training `sequence` tokens long.
+
+    `BadInput` with one fault per unsupported or missing field, each naming it
+    (``spec.model.path: config.json architectures: ['GPT2LMHeadModel']; supported: ...``).
+    """
+    faults: list[Fault] = []
+
+    def say(field: str, message: str) -> None:
+        faults.append(Fault(WHERE, f"{label} {field}: {message}"))
+
+    archs = config.get("architectures") or []
+    kind = config.get("model_type")
+    if len(archs) != 1 or archs[0] not in SUPPORTED or SUPPORTED[archs[0]] != kind:
+        say("architectures", f"{archs} (model_type {kind!r}); supported: {', '.join(SUPPORTED)}")
+        raise BadInput(faults)
+    sizes: dict[str, int] = {}
+    for field in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size"):
+        value = config.get(field)
+        if not isinstance(value, int) or value < 1:
+            say(field, f"{value!r} is not a positive integer")
+        else:
+            sizes[field] = value
+    vocab = config.get("vocab_size")
+    if not isinstance(vocab, int) or vocab < 2:
+        say("vocab_size", f"{vocab!r} is not an integer >= 2")
+    if faults:
+        raise BadInput(faults)
+    heads = sizes["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    if heads % kv:
+        say("num_key_value_heads", f"{kv} does not divide num_attention_heads({heads})")
+    head_dim = config.get("head_dim") or sizes["hidden_size"] // heads
+    if config.get("head_dim") is None and sizes["hidden_size"] % heads:
+        say("hidden_size", f"{sizes['hidden_size']} is not divisible by num_attention_heads")
+    if config.get("hidden_act", "silu") != "silu":
+        say("hidden_act", f"{config.get('hidden_act')!r}; supported: silu (SwiGLU)")
+    if config.get("mlp_bias"):
+        say("mlp_bias", "MLP biases are not supported")
+    bias = kind == "qwen2"  # Qwen2's q/k/v projections always carry biases
+    if kind == "llama" and config.get("attention_bias"):
+        say("attention_bias", "Llama's attention biases include o_proj's; not supported")
+    window = config.get("sliding_window")
+    windowed = kind == "mistral" or config.get("use_sliding_window")
+    if windowed and window is not None and window < sequence:
+        say("sliding_window", f"{window} < sequence({sequence}); supported: no sliding window")
+    if config.get("attention_dropout", 0.0):
+        say("attention_dropout", "dropout is not supported")
+    if config.get("num_local_experts") or config.get("num_experts"):
+        say("num_experts", "mixture-of-experts layers are not supported")
+    if config.get("pretraining_tp", 1) != 1:
+        say("pretraining_tp", f"{config['pretraining_tp']}; supported: 1")
+    limit = config.get("max_position_embeddings")
+    if isinstance(limit, int) and sequence > limit:
+        faults.append(
+            Fault("spec.model.sequence", f"{sequence} exceeds max_position_embeddings({limit})")
+        )
+    theta, scaling = _rope(config, say)
+    if faults:
+        raise BadInput(faults)
+    return ModelConfig(
+        layers=sizes["num_hidden_layers"],
+        hidden=sizes["hidden_size"],
+        heads=heads,
+        ffn=sizes["intermediate_size"],
+        vocab=int(vocab),  # type: ignore[arg-type]
+        sequence=sequence,
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        kv_heads=kv,
+        head_dim=head_dim,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        attention_bias=bias,
+    )
