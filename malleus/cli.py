@@ -67,6 +67,16 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     runner_cli.add_arguments(r)
     r.set_defaults(func=runner_cli.main)
+
+    d = sub.add_parser("data", help="prepare training data (docs/data.md)")
+    data = d.add_subparsers(dest="data_command", required=True)
+    prep = data.add_parser(
+        "prepare", help="tokenize .txt / .jsonl files once into the tokens format"
+    )
+    from malleus.trainer import prepare_data  # cheap: numpy and tokenizers load when it runs
+
+    prepare_data.add_arguments(prep)
+    prep.set_defaults(func=prepare_data.main)
     return parser
 
 
@@ -161,6 +171,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     try:
         job = ResolvedJob.load(args.job)
         plan = job.initial_plan()
+        job.check_files()  # the data files, as the trainers will read them
     except BadInput as error:
         if args.json:
             faults = [{"path": f.path, "message": f.message} for f in error.faults]

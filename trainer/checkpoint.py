@@ -26,7 +26,6 @@ with `weights_only=True` and only from inside the checkpoint's directory.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -36,7 +35,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +43,8 @@ from torch import Tensor
 
 from malleus.job import ResolvedJob
 
+from . import checkpoint_files as files
+from .checkpoint_files import KINDS, MANIFEST, CheckpointError
 from .model import pieces
 from .parallel.optim import AdamState
 
@@ -62,13 +63,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FORMAT = 2
-LATEST, MANIFEST, RNG = "latest", "manifest.json", "rng.pt"
-KINDS = ("params", "exp_avg", "exp_avg_sq")
+LATEST, RNG = "latest", "rng.pt"
 _STEP_NAME = re.compile(r"step-(\d{8})")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed; the message names the file (and piece) and why."""
 
 
 def _identity(job: ResolvedJob) -> dict[str, Any]:
@@ -79,6 +75,7 @@ def _identity(job: ResolvedJob) -> dict[str, Any]:
         "model": asdict(job.model) | {"tp": job.tp},
         "seed": training.seed,
         "dataset": training.dataset,
+        "data": training.data.model_dump(mode="json") if training.data is not None else None,
         "global_batch": training.global_batch_size,
         "micro_batch": training.micro_batch_size,
     }
@@ -99,65 +96,6 @@ def checkpoints(directory: str | Path) -> list[Path]:
 
 
 # ---- writing --------------------------------------------------------------------------------
-class _Hashing:
-    """A file wrapper torch.save writes through: the sha256 is taken of the bytes as they go
-    to disk, so a checkpoint costs no second read and no in-memory copy of the file."""
-
-    def __init__(self, f: BinaryIO) -> None:
-        self.f, self.sha, self.size = f, hashlib.sha256(), 0
-
-    def write(self, data: bytes) -> int:
-        self.sha.update(data)
-        self.size += len(data)
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def _save_hashed(obj: object, path: Path) -> dict[str, Any]:
-    """torch.save `obj` to `path`, fsync'd; returns its manifest entry {sha256, bytes}."""
-    with open(path, "wb") as f:
-        out = _Hashing(f)
-        torch.save(obj, out)
-        f.flush()
-        os.fsync(f.fileno())
-    return {"sha256": out.sha.hexdigest(), "bytes": out.size}
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _digest(manifest: Mapping[str, Any]) -> str:
-    """The manifest's own sha256: of its canonical JSON without the `sha256` field."""
-    body = {k: v for k, v in manifest.items() if k != "sha256"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def _describe(tensors: Mapping[str, Tensor]) -> dict[str, Any]:
-    """A piece's manifest entry: its shape, each kind's dtype, and whether all are finite."""
-    return {
-        "shape": list(tensors["params"].shape),
-        "dtypes": {k: str(t.dtype).removeprefix("torch.") for k, t in tensors.items()},
-        "finite": all(bool(torch.isfinite(t).all()) for t in tensors.values()),
-    }
-
-
 def save(
     directory: str | Path,
     step: int,
@@ -178,8 +116,8 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
-    files: dict[str, Any] = {}
-    described: dict[str, Any] = {}
+    written: dict[str, Any] = {}  # file name -> {sha256, bytes}
+    described: dict[str, Any] = {}  # piece name -> {file, shape, dtypes, finite}
     mine = sorted(name for name, owner in owners.items() if owner == rank)
     if mine:
         tmp.mkdir(parents=True, exist_ok=True)  # made by rank 0 already on a shared volume
@@ -191,16 +129,16 @@ def save(
             "exp_avg_sq": {n: state[n].exp_avg_sq.cpu() for n in mine},
             "adam_step": {n: state[n].step for n in mine},
         }
-        files[name] = _save_hashed(payload, tmp / name)
+        written[name] = files.save_hashed(payload, tmp / name)
         for n in mine:
-            described[n] = {"file": name, **_describe({k: payload[k][n] for k in KINDS})}
+            described[n] = {"file": name, **files.describe({k: payload[k][n] for k in KINDS})}
     if rank == 0:
-        files[RNG] = _save_hashed({"step": step, "rng": torch.get_rng_state()}, tmp / RNG)
+        written[RNG] = files.save_hashed({"step": step, "rng": torch.get_rng_state()}, tmp / RNG)
     reports: list[Any] = [None] * dist.get_world_size() if rank == 0 else []
-    dist.gather_object((files, described), reports if rank == 0 else None, dst=0)
+    dist.gather_object((written, described), reports if rank == 0 else None, dst=0)
     if rank == 0:
         for their_files, their_pieces in reports:
-            files.update(their_files)
+            written.update(their_files)
             described.update(their_pieces)
         if set(described) != set(owners):
             raise CheckpointError(
@@ -213,11 +151,11 @@ def save(
             "plan_generation": generation,
             "saved_at": time.time(),
             **_identity(job),
-            "files": dict(sorted(files.items())),
+            "files": dict(sorted(written.items())),
             "pieces": dict(sorted(described.items())),
         }
-        manifest["sha256"] = _digest(manifest)
-        _write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        manifest["sha256"] = files.digest(manifest)
+        files.write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
         _publish(directory, tmp, final)
         if all(p["finite"] for p in described.values()):  # a diverged run keeps the good ones
             _prune(directory, step, job.spec.checkpoint.keep)
@@ -236,8 +174,8 @@ def _publish(directory: Path, tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
-    _fsync_dir(directory)
-    _write_text_atomic(directory / LATEST, final.name)
+    files.fsync_dir(directory)
+    files.write_text_atomic(directory / LATEST, final.name)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -253,16 +191,6 @@ def _prune(directory: Path, step: int, keep: int) -> None:
 
 
 # ---- reading --------------------------------------------------------------------------------
-def _inside(root: Path, name: object, source: Path) -> Path:
-    """`root/name`, refused unless it resolves (symlinks too) to a path inside `root`."""
-    if not isinstance(name, str) or not name:
-        raise CheckpointError(f"{source}: {name!r} is not a file name")
-    path = (root / name).resolve()
-    if not path.is_relative_to(root.resolve()) or path == root.resolve():
-        raise CheckpointError(f"{source}: {name!r} points outside {root}")
-    return path
-
-
 def latest(directory: str | Path) -> Path | None:
     """The checkpoint `directory/latest` names; None only when `directory` holds none at all.
 
@@ -285,7 +213,7 @@ def latest(directory: str | Path) -> Path | None:
         raise CheckpointError(f"{pointer}: unreadable ({e})") from None
     if not _STEP_NAME.fullmatch(name):
         raise CheckpointError(f"{pointer}: {name[:80]!r} is not a checkpoint name (step-NNNNNNNN)")
-    path = _inside(directory, name, pointer)
+    path = files.inside(directory, name, pointer)
     if not (path / MANIFEST).is_file():
         raise CheckpointError(f"{pointer} names {name}, but {path / MANIFEST} does not exist")
     return path
@@ -304,7 +232,7 @@ def read_manifest(path: str | Path, job: ResolvedJob | None = None) -> dict[str,
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise CheckpointError(f"{file}: format {found}, expected {FORMAT}")
-    if manifest.get("sha256") != _digest(manifest):
+    if manifest.get("sha256") != files.digest(manifest):
         raise CheckpointError(f"{file} was changed after it was written (its sha256 differs)")
     named = _STEP_NAME.fullmatch(path.name)
     if named is None or manifest.get("step") != int(named[1]):
@@ -313,7 +241,7 @@ def read_manifest(path: str | Path, job: ResolvedJob | None = None) -> dict[str,
         )
     try:
         for name in manifest["files"]:
-            _inside(path, name, file)
+            files.inside(path, name, file)
         for piece, entry in manifest["pieces"].items():
             if entry["file"] not in manifest["files"]:
                 raise CheckpointError(f"{file}: piece {piece} is in {entry['file']!r}, not listed")
@@ -342,63 +270,6 @@ def _check_identity(path: Path, manifest: dict[str, Any], job: ResolvedJob) -> N
             )
 
 
-def _load_file(path: Path, name: str, manifest: dict[str, Any]) -> dict[str, Any]:
-    """One payload file: its size and sha256 as recorded, loaded with weights_only, its step
-    the manifest's. Any failure names the file."""
-    file = _inside(path, name, path / MANIFEST)
-    entry = manifest["files"].get(name)
-    if entry is None:
-        raise CheckpointError(f"{path / MANIFEST} lists no {name}")
-    try:
-        size = file.stat().st_size
-        if size != entry["bytes"]:
-            raise CheckpointError(f"{file}: {size} bytes, the manifest recorded {entry['bytes']}")
-        sha = hashlib.sha256()
-        with open(file, "rb") as f:
-            while chunk := f.read(1 << 22):
-                sha.update(chunk)
-        if sha.hexdigest() != entry["sha256"]:
-            raise CheckpointError(
-                f"{file}: sha256 {sha.hexdigest()[:16]}... differs from the manifest's"
-            )
-        data = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except CheckpointError:
-        raise
-    except Exception as e:  # whatever a file does to the loader, it is this file's fault
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise CheckpointError(f"{file}: unreadable ({type(e).__name__}: {first})") from None
-    if not isinstance(data, dict) or data.get("step") != manifest["step"]:
-        found = data.get("step") if isinstance(data, dict) else None
-        raise CheckpointError(f"{file}: holds step {found!r}, the manifest says {manifest['step']}")
-    return data
-
-
-def _checked_piece(
-    file: Path, name: str, data: dict[str, Any], entry: dict[str, Any]
-) -> dict[str, Tensor]:
-    """A piece's tensors, each with the recorded shape and dtype and finite."""
-    out = {}
-    for kind in KINDS:
-        where = f"{file}: piece {name} ({kind})"
-        t = data.get(kind, {}).get(name) if isinstance(data.get(kind), dict) else None
-        if not isinstance(t, Tensor):
-            raise CheckpointError(f"{where}: missing")
-        if list(t.shape) != entry["shape"]:
-            raise CheckpointError(
-                f"{where}: shape {tuple(t.shape)}, expected {tuple(entry['shape'])}"
-            )
-        dtype = str(t.dtype).removeprefix("torch.")
-        if dtype != entry["dtypes"].get(kind):
-            raise CheckpointError(f"{where}: dtype {dtype}, expected {entry['dtypes'].get(kind)}")
-        if not bool(torch.isfinite(t).all()):
-            how = (
-                "it was saved so" if not entry["finite"] else "the manifest recorded finite values"
-            )
-            raise CheckpointError(f"{where}: holds NaN or inf ({how})")
-        out[kind] = t
-    return out
-
-
 def _pieces(
     path: Path, manifest: dict[str, Any], names: Iterable[str]
 ) -> Iterator[tuple[str, dict[str, Tensor], int]]:
@@ -409,13 +280,9 @@ def _pieces(
             raise CheckpointError(f"{path / MANIFEST} has no piece {name!r}")
         by_file.setdefault(manifest["pieces"][name]["file"], []).append(name)
     for file, wanted in sorted(by_file.items()):
-        data = _load_file(path, file, manifest)
+        data = files.load_file(path, file, manifest)
         for n in wanted:
-            tensors = _checked_piece(path / file, n, data, manifest["pieces"][n])
-            adam = data.get("adam_step", {}).get(n)
-            if not isinstance(adam, int) or adam < 0:
-                raise CheckpointError(f"{path / file}: piece {n}: Adam step {adam!r}")
-            yield n, tensors, adam
+            yield n, *files.checked_piece(path / file, n, data, manifest["pieces"][n])
 
 
 @dataclass
@@ -441,7 +308,7 @@ def load_pieces(
     for name, t, adam in _pieces(path, manifest, names):
         params[name] = t["params"].clone()
         state[name] = AdamState(t["exp_avg"].clone(), t["exp_avg_sq"].clone(), adam)
-    rng = _load_file(path, RNG, manifest).get("rng")
+    rng = files.load_file(path, RNG, manifest).get("rng")
     if not isinstance(rng, Tensor) or rng.dtype != torch.uint8:
         raise CheckpointError(f"{path / RNG}: no RNG state")
     return LoadedPieces(params, state, int(manifest["step"]), rng.clone())
@@ -454,4 +321,4 @@ def verify(path: str | Path, job: ResolvedJob) -> None:
     manifest = read_manifest(path, job)
     for _ in _pieces(path, manifest, manifest["pieces"]):
         pass
-    _load_file(path, RNG, manifest)
+    files.load_file(path, RNG, manifest)

@@ -17,7 +17,9 @@ SIGTERM: every rank is stopped).
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from malleus.errors import BadInput, Fault
@@ -43,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--until", type=int, help="stop after this many steps; --resume continues later"
     )
     parser.add_argument("--save-model", metavar="PATH", help="write the final full state dict")
+    parser.add_argument(
+        "--report",
+        metavar="FILE",
+        help="write the run's JSON report here (per_step: step, loss, seconds, rates, ...), "
+        "as malleus run does",
+    )
     parser.add_argument(
         "--reference", action="store_true", help="train in one process, no parallelism"
     )
@@ -109,7 +117,8 @@ def judge(args: argparse.Namespace) -> ResolvedJob:
     if args.steps is not None and args.steps < 1:
         raise BadInput.one("--steps", f"{args.steps}: need at least 1", what="arguments")
     try:
-        return ResolvedJob.load(args.job).check()
+        # The data files too: they are where this command runs (in a pod, on its volume).
+        return ResolvedJob.load(args.job).check().check_files()
     except BadInput as error:
         raise BadInput(error.faults, error.source or args.job, what=error.what) from None
 
@@ -217,6 +226,8 @@ def _options(args: argparse.Namespace) -> RunOptions:
         log_every=max(1, args.log_every),
         quiet=args.quiet,
         switches=args.switch_plans,
+        report=args.report,
+        command=shlex.join(sys.argv),
     )
 
 
@@ -245,15 +256,28 @@ def main(args: argparse.Namespace) -> int:
     from .launch import Interrupted, LaunchError, spawn_local
 
     port = None if args.control_port in (None, -1) else args.control_port
+    opts = _options(args)
+    if opts.report:
+        Path(opts.report).unlink(missing_ok=True)  # rank 0 writes it; absent if rank 0 died
     try:
-        spawn_local(job.world, _local_rank, (job, plan, _options(args), port, args.init_timeout))
+        spawn_local(job.world, _local_rank, (job, plan, opts, port, args.init_timeout))
     except Interrupted as e:
         print(f"malleus train: {e}", file=sys.stderr)
+        _failure_report(job, opts, 130, str(e))
         return 130
     except LaunchError as e:  # a rank failed; its traceback was printed by that process
         print(f"malleus train: training failed: {e}", file=sys.stderr)
+        _failure_report(job, opts, 1, f"training failed: {e}")
         return 1
     return 0
+
+
+def _failure_report(job: ResolvedJob, opts: RunOptions, code: int, reason: str) -> None:
+    """`--report` of a run whose rank 0 was stopped or died before writing its own."""
+    if opts.report and not Path(opts.report).exists():
+        from .report import failure_report
+
+        failure_report(job, opts.report, opts.total_steps(job), code, reason, opts.command)
 
 
 def _run_reference(job: ResolvedJob, args: argparse.Namespace) -> int:
@@ -262,11 +286,18 @@ def _run_reference(job: ResolvedJob, args: argparse.Namespace) -> int:
 
     steps = args.steps if args.steps is not None else job.steps
 
+    from .report import RunLog
+
+    record = RunLog(job, None, steps, mode="reference", command=shlex.join(sys.argv))
+
     def log(step: int, loss: float) -> None:
+        record.step(step, loss)
         if not args.quiet and ((step + 1) % max(1, args.log_every) == 0):
             print(f"[malleus] reference step {step + 1}/{steps} loss {loss:.4f}", flush=True)
 
     result = train_reference(job, steps=steps, until=args.until, log=log)
+    if args.report:
+        record.write(args.report, 0)
     if args.save_model:
         save_atomic(result.full_state(), args.save_model)
         if not args.quiet:
@@ -303,6 +334,7 @@ def _run(
 
     from .launch import init_distributed, note_writer
     from .loop import run_rank
+    from .report import RunLog
     from .services import Services
 
     device = init_distributed(env, init_timeout_s=init_timeout)
@@ -315,10 +347,26 @@ def _run(
     services = Services.create(job, env.rank, control_port=port, steps=steps)
     if env.rank == 0:
         services.note = note_writer(env)
+    report = opts.report if env.rank == 0 else None
+    log = RunLog(job, plan, steps, command=opts.command) if report else None
     try:
         run_rank(
-            job, plan, opts, rank=env.rank, world=env.world_size, device=device, services=services
+            job,
+            plan,
+            opts,
+            rank=env.rank,
+            world=env.world_size,
+            device=device,
+            services=services,
+            log=log,
         )
+    except BaseException as e:  # the report says how far it got and why it ended
+        if log is not None and report:
+            log.write(report, 1, f"rank 0 failed: {type(e).__name__}: {e}")
+        raise
+    else:
+        if log is not None and report:
+            log.write(report, 0)
     finally:
         services.close()
         dist.destroy_process_group()

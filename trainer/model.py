@@ -44,9 +44,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from malleus.job import ModelConfig
+from malleus.job.presets import RopeScaling
 
 from .precision import loss_logits
-from malleus.job.presets import RopeScaling
 
 __all__ = [
     "GPT",
@@ -148,7 +148,8 @@ def _layer_specs(cfg: ModelConfig, layer: int) -> list[ParamSpec]:
             ParamSpec(p + "attn.wk.bias", (KV,), 0, 0.0, layer, kv),
             ParamSpec(p + "attn.wv.bias", (KV,), 0, 0.0, layer, kv),
         ]
-    return specs + [
+    return [
+        *specs,
         ParamSpec(p + "mlp_norm.weight", (C,), None, None, layer),
         ParamSpec(p + "mlp.w1.weight", (F_, C), 0, 0.02, layer),  # rows = ffn columns
         ParamSpec(p + "mlp.w3.weight", (F_, C), 0, 0.02, layer),
@@ -254,8 +255,10 @@ def split_full(cfg: ModelConfig, tp: int, full: Mapping[str, Tensor]) -> dict[st
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = NORM_EPS) -> Tensor:
-    """x / rms(x) * weight over the last dimension."""  # (B, T, C) -> (B, T, C)
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    """x / rms(x) * weight over the last dimension; bf16 input is normalised in float32 and
+    cast back before the weight, as transformers' LlamaRMSNorm does."""  # (B, T, C)
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
 def _llama3(inv: Tensor, scaling: RopeScaling) -> Tensor:
@@ -446,5 +449,5 @@ class GPT(nn.Module):
 
     def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
         """Mean cross-entropy of next-token prediction."""  # tokens, targets: (B, T)
-        logits = self.logits(tokens)  # (B, T, V)
+        logits = loss_logits(self.logits(tokens))  # (B, T, V), at least float32
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

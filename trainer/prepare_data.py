@@ -1,5 +1,8 @@
 """Text to token ids with a Hugging Face `tokenizer.json`, and `malleus data prepare`.
 
+Importing it is cheap (the `malleus` command builds its parser from it): numpy and tokenizers
+load when something runs.
+
 The `text` data format tokenizes its files when a trainer starts (every rank, in memory): right
 for a few megabytes. For more, `malleus data prepare --tokenizer DIR INPUT... -o OUT.bin` writes
 the `tokens` format once (streaming, with progress), and the job points at the file.
@@ -21,19 +24,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from malleus.errors import BadInput, Fault
 from malleus.job.data import TEXT_SUFFIXES, text_files, tokenizer_vocab
 
 if TYPE_CHECKING:
+    import numpy as np
     from tokenizers import Tokenizer
 
 __all__ = ["Encoder", "add_arguments", "main", "prepare"]
 
 _PIECE_BYTES = 1 << 20  # a long .txt is encoded this many bytes (whole lines) at a time
 _BATCH = 16  # pieces per encode_batch call (the tokenizer runs them on its own threads)
-_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+_DTYPES = {"uint16": "<u2", "uint32": "<u4"}  # the tokens format is little-endian
 
 
 def _eos_id(folder: Path, tokenizer: Tokenizer) -> int | None:
@@ -78,6 +80,8 @@ class Encoder:
             progress(done)
 
     def _encode(self, batch: list[tuple[str, bool]]) -> Iterator[np.ndarray]:
+        import numpy as np
+
         encodings = self.tokenizer.encode_batch([t for t, _ in batch], add_special_tokens=False)
         for (_, ends_document), encoding in zip(batch, encodings, strict=True):
             ids = encoding.ids

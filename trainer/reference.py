@@ -9,10 +9,9 @@ masters, gradients and torch's AdamW state, as the trainer does (trainer/precisi
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import copy
 
 import torch
 from torch import Tensor

@@ -94,12 +94,20 @@ class RunLog:
             initial_plan=self.initial_plan,
         )
 
-    def write(self, path: str, code: int, reason: str) -> None:
+    def write(self, path: str, code: int, reason: str | None = None) -> None:
+        """The report to `path`; `reason` None: "done", or where the run stopped."""
+        if reason is None:
+            done = len(self.rows) and self.rows[-1]["step"] + 1
+            reason = (
+                "done"
+                if done == self.total_steps
+                else f"stopped after step {done} of {self.total_steps}"
+            )
         write_json(self.report(code, reason), path)
 
 
 def failure_report(
-    job: ResolvedJob, path: str, total_steps: int, reason: str, command: str = ""
+    job: ResolvedJob, path: str, total_steps: int, code: int, reason: str, command: str = ""
 ) -> None:
     """The report of a run whose rank 0 died before writing its own: the exit, no steps."""
     write_json(
@@ -110,7 +118,7 @@ def failure_report(
             started=_now(),
             wall_seconds=None,
             total_steps=total_steps,
-            code=1,
+            code=code,
             reason=reason,
             rows=[],
             switches=[],

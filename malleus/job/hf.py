@@ -84,9 +84,10 @@ def model_config(config: Mapping[str, Any], sequence: int, label: str = CONFIG) 
     def say(field: str, message: str) -> None:
         faults.append(Fault(WHERE, f"{label} {field}: {message}"))
 
-    archs = config.get("architectures") or []
+    archs = config.get("architectures") or []  # absent when a config alone was saved
     kind = config.get("model_type")
-    if len(archs) != 1 or archs[0] not in SUPPORTED or SUPPORTED[archs[0]] != kind:
+    known = SUPPORTED.get(archs[0]) if len(archs) == 1 else None
+    if kind not in SUPPORTED.values() or (archs and known != kind):
         say("architectures", f"{archs} (model_type {kind!r}); supported: {', '.join(SUPPORTED)}")
         raise BadInput(faults)
     sizes: dict[str, int] = {}

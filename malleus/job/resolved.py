@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from pydantic.alias_generators import to_camel
+
 from malleus.errors import BadInput, Fault
 from malleus.planner.plan import Plan
 from malleus.planner.problem import MAX_RATE, MemorySpec, ModelSpec, PlanningProblem
 from malleus.planner.validate import validate_plan
-
-from pydantic.alias_generators import to_camel
 
 from .data import data_faults, data_file_faults
 from .hf import config_in, model_config, read_config
@@ -88,14 +88,15 @@ def resolve_model(model: ModelSection) -> ModelConfig:
 def _check_agreement(model: ModelSection, cfg: ModelConfig, label: str) -> None:
     """Sizes stated beside `path` (what the operator planned with) must be config.json's."""
     faults = [
-        Fault(f"spec.model.{to_camel(name)}", f"{stated} disagrees with {label} ({getattr(cfg, name)})")
+        Fault(
+            f"spec.model.{to_camel(name)}",
+            f"{stated} disagrees with {label} ({getattr(cfg, name)})",
+        )
         for name in (*_SIZES[:-1], *_OPTIONAL)
         if (stated := getattr(model, name)) is not None and stated != getattr(cfg, name)
     ]
     if model.tied_embeddings and not cfg.tied_embeddings:  # false is also the CRD's default
-        faults.append(
-            Fault("spec.model.tiedEmbeddings", f"true disagrees with {label} (untied)")
-        )
+        faults.append(Fault("spec.model.tiedEmbeddings", f"true disagrees with {label} (untied)"))
     if faults:
         raise BadInput(faults)
 

@@ -120,10 +120,11 @@ def ideal_step_seconds(prepared: Prepared) -> list[float] | None:
 
 
 def _judge(options: LocalRunOptions) -> ResolvedJob:
-    """The job as `malleus check` judges it: schema, CEL and semantic faults, naming the file."""
+    """The job as `malleus check` judges it: schema, CEL and semantic faults, then its data
+    files (the trainers run here), naming the file."""
     if options.steps is not None and options.steps < 1:
         raise BadInput.one("--steps", f"{options.steps}: need at least 1", what="arguments")
-    return ResolvedJob.load(options.job).check()
+    return ResolvedJob.load(options.job).check().check_files()
 
 
 def prepare(options: LocalRunOptions, machine: Machine | None = None) -> Prepared:

@@ -176,6 +176,9 @@ def test_a_daemon_restarted_between_publish_and_ack_converges(
                 trainers["hold"] = False
             await until(lambda: shown()["plan"]["generation"] == 2, seconds=5)
             await until(lambda: shown()["phase"] == "Running", seconds=5)
+            cm = kube.get("ConfigMap", "ml", "demo-config")  # recorded before the status
+            assert cm is not None and "pending-plan.json" not in cm["data"]
+            assert Plan.from_json(cm["data"]["plan.json"]).generation == 2
             trainers["slow"] = {3, 5}  # a later re-plan: the next generation, applied
             await until(lambda: inbox.current_generation == 3)
             await until(lambda: shown()["plan"]["generation"] == 3)

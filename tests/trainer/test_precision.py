@@ -22,6 +22,7 @@ tc = importlib.import_module("trainer_cases")
 pc = importlib.import_module("precision_cases")
 
 from malleus.trainer.launch import spawn_local  # noqa: E402
+from malleus.trainer.model import GPT  # noqa: E402
 from malleus.trainer.parallel.migrate import minimal_bytes  # noqa: E402
 from malleus.trainer.reference import train_reference  # noqa: E402
 
@@ -29,9 +30,14 @@ STEPS = 6
 MODEL = {"layers": 4}
 FP32 = tc.small_job(1, 4, model=MODEL, training={"steps": STEPS})
 BF16 = tc.small_job(1, 4, model=MODEL, training={"steps": STEPS, "precision": "bf16"})
-FP32_AC = tc.small_job(1, 4, model=MODEL, training={"steps": STEPS, "activationCheckpointing": True})
+FP32_AC = tc.small_job(
+    1, 4, model=MODEL, training={"steps": STEPS, "activationCheckpointing": True}
+)
 BF16_AC = tc.small_job(
-    1, 4, model=MODEL, training={"steps": STEPS, "precision": "bf16", "activationCheckpointing": True}
+    1,
+    4,
+    model=MODEL,
+    training={"steps": STEPS, "precision": "bf16", "activationCheckpointing": True},
 )
 
 HETERO = tc.plan([(7, [([0, 1], (0, 2)), ([2], (2, 4))]), (5, [([3], (0, 4))])])
@@ -48,15 +54,20 @@ RUNS = [
     pc.Run("fp32_ac", FP32_AC, HETERO, STEPS),
 ]
 
-# Tolerances for bf16 against the bf16 reference, from what bf16 can and cannot do.
+# bf16 against the bf16 reference: the tolerances, and why.
 # bf16 keeps 8 significant bits (unit roundoff 2^-9 = 2e-3). A TP group rounds each GPU's
-# partial attention / MLP output to bf16 before the all-reduce, the reference rounds the full
-# sum once, so activations differ by about one bf16 ulp from the first layer on: losses by
-# ~1e-3 relative. The masters are float32 and move by Adam steps of at most ~lr each
-# (lr 3e-3), so parameters differ by a fraction of lr per step wherever bf16 noise flips an
-# update's size: measured ~3e-4 after 6 steps, against ~1e-2 between bf16 and fp32.
-BF16_LOSS_REL = 5e-3
-BF16_PARAM_TOL = 2e-3
+# partial attention / MLP output to bf16 before the all-reduce where the reference rounds the
+# whole sum once, so activations and gradients differ by about one bf16 ulp from the first
+# layer on. Losses (cross-entropy from float32 logits, a mean over 16 tokens) then agree to
+# ~1e-4 relative (measured); the bound is 1e-3. Parameters cannot be compared element by
+# element: AdamW normalises every element's update, so wherever a gradient is small against
+# the bf16 rounding its update changes by up to lr (3e-3) per step in any two bf16 runs.
+# What is meaningful is each tensor's update as a whole, |theta - theta_ref| / |theta_ref -
+# theta_0|: measured 0.05 (max over tensors, 6 steps) between the trainer and the bf16
+# reference, against 0.13-0.15 between either and fp32: the bound is 0.1, and the run must be
+# at least twice as close to the bf16 reference as to the fp32 one (bf16 is really in force).
+BF16_LOSS_REL = 1e-3
+BF16_UPDATE_TOL = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +87,19 @@ def losses(result: dict) -> list[float]:
     return [r["loss"] for r in result["reports"]]
 
 
+def update_diff(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """max over tensors of |got - ref| / |ref - initial| (L2): the update's relative error."""
+    init = GPT.from_seed(BF16.model, BF16.tp, BF16.spec.training.seed).full_state()
+    return max(float((got[k] - ref[k]).norm() / (ref[k] - init[k]).norm()) for k in ref)
+
+
 @pytest.mark.parametrize("name", ["bf16", "bf16_switch", "bf16_ac"])
 def test_bf16_matches_the_bf16_reference(results: dict[str, dict], name: str) -> None:
     got, ref = results[name], reference("bf16")
-    diff = tc.rel_diff(got["full"], ref.full_state())
-    print(f"{name}: params {diff:.2e} from the bf16 reference")
-    assert diff <= BF16_PARAM_TOL
+    diff = update_diff(got["full"], ref.full_state())
+    assert diff <= BF16_UPDATE_TOL
+    assert update_diff(got["full"], reference("fp32").full_state()) > 2 * diff
     assert losses(got) == pytest.approx(ref.losses, rel=BF16_LOSS_REL)
-    # bf16 is in force: the run is far closer to the bf16 reference than to the fp32 one
-    assert tc.rel_diff(got["full"], reference("fp32").full_state()) > 3 * diff
 
 
 def test_masters_stay_float32(results: dict[str, dict]) -> None:

@@ -148,7 +148,9 @@ def unit_pieces(cfg: ModelConfig, units: set[Unit], tp: int | None = None) -> se
     """
     head = "embed.weight" if cfg.tied_embeddings else "head.weight"
     first = [spec for spec in param_specs(cfg) if spec.layer == 0]
-    sharded = {spec.name.removeprefix("layers.0."): spec for spec in first if spec.split is not None}
+    sharded = {
+        spec.name.removeprefix("layers.0."): spec for spec in first if spec.split is not None
+    }
     norms = {spec.name.removeprefix("layers.0.") for spec in first if spec.split is None}
     out: set[str] = set()
     for kind, layer, shard in units:
@@ -167,9 +169,7 @@ def unit_pieces(cfg: ModelConfig, units: set[Unit], tp: int | None = None) -> se
     return out
 
 
-def minimal_bytes(
-    cfg: ModelConfig, old: Plan, new: Plan, element_bytes: int = MASTER_BYTES
-) -> int:
+def minimal_bytes(cfg: ModelConfig, old: Plan, new: Plan, element_bytes: int = MASTER_BYTES) -> int:
     """Bytes a change from `old` to `new` must move at least: every piece (with its optimizer
     state) that a rank holds under `new` and did not hold under `old`, once per such rank."""
     tp = new.tp
@@ -266,9 +266,7 @@ def post(
             ops.append(("send", dst, ts, buf))
             p2p.append(dist.P2POp(dist.isend, buf, dst, tag=MIGRATE_TAG))
         else:
-            buf = torch.empty(
-                sum(state_elements(t.numel) for t in ts), dtype=dtype, device=device
-            )
+            buf = torch.empty(sum(state_elements(t.numel) for t in ts), dtype=dtype, device=device)
             ops.append(("recv", src, ts, buf))
             p2p.append(dist.P2POp(dist.irecv, buf, src, tag=MIGRATE_TAG))
     works = list(dist.batch_isend_irecv(p2p)) if p2p else []

@@ -1,0 +1,69 @@
+"""Spawned-job body for tests/trainer/test_hf_parallel.py: Hugging Face models trained under
+heterogeneous plans with a live switch, several runs in one process group.
+
+Not collected by pytest (no test_ prefix); imported by path so spawned children can unpickle it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from malleus.job import ResolvedJob
+from malleus.planner import Plan
+from malleus.trainer.launch import DistEnv, init_distributed
+from malleus.trainer.parallel.groups import GroupCache
+from malleus.trainer.services import Services
+from malleus.trainer.state import gather_full
+from malleus.trainer.worker import Trainer
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Train `job` under `first`; each (step, plan) of `switches` is in force from that step."""
+
+    name: str
+    job: ResolvedJob
+    first: Plan
+    switches: tuple[tuple[int, Plan], ...]
+    steps: int
+
+
+def run_chains(chains: list[Chain], out: str) -> None:
+    """Every chain in turn, sharing the process groups; rank 0 writes OUT/<name>.pt with the
+    final full model, the step reports and the generations switched to."""
+    env = DistEnv.from_env()
+    device = init_distributed(env, init_timeout_s=60)
+    groups = GroupCache()
+    try:
+        for chain in chains:
+            services = Services.null(chain.job, env.rank)
+            trainer = Trainer(
+                chain.job,
+                chain.first,
+                rank=env.rank,
+                world=env.world_size,
+                device=device,
+                services=services,
+                groups=groups,
+            )
+            due = dict(chain.switches)
+            reports, switched = [], []
+            while trainer.step < chain.steps:
+                plan = due.get(trainer.step + 1)
+                if plan is not None and trainer.coordinator is not None:
+                    code, answer = trainer.coordinator.inbox.offer(plan.model_dump_json())
+                    assert code == 202, answer
+                reports.append(asdict(trainer.train_step()))
+                m = trainer.last_migration
+                if m is not None and m.step == trainer.step:
+                    switched.append((m.step, m.generation))
+            full = gather_full(trainer, 0)
+            if env.rank == 0:
+                record = {"full": full, "reports": reports, "switched": switched}
+                torch.save(record, Path(out) / f"{chain.name}.pt")
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,227 @@
+"""Exactness against transformers, in one process, and Hugging Face folders in and out.
+
+Tiny random Llama / Mistral / Qwen2 models are made here (never the hub), saved with
+`save_pretrained`, and read as a job's `spec.model.path`: the single-process reference
+(trainer/model.py `GPT`, the yardstick every plan is held to) must give transformers' logits,
+loss and every gradient; `save_hf` must give back the input's bytes and a folder
+`from_pretrained` loads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from safetensors.torch import load_file
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from malleus.errors import BadInput
+from malleus.job import ResolvedJob
+from malleus.trainer.hf import INDEX, WeightFiles, hf_name, initial_full, initial_pieces, save_hf
+from malleus.trainer.model import (
+    GPT,
+    apply_rope,
+    attention,
+    join_pieces,
+    param_specs,
+    pieces,
+    rope_tables,
+    split_full,
+)
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8,
+}
+SEQUENCE = 16
+
+
+def hf_model(kind: type = LlamaForCausalLM, seed: int = 0, **config: Any) -> torch.nn.Module:
+    """A tiny random transformers model (weights drawn wider than the default 0.02, so that
+    attention is not uniform and every gradient matters)."""
+    sizes = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        initializer_range=0.1,
+        rms_norm_eps=1e-6,
+    )
+    configs = {LlamaForCausalLM: LlamaConfig, MistralForCausalLM: MistralConfig}
+    configs[Qwen2ForCausalLM] = Qwen2Config
+    torch.manual_seed(seed)
+    model = kind(configs[kind](**(sizes | config))).float()
+    with torch.no_grad():  # norms and biases away from their 1 / 0 init: they must be read too
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def job_for(folder: Path, tp: int = 2, **spec: Any) -> ResolvedJob:
+    manifest = yaml.safe_load(EXAMPLE.read_text())
+    manifest["spec"]["model"] = {"path": str(folder), "sequence": SEQUENCE}
+    manifest["spec"]["parallelism"] = {"tp": tp}
+    manifest["spec"]["training"]["dataset"] = "synthetic"
+    manifest["spec"].update(spec)
+    return ResolvedJob.load(manifest).check()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+CASES = {
+    "gqa8-2_tied_llama3": dict(tie_word_embeddings=True, rope_scaling=LLAMA3),
+    "mha4-4_untied": dict(num_attention_heads=4, num_key_value_heads=4, vocab_size=101),
+    "gqa8-2_untied_llama3_theta": dict(rope_scaling=LLAMA3 | {"rope_theta": 500000.0}),
+    "mqa4-1_tied_odd_vocab": dict(
+        num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True, vocab_size=61
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_reference_equals_transformers_logits_loss_and_every_gradient(
+    tmp_path: Path, name: str
+) -> None:
+    hf = hf_model(**CASES[name])
+    hf.save_pretrained(tmp_path)
+    job = job_for(tmp_path)
+    ours = GPT.from_full(job.model, initial_full(job))
+    x = torch.randint(0, job.model.vocab, (2, SEQUENCE), generator=torch.Generator().manual_seed(1))
+    y = torch.roll(x, -1, dims=1)
+    theirs = hf(input_ids=x).logits  # (B, T, V)
+    mine = ours.logits(x)
+    assert rel(mine, theirs) <= 1e-5
+    loss = F.cross_entropy(theirs.flatten(0, 1), y.flatten())
+    assert float(ours(x, y).detach()) == pytest.approx(float(loss.detach()), rel=1e-5)
+    loss.backward()
+    ours(x, y).backward()
+    grads = {n: p.grad for n, p in hf.named_parameters()}
+    mine_grads = {n: p.grad for n, p in ours.named_parameters()}
+    assert len(mine_grads) == len(grads)  # every parameter, the tied head once
+    for n, g in mine_grads.items():
+        assert g is not None and float(g.abs().max()) > 0, n
+        assert rel(g, grads[hf_name(n)]) <= 1e-5, n
+
+
+@pytest.mark.parametrize(
+    ("kind", "config"),
+    [(MistralForCausalLM, {"sliding_window": None}), (Qwen2ForCausalLM, {})],
+)
+def test_mistral_and_qwen2_with_biases_match(tmp_path: Path, kind: type, config: dict) -> None:
+    hf = hf_model(kind, **config)
+    hf.save_pretrained(tmp_path)
+    job = job_for(tmp_path)
+    assert job.model.attention_bias == (kind is Qwen2ForCausalLM)
+    ours = GPT.from_full(job.model, initial_full(job))
+    x = torch.randint(0, job.model.vocab, (2, SEQUENCE), generator=torch.Generator().manual_seed(2))
+    assert rel(ours.logits(x), hf(input_ids=x).logits) <= 1e-5
+
+
+def test_sdpa_equals_the_explicit_attention_math() -> None:
+    torch.manual_seed(0)
+    B, T, C, h, kv, d = 2, 16, 32, 8, 2, 4
+    x = torch.randn(B, T, C)
+    wq, wk, wv = torch.randn(h * d, C), torch.randn(kv * d, C), torch.randn(kv * d, C)
+    wo = torch.randn(C, h * d)
+    rope = rope_tables(T, d)
+    got = attention(x, wq, wk, wv, wo, d, rope)  # (B, T, C)
+
+    q = apply_rope((x @ wq.T).view(B, T, h, d).transpose(1, 2), *rope)  # (B, h, T, d)
+    k = apply_rope((x @ wk.T).view(B, T, kv, d).transpose(1, 2), *rope)  # (B, kv, T, d)
+    v = (x @ wv.T).view(B, T, kv, d).transpose(1, 2)
+    k, v = k.repeat_interleave(h // kv, dim=1), v.repeat_interleave(h // kv, dim=1)
+    scores = q @ k.transpose(-1, -2) / d**0.5  # (B, h, T, T)
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, h * d)  # (B, T, h*d)
+    assert rel(got, y @ wo.T) <= 1e-6
+
+
+def test_each_rank_reads_only_its_slices(tmp_path: Path) -> None:
+    hf = hf_model(num_attention_heads=4, num_key_value_heads=1)  # kv heads < tp: replicated
+    hf.save_pretrained(tmp_path)
+    job = job_for(tmp_path, tp=4)
+    every = pieces(job.model, 4)
+    kv = [p.name for p in every if p.spec.name == "layers.0.attn.wk.weight"]
+    assert kv == ["layers.0.attn.wk.weight@0"]  # one kv head, served to all 4 shards
+    mine = [p for p in every if p.shard in (None, 1)]
+    parts = initial_pieces(job, mine)
+    assert parts["layers.1.attn.wq.weight@1"].shape == (16, 64)  # its 2 heads' rows, only
+    assert parts["embed.weight@1"].shape == (97, 16)  # its hidden columns, only
+    state = hf.state_dict()
+    full = {s.name: state[hf_name(s.name)] for s in param_specs(job.model)}
+    want = split_full(job.model, 4, full)
+    assert all(torch.equal(parts[n], want[n]) for n in parts)
+    whole = join_pieces(job.model, 4, initial_pieces(job, every))
+    assert all(torch.equal(whole[n], full[n]) for n in full)
+
+
+def test_load_and_save_with_zero_steps_is_bitwise_and_loads_in_transformers(
+    tmp_path: Path,
+) -> None:
+    source, out = tmp_path / "in", tmp_path / "out"
+    hf = hf_model(rope_scaling=LLAMA3)
+    hf.save_pretrained(source)
+    job = job_for(source)
+    written = save_hf(job, initial_full(job), out, max_shard_bytes=60_000)
+    assert (out / INDEX) in written and len(written) > 3  # sharded above the size, with index
+    before = load_file(source / "model.safetensors")
+    after: dict[str, torch.Tensor] = {}
+    for file in out.glob("*.safetensors"):
+        after |= load_file(file)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert json.loads((out / "config.json").read_text()) == json.loads(
+        (source / "config.json").read_text()
+    )
+    back = AutoModelForCausalLM.from_pretrained(out)
+    x = torch.randint(0, 97, (1, SEQUENCE))
+    assert torch.equal(back(input_ids=x).logits, hf(input_ids=x).logits)
+
+
+def test_a_config_alone_starts_from_the_seed_and_exports_for_transformers(
+    tmp_path: Path,
+) -> None:
+    hf_model(num_attention_heads=4, num_key_value_heads=2).config.save_pretrained(tmp_path)
+    job = job_for(tmp_path)
+    assert WeightFiles.of(job) is None
+    seeded = GPT.from_seed(job.model, job.tp, job.spec.training.seed)
+    full = initial_full(job)
+    assert all(torch.equal(full[n], t) for n, t in seeded.full_state().items())
+    save_hf(job, full, tmp_path / "out")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    x = torch.randint(0, 97, (1, SEQUENCE))
+    assert rel(seeded.logits(x), back(input_ids=x).logits) <= 1e-5
+
+
+def test_weights_that_disagree_with_config_json_are_refused(tmp_path: Path) -> None:
+    hf_model().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["intermediate_size"] = 128  # the safetensors hold 96
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    job = job_for(tmp_path)
+    with pytest.raises(BadInput, match=r"mlp.gate_proj.weight is \(96, 64\), config.json says"):
+        initial_full(job)
