@@ -239,14 +239,18 @@ def read_manifest(path: str | Path, job: ResolvedJob | None = None) -> dict[str,
         raise CheckpointError(
             f"{file}: step {manifest.get('step')!r}, but the directory is {path.name}"
         )
-    try:
-        for name in manifest["files"]:
-            files.inside(path, name, file)
-        for piece, entry in manifest["pieces"].items():
-            if entry["file"] not in manifest["files"]:
-                raise CheckpointError(f"{file}: piece {piece} is in {entry['file']!r}, not listed")
-    except (KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{file}: malformed ({type(e).__name__}: {e})") from None
+    listed, described = manifest.get("files"), manifest.get("pieces")
+    if not isinstance(listed, dict) or not isinstance(described, dict):
+        raise CheckpointError(f"{file}: malformed (no files or pieces)")
+    for name, entry in listed.items():
+        files.inside(path, name, file)
+        if not isinstance(entry, dict) or not {"sha256", "bytes"} <= set(entry):
+            raise CheckpointError(f"{file}: malformed entry for file {name!r}")
+    for piece, entry in described.items():
+        if not isinstance(entry, dict) or not {"file", "shape", "dtypes", "finite"} <= set(entry):
+            raise CheckpointError(f"{file}: malformed entry for piece {piece}")
+        if entry["file"] not in listed:
+            raise CheckpointError(f"{file}: piece {piece} is in {entry['file']!r}, not listed")
     if job is not None:
         _check_identity(path, manifest, job)
     return manifest

@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--save-model", metavar="PATH", help="write the final full state dict")
     parser.add_argument(
+        "--save-hf",
+        metavar="DIR",
+        help="write the final model as a Hugging Face folder (config.json + safetensors)",
+    )
+    parser.add_argument(
         "--report",
         metavar="FILE",
         help="write the run's JSON report here (per_step: step, loss, seconds, rates, ...), "
@@ -223,6 +228,7 @@ def _options(args: argparse.Namespace) -> RunOptions:
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
         save_model=args.save_model,
+        save_hf=args.save_hf,
         log_every=max(1, args.log_every),
         quiet=args.quiet,
         switches=args.switch_plans,
@@ -302,6 +308,12 @@ def _run_reference(job: ResolvedJob, args: argparse.Namespace) -> int:
         save_atomic(result.full_state(), args.save_model)
         if not args.quiet:
             print(f"[malleus] saved model to {args.save_model}", flush=True)
+    if args.save_hf:
+        from .hf import save_hf
+
+        save_hf(job, result.full_state(), args.save_hf)
+        if not args.quiet:
+            print(f"[malleus] saved Hugging Face model to {args.save_hf}", flush=True)
     return 0
 
 

@@ -30,6 +30,8 @@ class RunOptions:
     """Save every N steps; 0: only at the end (when `checkpoint_dir` is set)."""
     resume: bool = False
     save_model: str | None = None
+    save_hf: str | None = None
+    """Rank 0 writes the final model here as a Hugging Face folder (`--save-hf`, trainer/hf.py)."""
     log_every: int = 1
     quiet: bool = False
     switches: tuple[tuple[int, Plan], ...] = ()

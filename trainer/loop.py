@@ -15,6 +15,7 @@ from malleus.job import ResolvedJob
 from malleus.planner import Plan
 
 from .config import RunOptions
+from .hf import save_hf
 from .precision import Precision
 from .report import RunLog
 from .services import Services
@@ -108,12 +109,16 @@ def run_rank(
         path = save_checkpoint(trainer, opts.checkpoint_dir)
         if speak and stop.stopping:
             _say(f"[malleus] saved checkpoint {path}")
-    if opts.save_model:
+    if opts.save_model or opts.save_hf:
         full = gather_full(trainer, 0)
-        if full is not None:
+        if full is not None and opts.save_model:
             save_atomic(full, opts.save_model)
             if speak:
                 _say(f"[malleus] saved model ({len(full)} tensors) to {opts.save_model}")
+        if full is not None and opts.save_hf:
+            save_hf(job, full, opts.save_hf)
+            if speak:
+                _say(f"[malleus] saved Hugging Face model to {opts.save_hf}")
     return reports
 
 

@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Encoder", "add_arguments", "main", "prepare"]
 
-_PIECE_BYTES = 1 << 20  # a long .txt is encoded this many bytes (whole lines) at a time
-_BATCH = 16  # pieces per encode_batch call (the tokenizer runs them on its own threads)
+_PIECE_BYTES = 1 << 18  # a long .txt is encoded this many bytes (whole lines) at a time
+_BATCH = 8  # pieces per encode_batch call (run on the tokenizer's threads); progress after each
 _DTYPES = {"uint16": "<u2", "uint32": "<u4"}  # the tokens format is little-endian
 
 
@@ -93,11 +93,17 @@ class Encoder:
 def _pieces(files: list[Path]) -> Iterator[tuple[str, bool, int]]:
     """(text, ends a document, bytes read) over the files: .jsonl records, .txt pieces."""
     for file in files:
-        with file.open(encoding="utf-8") as f:
+        with file.open(encoding="utf-8", newline="") as f:  # newline="": bytes as on disk
             if file.suffix == ".jsonl":
+                skipped = 0  # blank lines' bytes, counted with the next record
                 for number, line in enumerate(f, 1):
                     if line.strip():
-                        yield _record(file, number, line), True, len(line.encode())
+                        yield _record(file, number, line), True, skipped + len(line.encode())
+                        skipped = 0
+                    else:
+                        skipped += len(line.encode())
+                if skipped:
+                    yield "", False, skipped
                 continue
             piece: list[str] = []
             size = 0

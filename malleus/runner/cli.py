@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "restart: re-plan by checkpoint, stop and relaunch",
     )
     parser.add_argument("--save-model", metavar="PATH", help="write the final full state dict")
+    parser.add_argument(
+        "--save-hf", metavar="DIR", help="write the final model as a Hugging Face folder"
+    )
     parser.add_argument("--workdir", metavar="DIR", help="plans, logs, checkpoints (default: temp)")
     parser.add_argument(
         "--progress",
@@ -62,6 +65,7 @@ def main(args: argparse.Namespace) -> int:
         report=args.report,
         plot=args.plot,
         save_model=args.save_model,
+        save_hf=args.save_hf,
         workdir=args.workdir,
         progress=args.progress,
         progress_interval=args.progress_interval,

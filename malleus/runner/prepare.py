@@ -46,6 +46,7 @@ class LocalRunOptions:
     report: str | None = None
     plot: str | None = None
     save_model: str | None = None
+    save_hf: str | None = None
     workdir: str | None = None
     progress: Literal["auto", "bar", "lines", "none"] = "auto"
     progress_interval: float = 10.0
@@ -168,6 +169,7 @@ def prepare(options: LocalRunOptions, machine: Machine | None = None) -> Prepare
         token_file=token_file.resolve(),
         steps=options.steps,
         save_model=str(Path(options.save_model).resolve()) if options.save_model else None,
+        save_hf=str(Path(options.save_hf).resolve()) if options.save_hf else None,
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=every,
         init_timeout=options.init_timeout,

@@ -88,6 +88,7 @@ class LaunchSpec:
     token_file: Path
     steps: int | None = None
     save_model: str | None = None
+    save_hf: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     init_timeout: float = 120.0
@@ -102,6 +103,8 @@ class LaunchSpec:
             args += ["--steps", str(self.steps)]
         if self.save_model:
             args += ["--save-model", self.save_model]
+        if self.save_hf:
+            args += ["--save-hf", self.save_hf]
         if self.checkpoint_dir:
             args += ["--checkpoint-dir", self.checkpoint_dir]
             args += ["--checkpoint-every", str(self.checkpoint_every)]

@@ -17,7 +17,7 @@ from malleus.planner import Plan
 from malleus.trainer.launch import DistEnv, init_distributed
 from malleus.trainer.parallel.groups import GroupCache
 from malleus.trainer.services import Services
-from malleus.trainer.state import gather_full
+from malleus.trainer.state import gather_full, resume, save_checkpoint
 from malleus.trainer.worker import Trainer
 
 
@@ -34,7 +34,8 @@ class Chain:
 
 def run_chains(chains: list[Chain], out: str) -> None:
     """Every chain in turn, sharing the process groups; rank 0 writes OUT/<name>.pt with the
-    final full model, the step reports and the generations switched to."""
+    final full model, the step reports, the generations switched to, and the model resumed
+    from a checkpoint of the last plan under the first."""
     env = DistEnv.from_env()
     device = init_distributed(env, init_timeout_s=60)
     groups = GroupCache()
@@ -62,8 +63,23 @@ def run_chains(chains: list[Chain], out: str) -> None:
                 if m is not None and m.step == trainer.step:
                     switched.append((m.step, m.generation))
             full = gather_full(trainer, 0)
+            # A plan-independent checkpoint, resumed under the first plan again.
+            directory = Path(out) / f"{chain.name}-checkpoints"
+            save_checkpoint(trainer, directory)
+            again = Trainer(
+                chain.job,
+                chain.first,
+                rank=env.rank,
+                world=env.world_size,
+                device=device,
+                services=Services.null(chain.job, env.rank),
+                groups=groups,
+            )
+            resume(again, directory)
+            resumed = gather_full(again, 0)
             if env.rank == 0:
                 record = {"full": full, "reports": reports, "switched": switched}
+                record |= {"resumed": resumed, "resumed_step": again.step}
                 torch.save(record, Path(out) / f"{chain.name}.pt")
     finally:
         dist.destroy_process_group()

@@ -18,15 +18,19 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import yaml
 from torch import Tensor
 
+from malleus.job import ResolvedJob
 from malleus.trainer import checkpoint, checkpoint_files, cli
+from malleus.trainer.state import save_checkpoint
+from malleus.trainer.worker import Trainer
 
 PY = sys.executable
 MODEL = {"layers": 2, "hidden": 16, "heads": 2, "ffn": 32, "vocab": 256, "sequence": 8}
@@ -187,6 +191,11 @@ def step_renamed_throughout(d: Path) -> str:
     return "holds step 2, the manifest says 1"
 
 
+def manifest_malformed(d: Path) -> str:
+    _rewrite_manifest(d, lambda m: m.__setitem__("files", list(m["files"])), reseal=True)
+    return "manifest.json: malformed (no files or pieces)"
+
+
 def manifest_deleted(d: Path) -> str:
     (d / "manifest.json").unlink()
     return "latest names step-00000002, but"
@@ -250,6 +259,7 @@ CORRUPTIONS = [
     step_edited,
     step_edited_resealed,
     step_renamed_throughout,
+    manifest_malformed,
     manifest_deleted,
     latest_deleted,
     latest_pointing_nowhere,
@@ -321,6 +331,7 @@ def test_pod_ranks_refuse_together_naming_the_file_only_one_reads(
     assert [p.returncode for p in procs] == [2, 2], errs
     for err in errs:
         assert "rank 1: " in err and "rank-00001.pt: 0 bytes, the manifest recorded" in err, err
+        assert "more ranks refused" not in err  # rank 0 found its files intact, and refused too
         assert "gloo" not in err.lower() and "Traceback" not in err, err
 
 
@@ -336,3 +347,40 @@ def test_pruning_keeps_the_newest_and_never_a_later_run(tmp_path: Path) -> None:
     ]
     checkpoint._prune(tmp_path, 5, keep=1)
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-00000005", "step-00000009"]
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A real gloo group of one rank in this process, for `checkpoint.save` called directly."""
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_diverged_checkpoint_keeps_the_older_ones(tmp_path: Path, one_rank_group: None) -> None:
+    """keep: 1, yet a checkpoint holding NaN leaves the last finite one in place; it is saved
+    (for a post-mortem) but refused on load as saved so."""
+    spec = manifest(keep=1)
+    spec["spec"].update(gpusPerNode=1, parallelism={"tp": 1})
+    job = ResolvedJob.load(spec).check()
+    trainer = Trainer(job, job.initial_plan(), rank=0, world=1, device=torch.device("cpu"))
+    ckpt = tmp_path / "ckpt"
+    for step in (1, 2):
+        trainer.step = step
+        save_checkpoint(trainer, ckpt)
+    assert [p.name for p in checkpoint.checkpoints(ckpt)] == ["step-00000002"]
+    name = sorted(trainer.params)[0]
+    with torch.no_grad():
+        trainer.params[name][0] = float("nan")
+    trainer.step = 3
+    save_checkpoint(trainer, ckpt)
+    assert [p.name for p in checkpoint.checkpoints(ckpt)] == ["step-00000002", "step-00000003"]
+    assert checkpoint.read_manifest(ckpt / "step-00000003")["pieces"][name]["finite"] is False
+    with pytest.raises(checkpoint.CheckpointError, match=rf"piece {name} \(params\): holds NaN"):
+        checkpoint.verify(checkpoint.latest(ckpt), job)
+    with pytest.raises(checkpoint.CheckpointError, match="it was saved so"):
+        checkpoint.verify(checkpoint.latest(ckpt), job)
+    checkpoint.verify(ckpt / "step-00000002", job)  # the good one is intact

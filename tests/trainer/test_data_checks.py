@@ -63,13 +63,19 @@ def test_token_file_faults(tmp_path: Path) -> None:
     missing = file_faults(tmp_path, {"format": "tokens", "path": str(tmp_path / "no.bin")})
     assert missing == {where: f"{tmp_path / 'no.bin'}: no such file"}
     short = write_tokens(tmp_path / "s.bin", corpus_tokens(16))
-    assert "holds 16 tokens; one sample needs sequence + 1 = 17" in file_faults(
-        tmp_path, {"format": "tokens", "path": str(short)}
-    )[where]
+    assert (
+        "holds 16 tokens; one sample needs sequence + 1 = 17"
+        in file_faults(tmp_path, {"format": "tokens", "path": str(short)})[where]
+    )
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\0" * 101)
-    assert "not a whole number of uint16 token ids (2 bytes each): is the file uint32?" in (
-        file_faults(tmp_path, {"format": "tokens", "path": str(odd)})["spec.training.data.dtype"]
+    assert (
+        "not a whole number of uint16 token ids (2 bytes each): is the file uint32?"
+        in (
+            file_faults(tmp_path, {"format": "tokens", "path": str(odd)})[
+                "spec.training.data.dtype"
+            ]
+        )
     )
     three = tmp_path / "three.bin"
     three.write_bytes(b"\0" * 102)  # 51 uint16 ids, but not whole uint32 ones
@@ -105,27 +111,38 @@ def test_hf_dataset_faults(tmp_path: Path) -> None:
         "spec.training.data.column": f"{folder} has no column 'tokens'; its columns: "
         "input_ids, text"
     }
-    assert "is string, expected lists of integer token ids" in (
-        file_faults(tmp_path, {**data, "column": "text"})["spec.training.data.column"]
+    assert (
+        "is string, expected lists of integer token ids"
+        in (file_faults(tmp_path, {**data, "column": "text"})["spec.training.data.column"])
     )
-    assert "holds 8 tokens; one sample needs sequence + 1 = 17" in file_faults(tmp_path, data)[
-        "spec.training.data.path"
-    ]
+    assert (
+        "holds 8 tokens; one sample needs sequence + 1 = 17"
+        in file_faults(tmp_path, data)["spec.training.data.path"]
+    )
     big = save_dataset(tmp_path / "big", [[5] * 20, [1, 400]])
-    assert "token id 400 at token 21 is >= the model's vocabulary (256)" in file_faults(
-        tmp_path, {"format": "hf-dataset", "path": str(big)}
-    )["spec.training.data.path"]
+    assert (
+        "token id 400 at token 21 is >= the model's vocabulary (256)"
+        in file_faults(tmp_path, {"format": "hf-dataset", "path": str(big)})[
+            "spec.training.data.path"
+        ]
+    )
     import datasets
 
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"input_ids": [[1]]})}).save_to_disk(
         str(tmp_path / "dict")
     )
-    assert "holds a DatasetDict; point path at one of its splits (train)" in file_faults(
-        tmp_path, {"format": "hf-dataset", "path": str(tmp_path / "dict")}
-    )["spec.training.data.path"]
-    assert "not a folder written by datasets' save_to_disk" in file_faults(
-        tmp_path, {"format": "hf-dataset", "path": str(tmp_path)}
-    )["spec.training.data.path"]
+    assert (
+        "holds a DatasetDict; point path at one of its splits (train)"
+        in file_faults(tmp_path, {"format": "hf-dataset", "path": str(tmp_path / "dict")})[
+            "spec.training.data.path"
+        ]
+    )
+    assert (
+        "not a folder written by datasets' save_to_disk"
+        in file_faults(tmp_path, {"format": "hf-dataset", "path": str(tmp_path)})[
+            "spec.training.data.path"
+        ]
+    )
 
 
 def test_text_faults(tmp_path: Path) -> None:
@@ -156,13 +173,13 @@ def test_check_run_and_train_refuse_bad_files_and_the_operator_does_not_look(
     code, err = check(path)
     assert code == 2
     assert f"spec.training.data.path: {tmp_path / 'gone.bin'}: no such file" in err
-    with pytest.raises(BadInput, match="gone.bin: no such file"):
+    with pytest.raises(BadInput, match=r"gone\.bin: no such file"):
         prepare(LocalRunOptions(job=path, check_resources=False))
     from malleus.trainer import cli
 
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    with pytest.raises(BadInput, match="gone.bin: no such file"):
+    with pytest.raises(BadInput, match=r"gone\.bin: no such file"):
         cli.judge(parser.parse_args([path]))
     # What the operator does: resolve and judge the spec; no file is opened.
     assert ResolvedJob.load(path).check().initial_plan().generation == 1
@@ -173,4 +190,6 @@ def test_text_needs_a_tokenizer_and_tiny_corpus_needs_bytes(tmp_path: Path) -> N
     assert code == 2 and "spec.training.data.tokenizer" in err and "is required" in err
     code, err = check(job_file(tmp_path, None, vocab=100))
     assert code == 2
-    assert "spec.training.dataset: tiny-corpus is byte-level and needs spec.model.vocab >= 256" in err
+    assert (
+        "spec.training.dataset: tiny-corpus is byte-level and needs spec.model.vocab >= 256" in err
+    )

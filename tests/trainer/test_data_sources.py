@@ -105,7 +105,7 @@ def test_text_is_tokenized_per_document_with_end_of_text(tmp_path: Path) -> None
     eos = encoder.tokenizer.token_to_id(EOS)
     want: list[int] = []
     for doc in docs:
-        want += encoder.tokenizer.encode(doc, add_special_tokens=False).ids + [eos]
+        want += [*encoder.tokenizer.encode(doc, add_special_tokens=False).ids, eos]
     spec = DataSpec(format="text", path=str(tmp_path), tokenizer=str(tokenizer))
     stream = open_stream(spec)
     assert stream.read(0, len(stream)).tolist() == want

@@ -38,7 +38,10 @@ def write(path: Path, obj: Any) -> str:
 
 
 def one_group(m: int) -> dict[str, Any]:
-    return {"tp": 2, "pipelines": [{"micro_batches": m, "stages": [{"ranks": [0, 1], "layers": [0, 2]}]}]}
+    return {
+        "tp": 2,
+        "pipelines": [{"micro_batches": m, "stages": [{"ranks": [0, 1], "layers": [0, 2]}]}],
+    }
 
 
 # Two pipelines of one GPU each (2 shards per GPU), unequal micro-batches.
@@ -53,7 +56,10 @@ TWO_PIPELINES = {
 TWO_STAGES = {
     "tp": 2,
     "pipelines": [
-        {"micro_batches": 4, "stages": [{"ranks": [0], "layers": [0, 1]}, {"ranks": [1], "layers": [1, 2]}]}
+        {
+            "micro_batches": 4,
+            "stages": [{"ranks": [0], "layers": [0, 1]}, {"ranks": [1], "layers": [1, 2]}],
+        }
     ],
 }
 
@@ -65,9 +71,17 @@ def test_own_tokens_two_plans_resume_and_report_equal_the_reference(tmp_path: Pa
     first = tmp_path / "first.json"
     argv = ("--plan", write(tmp_path / "a.json", one_group(4)), "--until", "3")
     switch = ("--switch", f"2:{write(tmp_path / 'b.json', TWO_PIPELINES)}")
-    assert cli.main(parse(job, *argv, *switch, "--checkpoint-dir", ckpt, "--report", str(first))) == 0
+    assert (
+        cli.main(parse(job, *argv, *switch, "--checkpoint-dir", ckpt, "--report", str(first))) == 0
+    )
     second = tmp_path / "second.json"
-    resume = ("--plan", write(tmp_path / "c.json", TWO_STAGES), "--resume", "--checkpoint-dir", ckpt)
+    resume = (
+        "--plan",
+        write(tmp_path / "c.json", TWO_STAGES),
+        "--resume",
+        "--checkpoint-dir",
+        ckpt,
+    )
     assert cli.main(parse(job, *resume, "--report", str(second))) == 0
     ref = tmp_path / "ref.json"
     assert cli.main(parse(job, "--reference", "--report", str(ref))) == 0
@@ -79,17 +93,20 @@ def test_own_tokens_two_plans_resume_and_report_equal_the_reference(tmp_path: Pa
         {"code": 0, "reason": "stopped after step 3 of 4"},
         {"code": 0, "reason": "done"},
     )
-    # The switch is in force from step 2 (its second step counted from 1): generation 2 runs
-    # step index 1 on, after a migration that moved bytes.
-    assert [row["generation"] for row in a["per_step"]] == [1, 2, 2]
-    assert [s["generation"] for s in a["switches"]] == [1, 2]
+    # A --plan file without a generation is generation 0; the switch, numbered 1, is in force
+    # from step 2 on (two steps done), after a migration that moved bytes.
+    assert [row["generation"] for row in a["per_step"]] == [0, 0, 1]
+    assert [(s["generation"], s["step"]) for s in a["switches"]] == [(0, 0), (1, 2)]
     assert a["switches"][1]["migration_bytes"] > 0
-    assert [g["generation"] for g in a["generations"]] == [1, 2]
+    assert [g["generation"] for g in a["generations"]] == [0, 1]
     # Same samples at the same step under every layout: the losses are the reference's.
     losses = [row["loss"] for row in a["per_step"] + b["per_step"]]
     want = [row["loss"] for row in r["per_step"]]
     assert r["mode"] == "reference" and len(want) == 4
-    assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(losses, want, strict=True)), (losses, want)
+    assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(losses, want, strict=True)), (
+        losses,
+        want,
+    )
     assert b["final_loss"] == losses[-1] < losses[0]
     # The shape `malleus run` writes, key for key.
     facts = RunFacts("j", "live", 1, 2, 2, 64, 5, 4, "now", 1.0, 0, "done")

@@ -7,6 +7,7 @@ TP groups of 2 and 1 GPUs side by side, unequal layer splits and micro-batch cou
 step 3, under a plan with an excluded rank and a 1 -> 2 TP boundary (a live switch, migrating
 pieces). The models: Llama with GQA 8q/2kv (kv heads sharded), tied, llama3 rope scaling, odd
 vocabulary; Qwen2 with 4q/1kv (one kv head replicated over both shards, q/k/v biases), untied.
+Each run's final checkpoint is then resumed under the first plan: the same model, bit for bit.
 """
 
 from __future__ import annotations
@@ -117,5 +118,7 @@ def test_trainer_under_switching_plans_equals_transformers(runs: dict, name: str
     state = model.state_dict()
     theirs = {n: state[hf_name(n)] for n in got["full"]}
     assert tc.rel_diff(got["full"], theirs) <= 1e-4
+    assert got["resumed_step"] == STEPS  # a checkpoint of one plan resumed under another
+    assert all(torch.equal(got["resumed"][n], t) for n, t in got["full"].items())
     moved = max(float((got["full"][n] - state[hf_name(n)]).abs().max()) for n in got["full"])
     assert moved > 0  # sanity: the comparison is of trained weights, not untouched ones
