@@ -9,9 +9,11 @@ from __future__ import annotations
 import os
 import platform
 import re
+import statistics
+import threading
 from pathlib import Path
 
-__all__ = ["DOC", "machine", "replace_section"]
+__all__ = ["DOC", "LoadSampler", "machine", "replace_section"]
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
@@ -41,3 +43,30 @@ def machine() -> str:
         pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return f"{cores} CPUs (`nproc`), {cpu}, Python {platform.python_version()}"
+
+
+class LoadSampler:
+    """Samples the 1-minute load average every few seconds while the benchmark runs."""
+
+    def __init__(self, every_s: float = 5.0) -> None:
+        self.samples = [os.getloadavg()[0]]
+        self._every = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            self.samples.append(os.getloadavg()[0])
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(os.getloadavg()[0])
+
+    def summary(self) -> str:
+        s = self.samples
+        return f"mean {statistics.mean(s):.1f}, min {min(s):.1f}, max {max(s):.1f}"

@@ -90,7 +90,9 @@ class PlainLoop:
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         rest = [p for p in self.model.parameters() if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": tr.weight_decay}, {"params": rest}]
-        self.opt = torch.optim.AdamW(groups, lr=tr.learning_rate, betas=BETAS, eps=EPS, weight_decay=0.0)
+        self.opt = torch.optim.AdamW(
+            groups, lr=tr.learning_rate, betas=BETAS, eps=EPS, weight_decay=0.0
+        )
         self.source = make_source(tr.dataset, job.model.sequence, job.model.vocab, tr.seed)
         self.step = 0
 

@@ -166,16 +166,18 @@ def save(
 
 
 def _publish(directory: Path, tmp: Path, final: Path) -> None:
-    """Move the complete `tmp` into place as `final`, then point `latest` at it. A step saved
-    again (a resumed run's last step) replaces the old directory only after the new one is
-    complete, so `latest` names a missing directory for two renames at most."""
+    """Move the complete `tmp` into place as `final` and point `latest` at it. The new
+    `latest` is written and fsync'd first, so between the directory's rename and the
+    pointer's there is nothing but a rename; a step saved again (a resumed run's last step)
+    replaces the old directory only once the new one is complete."""
+    pointer = files.stage_text(directory / LATEST, final.name)
     old = directory / f".{final.name}.old"
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
+    os.replace(pointer, directory / LATEST)
     files.fsync_dir(directory)
-    files.write_text_atomic(directory / LATEST, final.name)
     shutil.rmtree(old, ignore_errors=True)
 
 

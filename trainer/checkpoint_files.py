@@ -31,6 +31,7 @@ __all__ = [
     "inside",
     "load_file",
     "save_hashed",
+    "stage_text",
     "write_text_atomic",
 ]
 
@@ -78,15 +79,20 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace `path` by `text` (temp file, fsync, rename, fsync of the directory): a reader
-    sees the old or the new content, never a torn file, even after a crash."""
+def stage_text(path: Path, text: str) -> Path:
+    """`text` in a temporary file next to `path`, fsync'd, for a rename onto `path` later."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    return tmp
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace `path` by `text` (temp file, fsync, rename, fsync of the directory): a reader
+    sees the old or the new content, never a torn file, even after a crash."""
+    os.replace(stage_text(path, text), path)
     fsync_dir(path.parent)
 
 
