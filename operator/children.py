@@ -25,7 +25,7 @@ __all__ = ["child_kinds", "delete_children", "ensure_children", "network_policy"
 def child_kinds(settings: Settings) -> tuple[str, ...]:
     """The kinds a job owns, in deletion order (pods first: they use the rest). NetworkPolicy
     only when the operator makes them (without, it may have no right to read them)."""
-    kinds = ("Pod", "Service", "ConfigMap", "Secret")
+    kinds = ("Pod", "PodDisruptionBudget", "Service", "ConfigMap", "Secret")
     return (*kinds, "NetworkPolicy") if settings.network_policies else kinds
 
 
@@ -76,18 +76,22 @@ def _names(ref: resources.JobRef, nodes: int) -> dict[str, list[str]]:
         "ConfigMap": [resources.configmap_name(ref.name)],
         "Secret": [resources.secret_name(ref.name)],
         "NetworkPolicy": [resources.network_policy_name(ref.name)],
+        "PodDisruptionBudget": [resources.disruption_budget_name(ref.name)],
     }
 
 
-async def delete_children(ctx: Context, ref: resources.JobRef, nodes: int) -> list[str]:
-    """Delete what the job controls, pods first; returns ``kind/name`` of what was deleted.
+async def delete_children(
+    ctx: Context, ref: resources.JobRef, nodes: int, kinds: tuple[str, ...] | None = None
+) -> list[str]:
+    """Delete what the job controls of ``kinds`` (default: all, pods first); returns
+    ``kind/name`` of what was deleted.
 
     Pods are found by label (their count may differ from an edited spec) and by name; the rest
     by their fixed names, so the operator needs no right to list Secrets.
     """
     known = _names(ref, nodes)
     deleted: list[str] = []
-    for kind in child_kinds(ctx.settings):
+    for kind in kinds or child_kinds(ctx.settings):
         found: dict[str, dict[str, Any]] = {}
         if kind == "Pod":
             for obj in await ctx.cluster.list_children(kind, ref.namespace, ref.name):

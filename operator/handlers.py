@@ -17,6 +17,8 @@ Lifecycle (DESIGN §4.5):
   ``spec.metrics.prometheus.url`` is not on the allowlist;
 - resume (operator restart): re-create only what is missing of a Pending job, detect workers
   that vanished meanwhile; never re-create a running job's pods or reset its plan generation;
+- run policy (a timer): fail a job past ``activeDeadlineSeconds``, delete a finished job's
+  children ``ttlSecondsAfterFinished`` after it ended;
 - delete: delete the children explicitly (the garbage collector would, via ownerReferences,
   but not every cluster the operator is tested on has one), then kopf drops its finalizer.
 """
@@ -34,7 +36,7 @@ from malleus.errors import BadInput
 from malleus.job import API_GROUP, PLURAL, VERSION, MalleusJobStatus, Phase, ResolvedJob
 from malleus.planner.plan import Plan
 
-from . import children, daemon, jobs, lifecycle, resources, status
+from . import children, daemon, jobs, lifecycle, resources, run_policy, status
 from .context import MEMO_KEY, Context
 from .k8s import Cluster, NameConflict
 from .metrics import OperatorMetrics
@@ -51,6 +53,7 @@ __all__ = [
     "on_resume",
     "on_update",
     "probe_jobs",
+    "run_policy_timer",
     "sync_pods",
 ]
 
@@ -61,7 +64,7 @@ NAME_CONFLICT_RETRY_SECONDS = 60
 """How often a job blocked by a `NameConflict` looks again whether the name is free."""
 METRICS_URL_POLL_SECONDS = 30.0
 """How often a daemon paused on a disallowed Prometheus URL reads the live spec again."""
-_POLICY_FIELDS = ("stragglerPolicy", "metrics")
+_POLICY_FIELDS = ("stragglerPolicy", "metrics", "runPolicy")
 
 
 @kopf.on.startup()
@@ -127,15 +130,6 @@ async def _create_children(
         raise kopf.TemporaryError(str(e), delay=NAME_CONFLICT_RETRY_SECONDS) from None
 
 
-def _describe_plan(plan: Plan) -> str:
-    stages = sorted({len(p.stages) for p in plan.pipelines})
-    return (
-        f"plan generation {plan.generation}: {plan.dp} pipeline(s) of "
-        f"{'/'.join(map(str, stages))} stage(s), tp {plan.tp}"
-        + (f", {len(plan.excluded)} GPU(s) excluded" if plan.excluded else "")
-    )
-
-
 @kopf.on.create(API_GROUP, VERSION, PLURAL)
 async def on_create(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     """Check the job, plan it for healthy GPUs, create its children; or fail it as InvalidSpec.
@@ -172,7 +166,8 @@ async def on_create(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: An
         ref,
         "Normal",
         "Created",
-        f"created {len(pods)} worker pod(s) on {job.world} GPU(s); {_describe_plan(plan)}",
+        f"created {len(pods)} worker pod(s) on {job.world} GPU(s); plan generation "
+        f"{plan.generation}: {status.plan_summary(plan)}",
     )
     log.info("%s/%s: created %s (planning %.3f s)", ref.namespace, ref.name, created, seconds)
 
@@ -303,6 +298,21 @@ async def job_daemon(
     )
     if result == daemon.SPEC_CHANGED:
         raise kopf.TemporaryError("spec changed; restarting the controller with it", delay=1)
+
+
+# ---- run policy -----------------------------------------------------------------------------
+
+
+def _has_run_policy(spec: Mapping[str, Any], **_: Any) -> bool:
+    return bool(spec.get("runPolicy"))
+
+
+@kopf.timer(
+    API_GROUP, VERSION, PLURAL, interval=lifecycle.RUN_POLICY_INTERVAL, when=_has_run_policy
+)
+async def run_policy_timer(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """`run_policy.enforce` now, every `lifecycle.RUN_POLICY_INTERVAL` seconds."""
+    await run_policy.enforce(Context.of(memo), body, status.now())
 
 
 # ---- resume ---------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ _KINDS = {
     "Secret": ("core", "secret", "v1"),
     "Event": ("core", "event", "v1"),
     "NetworkPolicy": ("networking", "network_policy", "networking.k8s.io/v1"),
+    "PodDisruptionBudget": ("policy", "pod_disruption_budget", "policy/v1"),
 }
 """Kinds the operator manages -> (API group client, the client's method suffix, apiVersion)."""
 
@@ -95,7 +96,11 @@ class Cluster:
         self.api = api
         self._core = kclient.CoreV1Api(api)
         self._custom = kclient.CustomObjectsApi(api)
-        self._groups = {"core": self._core, "networking": kclient.NetworkingV1Api(api)}
+        self._groups = {
+            "core": self._core,
+            "networking": kclient.NetworkingV1Api(api),
+            "policy": kclient.PolicyV1Api(api),
+        }
 
     @classmethod
     def connect(cls, kubeconfig: str | None = None, context: str | None = None) -> Cluster:

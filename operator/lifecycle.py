@@ -2,6 +2,7 @@
 
 The pod watcher (`handlers.on_pod_event`) lists the job's pods and asks `pods_transition` what
 changed: a status patch (a `MalleusJobStatus` holding only what changes) and the events to post.
+The run-policy timer asks `run_policy_due` whether a deadline or a TTL is up, given the time.
 """
 
 from __future__ import annotations
@@ -12,10 +13,34 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from malleus.job import MalleusJobStatus, Phase
+from malleus.job.spec import RunPolicy
 
-from .status import READY, TERMINAL_PHASES, condition, merge_conditions, phase_of
+from .status import (
+    ACTIVE_PHASES,
+    READY,
+    TERMINAL_PHASES,
+    condition,
+    finished_status,
+    merge_conditions,
+    phase_of,
+)
 
-__all__ = ["Event", "PodOutcome", "Transition", "pod_outcome", "pods_transition"]
+__all__ = [
+    "RUN_POLICY_INTERVAL",
+    "Event",
+    "PodOutcome",
+    "RunPolicyDue",
+    "Transition",
+    "deadline_transition",
+    "parse_time",
+    "pod_outcome",
+    "pods_transition",
+    "run_policy_due",
+]
+
+RUN_POLICY_INTERVAL = 10.0
+"""Seconds between the operator's checks of ``spec.runPolicy``: how late a deadline or a TTL
+may act."""
 
 PodState = Literal["Pending", "Running", "Succeeded", "Failed"]
 
@@ -91,14 +116,12 @@ def pod_outcome(pod: Mapping[str, Any]) -> PodOutcome:
     return PodOutcome(name, "Pending")
 
 
-def _ended(
-    phase: Phase, reason: str, message: str, conds: Any, generation: int, at: dt.datetime
-) -> MalleusJobStatus:
+def _running(message: str, conds: Any, generation: int, at: dt.datetime) -> MalleusJobStatus:
     return MalleusJobStatus(
-        phase=phase,
+        phase=Phase.RUNNING,
         message=message,
         conditions=merge_conditions(
-            conds, condition(READY, phase == Phase.RUNNING, reason, message, generation, at)
+            conds, condition(READY, True, "Running", message, generation, at)
         ),
     )
 
@@ -133,14 +156,14 @@ def pods_transition(
     if failed:
         message = "; ".join(f"{o.name}: {o.detail}" for o in failed)
         return Transition(
-            status=_ended(Phase.FAILED, "PodFailed", message, conds, generation, at),
+            status=finished_status(Phase.FAILED, "PodFailed", message, generation, at, conds),
             events=[Event("Warning", "PodFailed", f"{o.name}: {o.detail}") for o in failed],
         )
     states = [by_name[n].state if n in by_name else "Missing" for n in expected]
     if expected and all(s == "Succeeded" for s in states):
         msg = f"all {len(expected)} worker pod(s) completed"
         return Transition(
-            status=_ended(Phase.SUCCEEDED, "Completed", msg, conds, generation, at),
+            status=finished_status(Phase.SUCCEEDED, "Completed", msg, generation, at, conds),
             events=[Event("Normal", "Succeeded", msg)],
         )
     if expected and all(s in ("Running", "Succeeded") for s in states):
@@ -148,7 +171,7 @@ def pods_transition(
             return Transition()
         msg = f"all {len(expected)} worker pod(s) running"
         return Transition(
-            status=_ended(Phase.RUNNING, "Running", msg, conds, generation, at),
+            status=_running(msg, conds, generation, at),
             events=[Event("Normal", "Running", msg)],
         )
     if phase != Phase.PENDING:
@@ -168,4 +191,65 @@ def pods_transition(
                 conds, condition(READY, False, "PodsPending", msg, generation, at)
             )
         )
+    )
+
+
+# ---- run policy -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunPolicyDue:
+    """What ``spec.runPolicy`` asks for now: ``action`` (None: nothing yet) and ``wait``, the
+    seconds until something is due (None: nothing ever will be in this phase)."""
+
+    action: Literal["deadline", "expire"] | None = None
+    wait: float | None = None
+
+
+def parse_time(value: Any) -> dt.datetime | None:
+    """A stored metav1.Time (RFC 3339 text) as a datetime; None when absent or unreadable."""
+    if isinstance(value, dt.datetime):
+        return value
+    try:
+        return dt.datetime.fromisoformat(str(value)) if value else None
+    except ValueError:
+        return None
+
+
+def run_policy_due(
+    job_status: Mapping[str, Any] | None,
+    policy: RunPolicy,
+    created: dt.datetime | None,
+    at: dt.datetime,
+) -> RunPolicyDue:
+    """Whether ``activeDeadlineSeconds`` is exceeded (an active job, counted from
+    ``startTime``, else the job's creation) or ``ttlSecondsAfterFinished`` has passed (a
+    finished job, counted from ``completionTime``). Pure, so tests move ``at`` instead of
+    sleeping; the operator's timer calls it every `RUN_POLICY_INTERVAL` seconds."""
+    stored = job_status or {}
+    phase = phase_of(stored)
+    if phase in TERMINAL_PHASES and policy.ttl_seconds_after_finished is not None:
+        ended = parse_time(stored.get("completionTime"))
+        if ended is None:
+            return RunPolicyDue()  # finished before the operator recorded completion times
+        left = (ended - at).total_seconds() + policy.ttl_seconds_after_finished
+        return RunPolicyDue("expire") if left <= 0 else RunPolicyDue(wait=left)
+    if phase in ACTIVE_PHASES and policy.active_deadline_seconds is not None:
+        started = parse_time(stored.get("startTime")) or created
+        if started is None:
+            return RunPolicyDue()
+        left = (started - at).total_seconds() + policy.active_deadline_seconds
+        return RunPolicyDue("deadline") if left <= 0 else RunPolicyDue(wait=left)
+    return RunPolicyDue()
+
+
+def deadline_transition(
+    job_status: Mapping[str, Any] | None, limit: int, generation: int, at: dt.datetime
+) -> Transition:
+    """``Failed`` with ``DeadlineExceeded`` (Ready=False, Failed=True) and a Warning event."""
+    message = f"the job ran longer than spec.runPolicy.activeDeadlineSeconds ({limit} s)"
+    conds = (job_status or {}).get("conditions") or []
+    return Transition(
+        status=finished_status(Phase.FAILED, "DeadlineExceeded", message, generation, at, conds),
+        events=[Event("Warning", "DeadlineExceeded", message + "; deleting its worker pods")],
     )

@@ -15,6 +15,8 @@ cluster, and keeps `k8s.py` the one place that talks to the API. A job of ``N`` 
   own pods reach its pods at all (torch's rendezvous store and the collectives' sockets have no
   authentication), and besides them only the operator (and configured peers such as a
   Prometheus) reach the control port;
+- a PodDisruptionBudget ``<job>-workers`` with ``minAvailable: N``: a node drain (a voluntary
+  disruption) waits instead of evicting a worker, since one lost worker fails the whole job;
 - ``N`` worker Pods ``<job>-node-<i>``, one per node, each running ``torchrun`` with
   ``gpusPerNode`` processes (built in `workers`).
 
@@ -50,6 +52,7 @@ __all__ = [
     "TOKEN_KEY",
     "JobRef",
     "build_configmap",
+    "build_disruption_budget",
     "build_event",
     "build_network_policy",
     "build_secret",
@@ -58,6 +61,7 @@ __all__ = [
     "controller_of",
     "coordinator_host",
     "describe_owner",
+    "disruption_budget_name",
     "job_labels",
     "job_manifest",
     "metadata",
@@ -132,6 +136,10 @@ def secret_name(job: str) -> str:
 
 def network_policy_name(job: str) -> str:
     return f"{job}-network"
+
+
+def disruption_budget_name(job: str) -> str:
+    return f"{job}-workers"
 
 
 def coordinator_host(ref: JobRef) -> str:
@@ -256,6 +264,23 @@ def build_secret(ref: JobRef, token: str, files: Mapping[str, str] | None = None
         "type": "Opaque",
         "metadata": metadata(ref, secret_name(ref.name)),
         "data": {k: base64.b64encode(v.encode()).decode() for k, v in entries.items()},
+    }
+
+
+def build_disruption_budget(job: ResolvedJob, ref: JobRef) -> dict[str, Any]:
+    """A PodDisruptionBudget asking that all ``nodes`` workers stay: an eviction (``kubectl
+    drain``, a cluster autoscaler) is refused rather than killing the job silently, since a
+    worker cannot rejoin a running process group. Involuntary failures still fail the job."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(ref, disruption_budget_name(ref.name)),
+        "spec": {
+            "minAvailable": job.spec.nodes,
+            "selector": {
+                "matchLabels": {JOB_LABEL: ref.name, "app.kubernetes.io/managed-by": MANAGED_BY}
+            },
+        },
     }
 
 

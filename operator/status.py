@@ -12,6 +12,9 @@ status flips, ``observedGeneration`` set to the spec generation the operator act
   ``NameConflict`` (an object of a child's name is someone else's), ``PodsPending``,
   ``PodFailed`` or ``Completed``.
 - ``Straggling``: True when some GPU is a straggler by the job's policy.
+- ``Succeeded`` / ``Failed``: set True, once, when the job ends (``kubectl wait
+  --for=condition=Succeeded mj/NAME``), with the reason (``Completed``; ``InvalidSpec``,
+  ``PodFailed``, ``DeadlineExceeded``); ``completionTime`` is set with them.
 """
 
 from __future__ import annotations
@@ -39,12 +42,15 @@ from malleus.planner.plan import Plan
 
 __all__ = [
     "ACTIVE_PHASES",
+    "FAILED",
     "READY",
     "STRAGGLING",
+    "SUCCEEDED",
     "TERMINAL_PHASES",
     "condition",
     "created_status",
     "dump",
+    "finished_status",
     "invalid_spec_message",
     "invalid_spec_status",
     "merge_conditions",
@@ -53,6 +59,7 @@ __all__ = [
     "phase_of",
     "plan_from_status",
     "plan_status",
+    "plan_summary",
     "replan_status",
     "stragglers",
     "straggling_condition",
@@ -62,6 +69,9 @@ TERMINAL_PHASES = frozenset({Phase.SUCCEEDED, Phase.FAILED})
 ACTIVE_PHASES = frozenset({Phase.PENDING, Phase.RUNNING, Phase.REPLANNING})
 READY = "Ready"
 STRAGGLING = "Straggling"
+SUCCEEDED = "Succeeded"
+FAILED = "Failed"
+"""The terminal condition types, named like the phases they end in."""
 _MESSAGE_LIMIT = 32768
 """metav1.Condition's message limit."""
 
@@ -128,10 +138,58 @@ def merge_conditions(
 # ---- plan and stragglers --------------------------------------------------------------------
 
 
+def _counts(values: Sequence[int], unit: str) -> str:
+    """``4,4,3 stages``, or run-length ``8x60,7x4 stages`` past six values (a 70B job's 64
+    pipelines must still fit on one line)."""
+    if len(values) <= 6:
+        return f"{','.join(map(str, values))} {unit}"
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return ",".join(f"{v}x{n}" if n > 1 else str(v) for v, n in runs) + f" {unit}"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def plan_summary(plan: Plan) -> str:
+    """The plan in one line: ``3 pipelines [4,4,3 stages] tp 8/4, 2 GPUs out, 1.84x vs static``.
+
+    Pipelines by their stage counts (most first), the tensor-parallel widths of the stages
+    (a stage narrower than ``tp`` works around an excluded or slow GPU), the GPUs left idle and
+    the predicted speedup over the uniform (static) layout; ``kubectl describe`` shows it
+    where the whole plan (``plan.json`` in the ConfigMap) would take lines per stage.
+    """
+    stages = sorted((len(p.stages) for p in plan.pipelines), reverse=True)
+    widths = sorted({len(s.ranks) for p in plan.pipelines for s in p.stages}, reverse=True)
+    text = f"{_plural(len(stages), 'pipeline')} [{_counts(stages, 'stages')}]"
+    text += f" tp {'/'.join(map(str, widths or [plan.tp]))}"
+    if plan.excluded:
+        text += f", {_plural(len(plan.excluded), 'GPU')} out"
+    speedup = plan_speedup(plan)
+    if speedup is not None:
+        text += f", {speedup:.2f}x vs static"
+    return text[:256]
+
+
+def plan_speedup(plan: Plan) -> float | None:
+    """Predicted step time of the uniform layout over this plan's (None without an estimate)."""
+    est = plan.estimate
+    if est is None or est.uniform_step_time is None or est.step_time <= 0:
+        return None
+    uniform = est.uniform_step_time
+    return round(uniform / est.step_time, 4) if math.isfinite(uniform) else None
+
+
 def plan_status(plan: Plan) -> PlanStatus:
     """The plan as shown in ``.status.plan`` (its estimate folded into two numbers)."""
     status = PlanStatus(
         generation=plan.generation,
+        summary=plan_summary(plan),
         tp=plan.tp,
         pipelines=[
             PipelineStatus(
@@ -142,12 +200,9 @@ def plan_status(plan: Plan) -> PlanStatus:
         ],
         excluded=sorted(plan.excluded),
     )
-    est = plan.estimate
-    if est is not None:
-        status.predicted_step_time = round(est.step_time, 4)
-        uniform = est.uniform_step_time
-        if uniform is not None and est.step_time > 0 and math.isfinite(uniform):
-            status.predicted_speedup = round(uniform / est.step_time, 4)
+    if plan.estimate is not None:
+        status.predicted_step_time = round(plan.estimate.step_time, 4)
+        status.predicted_speedup = plan_speedup(plan)
     return status
 
 
@@ -244,12 +299,30 @@ def invalid_spec_status(
 ) -> MalleusJobStatus:
     """``Failed`` with ``Ready=False/InvalidSpec``: nothing was created."""
     message = invalid_spec_message(faults)
+    failed = finished_status(Phase.FAILED, "InvalidSpec", message, generation, at, existing)
+    failed.observed_generation = generation
+    return failed
+
+
+def finished_status(
+    phase: Phase,
+    reason: str,
+    message: str,
+    generation: int,
+    at: dt.datetime,
+    existing: Iterable[Mapping[str, Any] | Condition] | None = (),
+) -> MalleusJobStatus:
+    """The job ended (``phase`` Succeeded or Failed): ``Ready=False`` and the terminal condition
+    of that name True, both with ``reason``, and ``completionTime`` (the TTL counts from it)."""
+    terminal = SUCCEEDED if phase == Phase.SUCCEEDED else FAILED
     return MalleusJobStatus(
-        phase=Phase.FAILED,
-        observed_generation=generation,
+        phase=phase,
         message=message,
+        completion_time=at,
         conditions=merge_conditions(
-            existing, condition(READY, False, "InvalidSpec", message, generation, at)
+            existing,
+            condition(READY, False, reason, message, generation, at),
+            condition(terminal, True, reason, message, generation, at),
         ),
     )
 
@@ -285,6 +358,7 @@ def created_status(
     return MalleusJobStatus(
         phase=Phase.PENDING,
         observed_generation=generation,
+        start_time=at,
         plan=plan_status(plan),
         pods=list(pods),
         gpus=gpus,

@@ -14,6 +14,7 @@ from malleus.job import ResolvedJob
 from malleus.planner.plan import Plan
 
 from . import tls
+from .overrides import apply_pod_template
 from .resources import (
     CONFIG_MOUNT,
     CONTROL_PORT_NAME,
@@ -23,6 +24,7 @@ from .resources import (
     TOKEN_KEY,
     JobRef,
     build_configmap,
+    build_disruption_budget,
     build_secret,
     build_service,
     configmap_name,
@@ -147,6 +149,7 @@ def build_pod(job: ResolvedJob, ref: JobRef, index: int) -> dict[str, Any]:
     ``restartPolicy: Never``: a restarted worker cannot rejoin the running process group, so a
     failure is reported on the job instead of being hidden by a restart loop. Without emulation,
     a required anti-affinity keeps one worker per node (the plan's node = the pod index).
+    ``spec.podTemplate`` is merged in last, the operator's fields winning (`overrides`).
     """
     volumes, mounts = _volumes(job, ref)
     port = job.spec.control_port
@@ -201,7 +204,7 @@ def build_pod(job: ResolvedJob, ref: JobRef, index: int) -> dict[str, Any]:
                 ]
             }
         }
-    return {
+    pod = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": metadata(
@@ -217,6 +220,7 @@ def build_pod(job: ResolvedJob, ref: JobRef, index: int) -> dict[str, Any]:
         ),
         "spec": spec,
     }
+    return apply_pod_template(pod, job.spec.pod_template)
 
 
 def build_children(
@@ -228,7 +232,7 @@ def build_children(
     certificates: tls.JobCertificates | None = None,
 ) -> list[dict[str, Any]]:
     """Everything a job owns, in creation order: its NetworkPolicy (when given), Service,
-    ConfigMap, Secret, then the pods.
+    ConfigMap, Secret, PodDisruptionBudget, then the pods.
 
     ``certificates`` (`tls.issue`) go into the Secret, which the pods mount: a job that runs
     needs them; None only for manifests that are inspected, never run.
@@ -241,5 +245,6 @@ def build_children(
         build_service(job, ref),
         build_configmap(job, ref, plan),
         build_secret(ref, token, certificates.secret_data() if certificates else None),
+        build_disruption_budget(job, ref),
         *(build_pod(job, ref, i) for i in range(job.spec.nodes)),
     ]

@@ -34,6 +34,7 @@ __all__ = [
     "data_faults",
     "data_file_faults",
     "max_token_id",
+    "sample_spans",
     "text_files",
     "tokenizer_vocab",
 ]
@@ -97,7 +98,7 @@ def _other_dtype(dtype: str) -> str:
     return "uint32" if dtype == "uint16" else "uint16 or not token ids at all"
 
 
-def _sample_spans(tokens: int) -> Iterator[tuple[int, int]]:
+def sample_spans(tokens: int) -> Iterator[tuple[int, int]]:
     """(start, count) blocks covering `tokens` ids, or `SAMPLE_TOKENS` of them spread evenly."""
     if tokens <= SAMPLE_TOKENS:
         yield 0, tokens
@@ -108,11 +109,11 @@ def _sample_spans(tokens: int) -> Iterator[tuple[int, int]]:
 
 
 def max_token_id(path: Path, dtype: str, tokens: int) -> tuple[int, int]:
-    """(largest id, its offset) over the sample of a token file that `_sample_spans` reads."""
+    """(largest id, its offset) over the sample of a token file that `sample_spans` reads."""
     best = (-1, -1)
     width = DTYPE_BYTES[dtype]
     with path.open("rb") as f:
-        for start, count in _sample_spans(tokens):
+        for start, count in sample_spans(tokens):
             f.seek(start * width)
             ids = array("H" if width == 2 else "I")
             ids.frombytes(f.read(count * width))
@@ -247,7 +248,7 @@ def arrow_chunks(folder: Path, column: str) -> list[pa.Array]:
 
 
 def _max_in_chunks(chunks: list[pa.Array], tokens: int) -> tuple[int, int]:
-    """(largest id, its offset in the packed stream) over a `_sample_spans` sample."""
+    """(largest id, its offset in the packed stream) over a `sample_spans` sample."""
     import pyarrow.compute as pc
 
     starts, at = [], 0
@@ -255,7 +256,7 @@ def _max_in_chunks(chunks: list[pa.Array], tokens: int) -> tuple[int, int]:
         starts.append(at)
         at += len(chunk)
     best = (-1, -1)
-    for start, count in _sample_spans(tokens):
+    for start, count in sample_spans(tokens):
         for first, chunk in zip(starts, chunks, strict=True):
             lo, hi = max(start, first), min(start + count, first + len(chunk))
             if lo >= hi:

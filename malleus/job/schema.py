@@ -182,6 +182,11 @@ def _normalize(
                 result[key] = _normalize(
                     item, properties[key], _join(path, key), meta=is_meta, unknown=unknown
                 )
+            elif isinstance(schema.get("additionalProperties"), Mapping):  # a map's values
+                sub = schema["additionalProperties"]
+                result[key] = _normalize(
+                    item, sub, _join(path, str(key)), meta=False, unknown=unknown
+                )
             elif meta or schema.get("x-kubernetes-preserve-unknown-fields"):
                 result[key] = item
             else:

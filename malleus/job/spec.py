@@ -9,7 +9,7 @@ matter for objects built in code (tests), and a test keeps them equal to the CRD
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -18,24 +18,33 @@ from .presets import GPU_PROFILES, GpuProfile, Preset
 
 __all__ = [
     "CheckpointSpec",
+    "ContainerOverride",
     "DataFormat",
     "DataSpec",
     "Dataset",
     "DcgmSpec",
     "EmulationSpec",
+    "EnvVar",
     "JobMetadata",
+    "LocalObjectReference",
     "MalleusJobSpec",
     "MetricsSource",
     "MetricsSpec",
     "ModelSpec",
     "ParallelismSpec",
+    "PodSpecOverride",
+    "PodTemplate",
+    "PodTemplateMetadata",
     "Precision",
     "PrometheusSpec",
+    "ResourceOverride",
     "ResourcesSpec",
+    "RunPolicy",
     "ScheduleEntry",
     "StragglerPolicy",
     "TokenDtype",
     "TrainingSpec",
+    "VolumeMount",
 ]
 
 Dataset = Literal["tiny-corpus", "synthetic"]
@@ -239,6 +248,91 @@ class EmulationSpec(_Model):
         return self.layer_forward_ms / 1000.0, self.layer_backward_ms / 1000.0
 
 
+class PodTemplateMetadata(_Model):
+    """Labels and annotations added to every worker pod (the operator's own keys win)."""
+
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class EnvVar(_Model):
+    """A core/v1 EnvVar for the trainer container; ``value_from`` is kept as Kubernetes reads it."""
+
+    name: str
+    value: str | None = None
+    value_from: dict[str, Any] | None = None
+
+
+class VolumeMount(_Model):
+    """A core/v1 VolumeMount of one of the override's volumes."""
+
+    name: str
+    mount_path: str
+    sub_path: str | None = None
+    read_only: bool | None = None
+
+
+class ResourceOverride(_Model):
+    """Extra requests/limits (``rdma/hca``, hugepages): device plugins' resources the operator
+    does not know; cpu, memory and ``nvidia.com/gpu`` stay the operator's."""
+
+    requests: dict[str, int | str] = Field(default_factory=dict)
+    limits: dict[str, int | str] = Field(default_factory=dict)
+
+
+class ContainerOverride(_Model):
+    """Additions to the trainer container (the pod's only container)."""
+
+    name: Literal["trainer"]
+    env: list[EnvVar] = Field(default_factory=list)
+    volume_mounts: list[VolumeMount] = Field(default_factory=list)
+    resources: ResourceOverride = Field(default_factory=ResourceOverride)
+
+
+class LocalObjectReference(_Model):
+    """A Secret in the job's namespace, by name (an image pull secret)."""
+
+    name: str
+
+
+class PodSpecOverride(_Model):
+    """The pod spec fields a job may set; deep Kubernetes types (affinity, tolerations,
+    volumes) are kept as given, for the API server to judge when the pod is created."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    affinity: dict[str, Any] | None = None
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list)
+    service_account_name: str | None = None
+    priority_class_name: str | None = None
+    scheduler_name: str | None = None
+    volumes: list[dict[str, Any]] = Field(default_factory=list)
+    containers: list[ContainerOverride] = Field(default_factory=list)
+
+
+class PodTemplate(_Model):
+    """A PodTemplateSpec-shaped override merged into every worker pod (`operator/workers.py`
+    says which of the operator's fields win)."""
+
+    metadata: PodTemplateMetadata = Field(default_factory=PodTemplateMetadata)
+    spec: PodSpecOverride = Field(default_factory=PodSpecOverride)
+
+    def trainer(self) -> ContainerOverride:
+        """The trainer container's override (empty when none is given)."""
+        return (
+            self.spec.containers[0] if self.spec.containers else ContainerOverride(name="trainer")
+        )
+
+
+class RunPolicy(_Model):
+    """How long a job may run, and how long its objects outlive it (unset: no limit)."""
+
+    active_deadline_seconds: int | None = None
+    """Fail the job once it has run this long since its pods were created."""
+    ttl_seconds_after_finished: int | None = None
+    """Delete the job's children this long after it Succeeded or Failed (the job stays)."""
+
+
 class MalleusJobSpec(_Model):
     """``spec`` of a MalleusJob."""
 
@@ -254,3 +348,5 @@ class MalleusJobSpec(_Model):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     control_port: int = 8040
     emulation: EmulationSpec = Field(default_factory=EmulationSpec)
+    pod_template: PodTemplate | None = None
+    run_policy: RunPolicy = Field(default_factory=RunPolicy)

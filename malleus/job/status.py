@@ -75,6 +75,8 @@ class PlanStatus(_Model):
     """The plan in force, as shown in the status."""
 
     generation: int | None = None
+    summary: str | None = None
+    """The plan in one line (``kubectl get mj -o wide``); the whole plan is in the ConfigMap."""
     tp: int | None = None
     pipelines: list[PipelineStatus] = Field(default_factory=list)
     excluded: list[int] = Field(default_factory=list)
@@ -115,6 +117,10 @@ class MalleusJobStatus(_Model):
     tokens_per_second: float | None = None
     last_replan: LastReplan | None = None
     pods: list[str] = Field(default_factory=list)
+    start_time: dt.datetime | None = None
+    """When the pods were created: ``spec.runPolicy.activeDeadlineSeconds`` counts from it."""
+    completion_time: dt.datetime | None = None
+    """When the job Succeeded or Failed: ``ttlSecondsAfterFinished`` counts from it."""
     message: str | None = None
 
 

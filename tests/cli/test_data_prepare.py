@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -105,3 +107,14 @@ def test_bad_inputs_exit_2_and_leave_no_file(tmp_path: Path, tokenizer: Path) ->
     code, err = run("--tokenizer", str(tokenizer), str(bad), "-o", str(out))
     assert code == 2 and f"{bad} line 2 is not JSON" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "bad.jsonl"]
+
+
+def test_the_command_line_loads_no_numpy_torch_or_tokenizers() -> None:
+    """`malleus check` runs in the operator's image (no trainer extra): building the parser,
+    `data prepare` included, imports none of them."""
+    code = (
+        "import sys, malleus.cli; malleus.cli._build_parser(); "
+        "print(sorted(m for m in ('numpy', 'torch', 'tokenizers', 'pyarrow') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

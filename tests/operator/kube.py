@@ -39,6 +39,7 @@ KINDS = {
     "Secret": kmock.resource("", "v1", "secrets"),
     "Event": kmock.resource("", "v1", "events"),
     "NetworkPolicy": kmock.resource("networking.k8s.io", "v1", "networkpolicies"),
+    "PodDisruptionBudget": kmock.resource("policy", "v1", "poddisruptionbudgets"),
     "MalleusJob": kmock.resource("malleus.io", "v1alpha1", "malleusjobs"),
 }
 

@@ -112,8 +112,9 @@ def test_a_job_naming_a_url_off_the_list_is_refused_before_anything_exists(
         asyncio.run(handlers.on_create(body=body, patch=patch, memo=_memo(kube, PROM)))
     st = patch["status"]
     assert st["phase"] == "Failed"
-    (cond,) = st["conditions"]
-    assert (cond["reason"], cond["status"]) == ("InvalidSpec", "False")
+    cond, failed = st["conditions"]
+    assert (cond["type"], cond["reason"], cond["status"]) == ("Ready", "InvalidSpec", "False")
+    assert (failed["type"], failed["reason"], failed["status"]) == ("Failed", "InvalidSpec", "True")
     assert f"spec.metrics.prometheus.url: {EVIL!r} is not on the operator's" in cond["message"]
     assert PROM in cond["message"]  # the allowlist is named
     assert kube.names() == []  # nothing created

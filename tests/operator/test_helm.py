@@ -28,6 +28,7 @@ ALLOWED_VERBS: dict[tuple[str, str], set[str]] = {
     ("", "configmaps"): {"create", "get", "patch", "delete"},
     ("", "events"): {"create"},
     ("networking.k8s.io", "networkpolicies"): {"create", "get", "delete"},
+    ("policy", "poddisruptionbudgets"): {"create", "get", "delete"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
     ("", "namespaces"): {"list", "watch"},
 }

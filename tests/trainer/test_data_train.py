@@ -13,13 +13,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 
 from malleus.cli import main as malleus
+from malleus.job.data import SAMPLE_TOKENS, sample_spans
 from malleus.runner.record import StepRecord
 from malleus.runner.report import RunFacts, build_report
 from malleus.trainer import cli
+from malleus.trainer.data import TokenStream, WindowSource
 from tests.trainer.data_cases import corpus_tokens, data_job, write_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,3 +138,30 @@ def test_own_model_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     steps = json.loads(report.read_text())["per_step"]
     assert [s["step"] for s in steps] == [0, 1, 2]
     assert steps[-1]["loss"] < steps[0]["loss"]
+
+
+def test_an_id_the_sample_missed_stops_the_run_and_the_report_says_why(tmp_path: Path) -> None:
+    """The file check reads a sample; the trainer refuses the id when a step reads it, and rank
+    0's report keeps the steps done and the reason."""
+    ids = np.zeros(4 * SAMPLE_TOKENS + 1, np.int64)
+    stream = TokenStream([ids], "probe")
+    source = WindowSource(stream, 16, 256, seed=1234)  # the job's sequence and seed
+    sampled = [range(a, a + n) for a, n in sample_spans(len(ids))]
+    step1 = [source.window(i) * 16 for i in range(4, 8)]  # the windows of step 1 (batch 4)
+    bad = next(s + 8 for s in step1 if not any(s + 8 in span for span in sampled))
+    ids[bad] = 999
+    tokens = write_tokens(tmp_path / "train.bin", ids)
+    job = write(tmp_path / "job.yaml", data_job({"format": "tokens", "path": str(tokens)}))
+    report = tmp_path / "report.json"
+    assert (
+        cli.main(
+            parse(job, "--plan", write(tmp_path / "a.json", one_group(4)), "--report", str(report))
+        )
+        == 1
+    )
+    got = json.loads(report.read_text())
+    assert [row["step"] for row in got["per_step"]] == [0]
+    assert got["exit"]["code"] == 1
+    assert (
+        f"token id 999 at token {bad:,} is >= the model's vocabulary (256)" in got["exit"]["reason"]
+    )

@@ -57,7 +57,7 @@ RUNS = [
 JOBS = {"chain": JOB, "tied": TIED}
 
 FLOAT64_TOL = 1e-10
-FLOAT32_TOL = 1e-3  # the documented bound for 30 steps; measured ~2e-4 (docs/trainer.md)
+FLOAT32_TOL = 1e-4  # the documented float32 bound (docs/trainer.md); measured ~4e-6 here
 
 
 @pytest.fixture(scope="module")

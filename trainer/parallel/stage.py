@@ -16,7 +16,8 @@ from torch import Tensor
 
 from malleus.job import ModelConfig
 
-from ..model import attention, local_names, model_rope, rms_norm, spec_table, swiglu
+from ..layers import attention, model_rope, rms_norm, swiglu
+from ..model import local_names, spec_table
 from ..precision import loss_logits
 from .layout import Place
 from .tensor import TPGroup, copy_to_group, gather_from_group, reduce_from_group

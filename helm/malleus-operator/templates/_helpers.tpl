@@ -68,6 +68,11 @@ Least privilege: exactly the verbs malleus.operator (kopf + k8s.py) uses.
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+# The per-job PodDisruptionBudget (a drain must not evict one worker of a running job):
+# created, read by name, deleted with the job.
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["create", "get", "delete"]
 {{- if .Values.networkPolicy.enabled }}
 # The per-job NetworkPolicy (only the job's pods reach its rendezvous store and control port):
 # created, read by name, deleted with the job.

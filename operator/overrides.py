@@ -1,0 +1,104 @@
+"""``spec.podTemplate`` merged into a worker pod the operator built: one pure function.
+
+A real GPU cluster needs what only its admin knows (node pools, RDMA devices, NCCL interfaces,
+pull secrets, a scheduler), so a job may add to its pods; but the operator's pod is also the
+job's contract (torchrun's command line, the control token and TLS identity, the hardening), so
+what it set is never replaced. Where both give a value the operator's wins, key by key:
+
+- **operator wins**: the pod's name, namespace, ownerReferences and the labels and annotations
+  it sets (its selector labels, the scrape annotations); the trainer container's name, image,
+  command, ports and every env var it sets (``MALLEUS_*``, ``POD_IP``, ``HOME``, ...); the pod
+  and container security contexts; ``restartPolicy``, ``hostname``/``subdomain``,
+  ``automountServiceAccountToken: false`` (a ``serviceAccountName`` still gets no token); its
+  volumes (config, control-tls, tmp, checkpoints) and their mount paths; ``cpu``, ``memory``
+  and ``nvidia.com/gpu`` amounts; its GPU toleration and one-worker-per-node anti-affinity;
+- **the job adds**: labels, annotations, ``nodeSelector``, affinity terms, tolerations,
+  ``imagePullSecrets``, ``serviceAccountName``, ``priorityClassName``, ``schedulerName``,
+  volumes, the trainer's env, volumeMounts and other resources (``rdma/hca``);
+- **the job replaces**: the operator's ``/dev/shm`` (an unsized memory emptyDir), by mounting
+  a volume of its own there (a ``sizeLimit``-ed one, say).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from malleus.job.spec import PodTemplate
+
+__all__ = ["SHM_PATH", "apply_pod_template"]
+
+SHM_PATH = "/dev/shm"
+"""The one operator mount a job may replace (NCCL's shared memory wants a size)."""
+_SHM_VOLUME = "dshm"
+
+
+def _affinity(ours: Mapping[str, Any] | None, theirs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The job's affinity with the operator's required anti-affinity terms kept beside its own:
+    a term list the job gives is extended, never replaced, so one worker per node still holds."""
+    merged: dict[str, Any] = copy.deepcopy(dict(theirs or {}))
+    for kind, rules in (ours or {}).items():
+        target = merged.setdefault(kind, {})
+        for when, terms in rules.items():
+            target[when] = [*target.get(when, []), *copy.deepcopy(terms)]
+    return merged
+
+
+def apply_pod_template(pod: Mapping[str, Any], template: PodTemplate | None) -> dict[str, Any]:
+    """``pod`` (the operator's, from `workers.build_pod`) with ``template`` merged in; the module
+    docstring says who wins. Returns a new dict; ``pod`` is not changed."""
+    merged: dict[str, Any] = copy.deepcopy(dict(pod))
+    if template is None:
+        return merged
+    meta, spec = merged["metadata"], merged["spec"]
+    meta["labels"] = {**template.metadata.labels, **meta.get("labels", {})}
+    meta["annotations"] = {**template.metadata.annotations, **meta.get("annotations", {})}
+    extra = template.spec
+    if extra.node_selector:
+        spec["nodeSelector"] = {**extra.node_selector, **spec.get("nodeSelector", {})}
+    if extra.affinity or spec.get("affinity"):
+        spec["affinity"] = _affinity(spec.get("affinity"), extra.affinity)
+    tolerations = list(spec.get("tolerations", []))
+    tolerations += [dict(t) for t in extra.tolerations if t not in tolerations]
+    if tolerations:
+        spec["tolerations"] = tolerations
+    if extra.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": s.name} for s in extra.image_pull_secrets]
+    for key, value in (
+        ("serviceAccountName", extra.service_account_name),
+        ("priorityClassName", extra.priority_class_name),
+        ("schedulerName", extra.scheduler_name),
+    ):
+        if value:
+            spec[key] = value
+
+    container = spec["containers"][0]
+    trainer = template.trainer()
+    mounts: list[dict[str, Any]] = container["volumeMounts"]
+    taken = {m["mountPath"] for m in mounts}
+    theirs = [m.model_dump(by_alias=True, exclude_none=True) for m in trainer.volume_mounts]
+    if any(m["mountPath"] == SHM_PATH for m in theirs):
+        mounts[:] = [m for m in mounts if m["mountPath"] != SHM_PATH]
+        spec["volumes"] = [v for v in spec["volumes"] if v["name"] != _SHM_VOLUME]
+        taken.discard(SHM_PATH)
+    mounts += [m for m in theirs if m["mountPath"] not in taken]
+    names = {v["name"] for v in spec["volumes"]}
+    spec["volumes"] += [copy.deepcopy(v) for v in extra.volumes if v.get("name") not in names]
+
+    env: list[dict[str, Any]] = container["env"]
+    ours = {e["name"] for e in env}
+    env += [
+        e.model_dump(by_alias=True, exclude_none=True) for e in trainer.env if e.name not in ours
+    ]
+    resources = container.setdefault("resources", {})
+    for kind, amounts in (
+        ("requests", trainer.resources.requests),
+        ("limits", trainer.resources.limits),
+    ):
+        if amounts:
+            resources[kind] = {
+                **{k: str(v) for k, v in amounts.items()},
+                **resources.get(kind, {}),
+            }
+    return merged
