@@ -24,9 +24,11 @@ __all__ = ["child_kinds", "delete_children", "ensure_children", "network_policy"
 
 def child_kinds(settings: Settings) -> tuple[str, ...]:
     """The kinds a job owns, in deletion order (pods first: they use the rest). NetworkPolicy
-    only when the operator makes them (without, it may have no right to read them)."""
-    kinds = ("Pod", "PodDisruptionBudget", "Service", "ConfigMap", "Secret")
-    return (*kinds, "NetworkPolicy") if settings.network_policies else kinds
+    and PodDisruptionBudget only when the operator makes them (without, it may have no right
+    to read them)."""
+    budget = ("PodDisruptionBudget",) if settings.disruption_budgets else ()
+    policy = ("NetworkPolicy",) if settings.network_policies else ()
+    return ("Pod", *budget, "Service", "ConfigMap", "Secret", *policy)
 
 
 def network_policy(
@@ -58,7 +60,10 @@ async def ensure_children(
     token = secrets.token_urlsafe(32)
     certificates = tls.issue(tls.worker_names(ref, job.nodes), dt.datetime.now(dt.UTC))
     policy = network_policy(ctx.settings, job, ref)
-    for obj in workers.build_children(job, ref, plan, token, policy, certificates):
+    built = workers.build_children(
+        job, ref, plan, token, policy, certificates, ctx.settings.disruption_budgets
+    )
+    for obj in built:
         stored, new = await ctx.cluster.create(obj)
         if new:
             created.append(f"{obj['kind']}/{obj['metadata']['name']}")

@@ -114,6 +114,9 @@ class Settings:
     network_policies: bool = True
     """Give every job a NetworkPolicy (`resources.build_network_policy`). Off only where no
     NetworkPolicy controller runs (the chart's ``networkPolicy.enabled``)."""
+    disruption_budgets: bool = True
+    """Give every job a PodDisruptionBudget (`resources.build_disruption_budget`). Off only
+    where the API has no ``policy/v1`` (the end-to-end tests' core-only cluster)."""
     operator_namespace: str = ""
     """The operator pod's namespace; with `operator_labels`, who a job's NetworkPolicy admits
     to the trainers' control port. Empty (out of the cluster): no operator peer."""

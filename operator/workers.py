@@ -230,9 +230,11 @@ def build_children(
     token: str,
     network_policy: Mapping[str, Any] | None = None,
     certificates: tls.JobCertificates | None = None,
+    disruption_budget: bool = True,
 ) -> list[dict[str, Any]]:
     """Everything a job owns, in creation order: its NetworkPolicy (when given), Service,
-    ConfigMap, Secret, PodDisruptionBudget, then the pods.
+    ConfigMap, Secret, PodDisruptionBudget (unless ``disruption_budget`` is false), then the
+    pods.
 
     ``certificates`` (`tls.issue`) go into the Secret, which the pods mount: a job that runs
     needs them; None only for manifests that are inspected, never run.
@@ -245,6 +247,6 @@ def build_children(
         build_service(job, ref),
         build_configmap(job, ref, plan),
         build_secret(ref, token, certificates.secret_data() if certificates else None),
-        build_disruption_budget(job, ref),
+        *([build_disruption_budget(job, ref)] if disruption_budget else []),
         *(build_pod(job, ref, i) for i in range(job.spec.nodes)),
     ]

@@ -56,7 +56,8 @@ class Operator:
 
     def __init__(self, cluster: ClusterProxy, namespace: str, log: Path) -> None:
         self.log = log
-        env = {**cluster.env(), "PYTHONUNBUFFERED": "1"}
+        # The test cluster serves no policy/v1 either: no PodDisruptionBudgets.
+        env = {**cluster.env(), "PYTHONUNBUFFERED": "1", "MALLEUS_OPERATOR_DISRUPTION_BUDGETS": "0"}
         args = [
             *("--kubeconfig", str(cluster.kubeconfig), "--namespace", namespace),
             *("--liveness", "", "--metrics-port", "0", "--ack-timeout", "60"),
