@@ -15,7 +15,8 @@ excluded, + 12 x layers x heads x head_dim x sequence for attention, as PaLM cou
 
 *share*: NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected",
 NCCL >= 2.5), so ranks of one job cannot share a GPU; what can is several jobs. `share` starts
-`--ranks` one-rank jobs at once on the same GPU, each with 1/ranks of the solo batch, and
+`--ranks` one-rank jobs at once on the same GPU, each with 1/ranks of the solo batch (and of
+its micro-batch, so that all of them fit in the GPU's memory at once), and
 reports each one's tokens/s and their sum against solo: what co-located work costs a rank
 (a straggler's origin the operator must live with).
 
@@ -124,6 +125,7 @@ def measure(args: argparse.Namespace, global_batch: int) -> dict[str, Any]:
         sync()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+    torch.distributed.destroy_process_group()
     step = statistics.median(times)
     tokens = job.tokens_per_step / step
     peak = peak_flops(device, args.peak_tflops)
@@ -141,10 +143,12 @@ def measure(args: argparse.Namespace, global_batch: int) -> dict[str, Any]:
 
 
 def share(args: argparse.Namespace) -> dict[str, Any]:
-    """`--ranks` one-rank jobs at once on the same GPU, each with 1/ranks of the batch."""
+    """`--ranks` one-rank jobs at once on the same GPU, each with 1/ranks of the batch and of
+    the micro-batch (four ~1.1B jobs hold ~27 GiB each at micro-batch 2)."""
     cmd = [sys.executable, __file__, "solo", "--out", str(args.out), "--child"]
-    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--micro", str(args.micro)]
-    cmd += ["--global-batch", str(max(args.micro, args.global_batch // args.ranks))]
+    micro = max(1, args.micro // args.ranks)  # the activations of all jobs must fit at once
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--micro", str(micro)]
+    cmd += ["--global-batch", str(max(micro, args.global_batch // args.ranks))]
     cmd += ["--dry-run"] if args.dry_run else []
     cmd += ["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops is not None else []
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(args.ranks)]

@@ -11,7 +11,8 @@
 #                     on one GPU: bench/gpu.py says why), each one's tokens/s and their sum
 # 5. summary.txt      one line per stage, PASS/FAIL, and the figures
 #
-# Every stage has its own time limit (timeout), so one hang cannot eat the others' time, and
+# Every stage has its own time limit (timeout; 30 + 150 + 120 + 150 s = 7.5 min in all), so one
+# hang cannot eat the others' time, and
 # every stage runs whatever the previous did; the exit code is 1 if any stage failed.
 # MALLEUS_GPU_DRY_RUN=1 runs the same stages on CPU with a tiny model (tests/trainer);
 # MALLEUS_GPU_SHARE_RANKS sets how many jobs share the GPU (default 4).
@@ -42,9 +43,9 @@ stage() { # stage NAME SECONDS LOG COMMAND...: run with a time limit, record PAS
   echo "$name: $verdict in $((SECONDS - t0)) s, log $log" | tee -a "$SUMMARY"
 }
 
-stage machine 60 machine.txt bash -c "nvidia-smi || true; $PY -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"available\", torch.cuda.is_available())'"
-stage cuda-tests 200 cuda-tests.txt "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/trainer/test_precision_cuda.py
-stage solo 150 solo.txt "$PY" bench/gpu.py solo --out "$OUT" "${DRY[@]}"
+stage machine 30 machine.txt bash -c "nvidia-smi || true; $PY -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"available\", torch.cuda.is_available())'"
+stage cuda-tests 150 cuda-tests.txt "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/trainer/test_precision_cuda.py
+stage solo 120 solo.txt "$PY" bench/gpu.py solo --out "$OUT" "${DRY[@]}"
 stage share 150 share.txt "$PY" bench/gpu.py share --ranks "${MALLEUS_GPU_SHARE_RANKS:-4}" --out "$OUT" "${DRY[@]}"
 
 for f in solo share; do

@@ -27,7 +27,12 @@ from typing import Any
 
 from malleus.job.spec import PodTemplate
 
-__all__ = ["SHM_PATH", "apply_pod_template"]
+__all__ = ["OPERATOR_RESOURCES", "SHM_PATH", "apply_pod_template"]
+
+OPERATOR_RESOURCES = frozenset({"cpu", "memory", "nvidia.com/gpu"})
+"""Resources only ``spec.resources`` and ``spec.gpusPerNode`` set (the planner and the
+one-process-per-GPU launch depend on them); a template's amounts for them are ignored (and the
+CRD refuses them)."""
 
 SHM_PATH = "/dev/shm"
 """The one operator mount a job may replace (NCCL's shared memory wants a size)."""
@@ -97,8 +102,6 @@ def apply_pod_template(pod: Mapping[str, Any], template: PodTemplate | None) -> 
         ("limits", trainer.resources.limits),
     ):
         if amounts:
-            resources[kind] = {
-                **{k: str(v) for k, v in amounts.items()},
-                **resources.get(kind, {}),
-            }
+            extra = {k: str(v) for k, v in amounts.items() if k not in OPERATOR_RESOURCES}
+            resources[kind] = {**extra, **resources.get(kind, {})}
     return merged

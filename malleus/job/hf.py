@@ -55,6 +55,8 @@ def _rope(config: Mapping[str, Any], say: Any) -> tuple[float, RopeScaling | Non
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
+    if params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
+        say("partial_rotary_factor", "rotary positions on part of each head are not supported")
     if kind == "default":
         return theta, None
     if kind != "llama3":

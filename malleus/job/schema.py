@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import functools
+import json
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -223,9 +224,10 @@ def _list_type(_v: Any, kind: Any, instance: Any, schema: Mapping[str, Any]) -> 
     seen: set[str] = set()
     for i, item in enumerate(instance):
         if kind == "map" and isinstance(item, dict):
-            identity = repr([item.get(k) for k in keys])
+            # The API server's wording: the item's keys as compact JSON.
+            identity = json.dumps({k: item.get(k) for k in keys}, separators=(",", ":"))
         elif kind == "set":
-            identity = repr(item)
+            identity = json.dumps(item, separators=(",", ":"))
         else:
             continue
         if identity in seen:

@@ -233,6 +233,7 @@ STATUS = {
     ],
     "plan": {
         "generation": 3,
+        "summary": "2 pipelines [1,1 stages] tp 2/1, 1 GPU out, 2.50x vs static",
         "tp": 2,
         "pipelines": [
             {"microBatches": 5, "stages": [{"ranks": [0, 2], "layers": [0, 8]}]},
@@ -315,16 +316,19 @@ def test_printer_columns(k8s_apiserver: ApiServer, k8s_namespace: str) -> None:
         "Stragglers",
         "GPUs",
         "Model",
+        "Layout",
         "Age",
     ]
     priority = {c["name"]: c.get("priority", 0) for c in body["columnDefinitions"]}
-    assert priority["GPUs"] == priority["Model"] == 1 and priority["Phase"] == 0
+    assert priority["GPUs"] == priority["Model"] == priority["Layout"] == 1
+    assert priority["Phase"] == 0
     [row] = body["rows"]
     cells = dict(zip(names, row["cells"], strict=True))
     assert cells["Name"] == "tiny-cpu"
     assert (cells["Phase"], cells["Plan"], cells["Step"]) == ("Running", 3, 42)
     assert cells["Tokens/s"] == 1234.5 and cells["Stragglers"] == "1 (r1 3.0x)"
     assert (cells["GPUs"], cells["Model"]) == (8, "tiny")
+    assert cells["Layout"] == STATUS["plan"]["summary"]  # type: ignore[index]
 
 
 def test_new_job_has_empty_columns(k8s_apiserver: ApiServer, k8s_namespace: str) -> None:

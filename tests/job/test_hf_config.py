@@ -111,6 +111,7 @@ def test_transformers_4_rope_fields_are_read_too() -> None:
             "rope_parameters: rope_type 'yarn'; supported: default, llama3",
         ),
         ({"num_key_value_heads": 3}, "num_key_value_heads: 3 does not divide"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor: rotary positions on part"),
         ({"vocab_size": "many"}, "vocab_size: 'many' is not an integer >= 2"),
     ],
 )

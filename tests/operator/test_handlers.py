@@ -44,7 +44,9 @@ def test_create_makes_service_configmap_secret_and_pods(
     assert len(kube.of_kind("ConfigMap")) == 1
     assert len(kube.of_kind("Secret")) == 1
     assert len(kube.of_kind("NetworkPolicy")) == 1
-    for kind in ("Pod", "Service", "ConfigMap", "Secret", "NetworkPolicy"):
+    (budget,) = kube.of_kind("PodDisruptionBudget")
+    assert budget["spec"]["minAvailable"] == 3  # every worker: a drain must not evict one
+    for kind in ("Pod", "Service", "ConfigMap", "Secret", "NetworkPolicy", "PodDisruptionBudget"):
         for obj in kube.of_kind(kind):
             assert obj["metadata"]["ownerReferences"][0]["uid"] == "uid-1234"
     st = patch["status"]
@@ -54,7 +56,7 @@ def test_create_makes_service_configmap_secret_and_pods(
     assert st["gpus"] == 12
     assert st["conditions"][0]["reason"] == "PodsPending"
     assert kube.reasons() == ["Created"]
-    assert len(result) == 7
+    assert len(result) == 8
     # the ConfigMap holds the same plan the status shows
     cm = kube.of_kind("ConfigMap")[0]
     assert Plan.from_json(cm["data"]["plan.json"]).generation == st["plan"]["generation"]
@@ -127,8 +129,9 @@ def test_invalid_spec_fails_and_creates_nothing(
     st = patch["status"]
     assert st["phase"] == "Failed"
     assert st["observedGeneration"] == 3
-    (cond,) = st["conditions"]
+    cond, failed = st["conditions"]
     assert (cond["type"], cond["status"], cond["reason"]) == ("Ready", "False", "InvalidSpec")
+    assert (failed["type"], failed["status"], failed["reason"]) == ("Failed", "True", "InvalidSpec")
     assert cond["observedGeneration"] == 3
     assert needle in cond["message"]
     assert kube.names() == []
@@ -293,12 +296,13 @@ def test_delete_removes_every_child_and_nothing_else(
         ("NetworkPolicy", "other-network"),
         ("Pod", "other-node-0"),
         ("Pod", "other-node-1"),
+        ("PodDisruptionBudget", "other-workers"),
         ("Secret", "other-control"),
         ("Service", "other"),
     ]
     deleted = [r for r in list(kube.emulator)[deletes:] if r.action == "DELETE"]
     assert deleted[0].resource == KINDS["Pod"]  # workers first
-    assert len(deleted) == 6
+    assert len(deleted) == 7
 
 
 def test_delete_of_an_invalid_job_spares_same_named_objects(

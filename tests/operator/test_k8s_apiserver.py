@@ -127,7 +127,8 @@ def test_core_objects_through_the_cluster_proxy(
 
     async def go() -> None:
         plan, _ = await jobs.initial_plan(job)
-        children = workers.build_children(job, ref, plan, "tok-1")
+        # The test cluster serves no policy/v1: no PodDisruptionBudget.
+        children = workers.build_children(job, ref, plan, "tok-1", disruption_budget=False)
         for obj in children:
             _, created = await k8s.create(obj)
             assert created

@@ -158,4 +158,10 @@ def test_network_policies_can_be_turned_off() -> None:
     assert [d for d in docs if d["kind"] == "NetworkPolicy"] == []
     settings = Settings.from_env(_env(_deployment(docs), "malleus-system"))
     assert settings.network_policies is False
-    assert children.child_kinds(settings) == ("Pod", "Service", "ConfigMap", "Secret")
+    assert children.child_kinds(settings) == (
+        "Pod",
+        "PodDisruptionBudget",
+        "Service",
+        "ConfigMap",
+        "Secret",
+    )

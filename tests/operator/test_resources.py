@@ -46,7 +46,7 @@ def _env(container: dict[str, Any]) -> dict[str, Any]:
 def test_one_pod_per_node_after_service_configmap_secret(make_job: Any) -> None:
     children = _children(make_job, nodes=3)
     kinds = [c["kind"] for c in children]
-    assert kinds == ["Service", "ConfigMap", "Secret", "Pod", "Pod", "Pod"]
+    assert kinds == ["Service", "ConfigMap", "Secret", "PodDisruptionBudget", "Pod", "Pod", "Pod"]
     assert [p["metadata"]["name"] for p in _pods(children)] == [
         "demo-node-0",
         "demo-node-1",

@@ -147,8 +147,10 @@ def test_invalid_spec_fails_with_a_ready_false_condition() -> None:
     s = shown(status.invalid_spec_status(faults, 2, T0))
     assert s["phase"] == "Failed"
     assert s["observedGeneration"] == 2
-    (c,) = s["conditions"]
+    c, failed = s["conditions"]
     assert (c["type"], c["status"], c["reason"]) == ("Ready", "False", "InvalidSpec")
+    assert (failed["type"], failed["status"], failed["reason"]) == ("Failed", "True", "InvalidSpec")
+    assert s["completionTime"] == "2025-05-01T12:00:00Z"
     assert c["observedGeneration"] == 2
     assert (
         c["message"]

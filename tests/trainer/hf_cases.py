@@ -61,7 +61,7 @@ def run_chains(chains: list[Chain], out: str) -> None:
                 reports.append(asdict(trainer.train_step()))
                 m = trainer.last_migration
                 if m is not None and m.step == trainer.step:
-                    switched.append((m.step, m.generation))
+                    switched.append((m.step, m.generation, m.bytes, m.minimal_bytes))
             full = gather_full(trainer, 0)
             # A plan-independent checkpoint, resumed under the first plan again.
             directory = Path(out) / f"{chain.name}-checkpoints"

@@ -3,6 +3,7 @@ and from the single-process reference, loadable by `AutoModelForCausalLM.from_pr
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import subprocess
 import sys
@@ -11,6 +12,10 @@ from pathlib import Path
 import torch
 import yaml
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+from malleus.runner import cli as runner_cli
+from malleus.runner.processes import LaunchSpec
+from malleus.trainer import cli
 
 sys.path.insert(0, str(Path(__file__).parent))
 th = importlib.import_module("test_hf")
@@ -42,3 +47,15 @@ def test_train_and_save_hf_from_two_ranks_and_from_the_reference(tmp_path: Path)
     untrained = AutoModelForCausalLM.from_pretrained(source)(input_ids=x).logits
     assert th.rel(trained, reference) <= 1e-4
     assert th.rel(trained, untrained) > 1e-3  # two steps moved it
+
+
+def test_malleus_run_hands_save_hf_to_every_trainer(tmp_path: Path) -> None:
+    # `malleus run --save-hf DIR` reaches the trainers' command line, which parses it.
+    parser = argparse.ArgumentParser()
+    runner_cli.add_arguments(parser)
+    assert parser.parse_args(["job.yaml", "--save-hf", "out"]).save_hf == "out"
+    spec = LaunchSpec("job.yaml", 2, tmp_path, tmp_path / "token", save_hf=str(tmp_path / "hf"))
+    argv = spec.argv(1, tmp_path / "plan.json", 8040, resume=False)
+    trainer = argparse.ArgumentParser()
+    cli.add_arguments(trainer)
+    assert trainer.parse_args(argv[3:]).save_hf == str(tmp_path / "hf")

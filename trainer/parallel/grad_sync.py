@@ -6,6 +6,9 @@ same holder set travel in one flat all-reduce (a bucket); buckets run in the lay
 order, which every rank derives from the plan alone. Replicated norm weights have the same
 gradient on every GPU of a TP group: only the group's first GPU contributes, the others add
 zeros, so each pipeline is counted once.
+
+The gradients here are the master pieces' (float32 under `precision: bf16`: trainer/precision.py
+adds each micro-batch's bf16 gradient into them), so data-parallel sums and the norm are float32.
 """
 
 from __future__ import annotations

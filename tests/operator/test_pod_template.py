@@ -1,0 +1,218 @@
+"""``spec.podTemplate``: what a job adds to its pods, and what the operator keeps its own.
+
+The merge is pure (`overrides.apply_pod_template`, called by `workers.build_pod`); the schema
+part runs on the real API server (its pruning is what stops a template from naming a command
+or a security context), and the built pods through kubernetes-validate.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from malleus.job import validate_manifest
+from malleus.job.spec import ContainerOverride, EnvVar, PodSpecOverride, PodTemplate, VolumeMount
+from malleus.operator import jobs, workers
+from malleus.operator.overrides import apply_pod_template
+from malleus.operator.resources import JobRef
+from tests.job.cases import REPO, load_yaml
+
+if TYPE_CHECKING:
+    from tests.k8s.apiserver import ApiServer
+
+REF = JobRef(namespace="ml", name="gpu-cluster", uid="uid-1", generation=1)
+EXAMPLE = REPO / "examples" / "gpu-cluster.yaml"
+
+
+def _example() -> dict[str, Any]:
+    manifest = load_yaml(EXAMPLE)
+    manifest["metadata"]["namespace"] = "ml"
+    return manifest
+
+
+def _pod(manifest: dict[str, Any], index: int = 0) -> dict[str, Any]:
+    return workers.build_pod(jobs.resolve(manifest), REF, index)
+
+
+def _trainer(pod: dict[str, Any]) -> dict[str, Any]:
+    (container,) = pod["spec"]["containers"]
+    return container
+
+
+def _env(pod: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in _trainer(pod)["env"]}
+
+
+def test_every_override_reaches_the_pod() -> None:
+    pod = _pod(_example())
+    meta, spec, trainer = pod["metadata"], pod["spec"], _trainer(pod)
+    assert meta["labels"]["team"] == "pretraining"
+    assert meta["labels"]["malleus.io/job"] == "gpu-cluster"  # the operator's beside it
+    assert meta["annotations"]["cluster-autoscaler.kubernetes.io/safe-to-evict"] == "false"
+    assert meta["annotations"]["prometheus.io/scrape"] == "true"
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    affinity = spec["affinity"]
+    assert affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    (anti,) = affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert anti["topologyKey"] == "kubernetes.io/hostname"  # still one worker per node
+    keys = [t["key"] for t in spec["tolerations"]]
+    assert keys == ["nvidia.com/gpu", "dedicated"]
+    assert spec["imagePullSecrets"] == [{"name": "registry-credentials"}]
+    assert spec["priorityClassName"] == "training-high"
+    env = _env(pod)
+    assert env["NCCL_IB_HCA"] == "mlx5_0,mlx5_1,mlx5_2,mlx5_3"
+    assert env["NCCL_SOCKET_IFNAME"] == "eth0"
+    assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}
+    assert env["MALLEUS_NODE_RANK"] == "0"
+    mounts = {m["mountPath"]: m for m in trainer["volumeMounts"]}
+    assert mounts["/dev/shm"]["name"] == "shm"  # the job's sized one replaced the operator's
+    assert mounts["/models"] == {"name": "models", "mountPath": "/models", "readOnly": True}
+    assert "/etc/malleus-tls" in mounts and "/etc/malleus" in mounts
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
+    assert "dshm" not in volumes
+    assert volumes["models"]["persistentVolumeClaim"]["claimName"] == "hf-models"
+    assert {"config", "control-tls", "tmp", "checkpoints"} <= set(volumes)
+    for kind in ("requests", "limits"):
+        amounts = trainer["resources"][kind]
+        assert amounts == {"cpu": "64", "memory": "900Gi", "nvidia.com/gpu": "8", "rdma/hca": "1"}
+
+
+def test_service_account_scheduler_and_no_token() -> None:
+    manifest = _example()
+    manifest["spec"]["podTemplate"]["spec"].update(
+        serviceAccountName="trainer-sa", schedulerName="volcano"
+    )
+    spec = _pod(manifest)["spec"]
+    assert (spec["serviceAccountName"], spec["schedulerName"]) == ("trainer-sa", "volcano")
+    assert spec["automountServiceAccountToken"] is False  # the operator's, whatever the SA
+
+
+def test_the_operators_fields_win_over_the_template(make_job: Any) -> None:
+    """A template built in code (no schema, no CEL) that names the operator's own keys."""
+    plain = workers.build_pod(jobs.resolve(make_job()), REF, 1)
+    before = copy.deepcopy(plain)
+    template = PodTemplate(
+        metadata={
+            "labels": {"malleus.io/job": "someone-else", "malleus.io/node-rank": "7"},
+            "annotations": {"prometheus.io/port": "1"},
+        },
+        spec=PodSpecOverride(
+            volumes=[{"name": "config", "emptyDir": {}}],
+            containers=[
+                ContainerOverride(
+                    name="trainer",
+                    env=[
+                        EnvVar(name="MALLEUS_CONTROL_TOKEN", value="known"),
+                        EnvVar(name="MALLEUS_NODE_RANK", value="0"),
+                    ],
+                    volume_mounts=[
+                        VolumeMount(name="config", mount_path="/etc/malleus"),
+                        VolumeMount(name="config", mount_path="/etc/malleus-tls"),
+                    ],
+                    resources={"requests": {"nvidia.com/gpu": 0, "cpu": "1", "rdma/hca": 1}},
+                )
+            ],
+        ),
+    )
+    pod = apply_pod_template(plain, template)
+    assert plain == before  # pure: the operator's pod is not changed in place
+    assert pod["metadata"]["labels"]["malleus.io/job"] == "gpu-cluster"
+    assert pod["metadata"]["labels"]["malleus.io/node-rank"] == "1"
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "8040"
+    env = _env(pod)
+    assert env["MALLEUS_CONTROL_TOKEN"] == {
+        "secretKeyRef": {"name": "gpu-cluster-control", "key": "token"}
+    }
+    assert [e["name"] for e in _trainer(pod)["env"]].count("MALLEUS_NODE_RANK") == 1
+    assert env["MALLEUS_NODE_RANK"] == "1"
+    (config,) = [v for v in pod["spec"]["volumes"] if v["name"] == "config"]
+    assert config == {"name": "config", "configMap": {"name": "gpu-cluster-config"}}
+    assert _trainer(pod)["volumeMounts"] == _trainer(plain)["volumeMounts"]
+    requests = _trainer(pod)["resources"]["requests"]
+    assert requests == {"nvidia.com/gpu": "4", "rdma/hca": "1"}  # no cpu: spec.resources has none
+
+
+def test_no_template_is_the_operators_pod_unchanged(make_job: Any) -> None:
+    job = jobs.resolve(make_job())
+    pod = workers.build_pod(job, REF, 0)
+    assert apply_pod_template(pod, None) == pod
+    assert apply_pod_template(pod, PodTemplate()) == pod
+
+
+HOSTILE = {
+    "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "privileged": True},
+    "hostNetwork": True,
+    "restartPolicy": "Always",
+}
+HOSTILE_CONTAINER = {
+    "command": ["sh", "-c", "cat /etc/malleus-tls/tls.key"],
+    "securityContext": {"runAsUser": 0, "privileged": True, "readOnlyRootFilesystem": False},
+    "image": "evil:latest",
+}
+
+
+def _hostile() -> dict[str, Any]:
+    manifest = _example()
+    template = manifest["spec"]["podTemplate"]["spec"]
+    template.update(copy.deepcopy(HOSTILE))
+    template["containers"][0].update(copy.deepcopy(HOSTILE_CONTAINER))
+    return manifest
+
+
+def _assert_hardened(pod: dict[str, Any]) -> None:
+    spec, trainer = pod["spec"], _trainer(pod)
+    assert spec["securityContext"]["runAsUser"] == 1000
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert "hostNetwork" not in spec and spec["restartPolicy"] == "Never"
+    assert trainer["command"][0] == "torchrun"
+    assert trainer["image"] == "registry.example.com/ml/malleus:0.1.0"
+    assert trainer["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+@pytest.mark.usefixtures("malleus_crd")
+def test_the_api_server_accepts_the_example_and_prunes_a_hostile_template(
+    k8s_apiserver: ApiServer, k8s_namespace: str
+) -> None:
+    url = f"/apis/malleus.io/v1alpha1/namespaces/{k8s_namespace}/malleusjobs"
+    good = k8s_apiserver.client.post(url, json=load_yaml(EXAMPLE))
+    assert good.status_code == 201, good.text
+    stored = good.json()
+    assert stored["spec"]["podTemplate"] == validate_manifest(_example())[0]["spec"]["podTemplate"]
+    manifest = _hostile()
+    manifest["metadata"].update(name="hostile", namespace=k8s_namespace)
+    response = k8s_apiserver.client.post(url, json=manifest)
+    assert response.status_code == 201, response.text
+    kept = response.json()["spec"]["podTemplate"]["spec"]
+    assert not set(HOSTILE) & set(kept)
+    assert not set(HOSTILE_CONTAINER) & set(kept["containers"][0])
+    _assert_hardened(_pod(response.json()))
+    # kubectl's default (Strict) validation and `malleus check` refuse them outright.
+    strict = {f.path for f in validate_manifest(manifest)[1]}
+    assert {"spec.podTemplate.spec.securityContext", "spec.podTemplate.spec.hostNetwork"} <= strict
+    assert "spec.podTemplate.spec.containers[0].command" in strict
+
+
+def test_a_hostile_template_does_not_win_even_unpruned() -> None:
+    """The operator reads bodies leniently (unknown fields pruned as the server does)."""
+    _assert_hardened(_pod(_hostile()))
+
+
+def test_the_built_pods_are_valid_kubernetes_pods() -> None:
+    kv = pytest.importorskip(
+        "kubernetes_validate", reason="pip install kubernetes-validate (in the test extra)"
+    )
+    manifest = _example()
+    manifest["spec"]["podTemplate"]["spec"].update(
+        serviceAccountName="trainer-sa", schedulerName="volcano"
+    )
+    job = jobs.resolve(manifest)
+    for i in range(job.nodes):
+        kv.validate(workers.build_pod(job, REF, i), kv.latest_version(), strict=True)
