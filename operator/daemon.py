@@ -161,20 +161,17 @@ async def _wait_running(
 async def _plan_in_force(
     ctx: Context,
     ref: resources.JobRef,
-    body: Mapping[str, Any],
     job: ResolvedJob,
     client: AsyncControlClient,
 ) -> tuple[Plan, Plan | None]:
     """(plan in force, plan the trainers may still take): the ConfigMap reconciled with the
-    coordinator, else the status's plan, else a fresh one."""
+    coordinator, else a fresh one (the status holds only a summary)."""
     try:
         running: ControlStatus | None = await client.status()
     except ControlError as e:
         log.info("%s/%s: coordinator status unreadable: %s", ref.namespace, ref.name, e)
         running = None
     plan, pending = await planstore.resume_plan(ctx.cluster, ref, running)
-    if plan is None:
-        plan = status.plan_from_status((body.get("status") or {}).get("plan"))
     if plan is None:
         plan, _ = await jobs.initial_plan(job)
     return plan, pending
@@ -236,7 +233,7 @@ async def run_job(
     token, trust = await _credentials(ctx, ref)
     timeout = settings.http_timeout_seconds
     async with AsyncControlClient(url, token, timeout=timeout, tls=trust) as client:
-        plan, pending = await _plan_in_force(ctx, ref, body, job, client)
+        plan, pending = await _plan_in_force(ctx, ref, job, client)
     rates = believed_rates(body)
     reporter = JobReporter(ctx, ref, job, body)
     try:

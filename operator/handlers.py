@@ -340,9 +340,8 @@ async def on_resume(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: An
         return
     expected = [resources.pod_name(ref.name, i) for i in range(job.nodes)]
     if phase == Phase.PENDING:
-        plan = status.plan_from_status(st.get("plan"))
-        if plan is None:
-            plan, _ = await jobs.initial_plan(job)
+        # The ConfigMap's plan wins when there is one (`children.ensure_children` returns it).
+        plan, _ = await jobs.initial_plan(job)
         conditions = list(st.get("conditions") or [])
         created, _ = await _create_children(ctx, job, ref, plan, patch, conditions)
         if created:

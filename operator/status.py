@@ -32,9 +32,7 @@ from malleus.job import (
     LastReplan,
     MalleusJobStatus,
     Phase,
-    PipelineStatus,
     PlanStatus,
-    StageStatus,
     StragglerPolicy,
     StragglerStatus,
 )
@@ -57,7 +55,6 @@ __all__ = [
     "name_conflict_status",
     "now",
     "phase_of",
-    "plan_from_status",
     "plan_status",
     "plan_summary",
     "replan_status",
@@ -141,6 +138,8 @@ def merge_conditions(
 def _counts(values: Sequence[int], unit: str) -> str:
     """``4,4,3 stages``, or run-length ``8x60,7x4 stages`` past six values (a 70B job's 64
     pipelines must still fit on one line)."""
+    if max(values, default=0) <= 1:
+        unit = unit.removesuffix("s")
     if len(values) <= 6:
         return f"{','.join(map(str, values))} {unit}"
     runs: list[list[int]] = []
@@ -186,50 +185,20 @@ def plan_speedup(plan: Plan) -> float | None:
 
 
 def plan_status(plan: Plan) -> PlanStatus:
-    """The plan as shown in ``.status.plan`` (its estimate folded into two numbers)."""
+    """The plan as shown in ``.status.plan``: generation, summary, degrees, excluded ranks and
+    the estimate folded into two numbers. Not the stages: the whole plan is ``plan.json`` in
+    the ConfigMap, which a restarted operator reads back (`planstore`)."""
     status = PlanStatus(
         generation=plan.generation,
         summary=plan_summary(plan),
         tp=plan.tp,
-        pipelines=[
-            PipelineStatus(
-                micro_batches=p.micro_batches,
-                stages=[StageStatus(ranks=list(s.ranks), layers=s.layers) for s in p.stages],
-            )
-            for p in plan.pipelines
-        ],
+        dp=plan.dp,
         excluded=sorted(plan.excluded),
     )
     if plan.estimate is not None:
         status.predicted_step_time = round(plan.estimate.step_time, 4)
         status.predicted_speedup = plan_speedup(plan)
     return status
-
-
-def plan_from_status(plan: Mapping[str, Any] | None) -> Plan | None:
-    """The Plan shown in ``.status.plan`` (the inverse of `plan_status`, estimate aside)."""
-    if not plan:
-        return None
-    try:
-        shown = PlanStatus.model_validate(plan)
-    except ValidationError:
-        return None
-    if not shown.pipelines or shown.tp is None:
-        return None
-    return Plan.model_validate(
-        {
-            "generation": shown.generation or 0,
-            "tp": shown.tp,
-            "pipelines": [
-                {
-                    "micro_batches": p.micro_batches,
-                    "stages": [{"ranks": s.ranks, "layers": s.layers} for s in p.stages],
-                }
-                for p in shown.pipelines
-            ],
-            "excluded": shown.excluded,
-        }
-    )
 
 
 def _slow(

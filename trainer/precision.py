@@ -92,8 +92,10 @@ class ComputeCopies:
     def _to_master(master: Tensor) -> Callable[[Tensor], None]:
         def hook(copy: Tensor) -> None:
             assert copy.grad is not None
-            grad = copy.grad.to(master.dtype)
-            master.grad = grad if master.grad is None else master.grad.add_(grad)
+            if master.grad is None:
+                master.grad = copy.grad.to(master.dtype)
+            else:  # summed in the master's dtype, no temporary
+                master.grad.add_(copy.grad)
             copy.grad = None
 
         return hook

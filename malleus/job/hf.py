@@ -20,7 +20,7 @@ from malleus.errors import BadInput, Fault
 
 from .presets import ModelConfig, RopeScaling
 
-__all__ = ["CONFIG", "SUPPORTED", "config_in", "model_config", "read_config"]
+__all__ = ["CONFIG", "SUPPORTED", "check_weights", "config_in", "model_config", "read_config"]
 
 CONFIG = "config.json"
 SUPPORTED = {
@@ -37,6 +37,24 @@ def config_in(folder: str | Path) -> Path | None:
     """The folder's config.json when it is readable here (the operator never sees the folder)."""
     path = Path(folder) / CONFIG
     return path if path.is_file() else None
+
+
+def check_weights(folder: str | Path) -> None:
+    """`BadInput` for a folder whose weights the trainer would not read: only safetensors are
+    read (sliced per rank), and a folder of pickled `*.bin` weights must not silently start
+    from random ones. A folder with config.json alone is a random start by design."""
+    folder = Path(folder)
+    if any(folder.glob("*.safetensors")) or not any(folder.glob("*.bin")):
+        return
+    raise BadInput(
+        [
+            Fault(
+                WHERE,
+                f"{folder} holds *.bin weights and no *.safetensors; only safetensors are read "
+                "(re-save with save_pretrained(..., safe_serialization=True))",
+            )
+        ]
+    )
 
 
 def read_config(path: str | Path) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from malleus.planner.problem import MAX_RATE, MemorySpec, ModelSpec, PlanningPro
 from malleus.planner.validate import validate_plan
 
 from .data import data_faults, data_file_faults
-from .hf import config_in, model_config, read_config
+from .hf import check_weights, config_in, model_config, read_config
 from .load import load_job
 from .memory import memory_model, model_parameters
 from .presets import PRESETS, ModelConfig
@@ -63,6 +63,7 @@ def resolve_model(model: ModelSection) -> ModelConfig:
         if model.sequence is None:
             raise BadInput([Fault("spec.model.sequence", "Required value: the training length")])
         cfg = model_config(read_config(config), model.sequence, str(config))
+        check_weights(config.parent)
         _check_agreement(model, cfg, str(config))
         return cfg
     base = PRESETS[model.preset] if model.preset is not None else None

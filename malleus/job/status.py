@@ -22,9 +22,7 @@ __all__ = [
     "MalleusJob",
     "MalleusJobStatus",
     "Phase",
-    "PipelineStatus",
     "PlanStatus",
-    "StageStatus",
     "StragglerStatus",
 ]
 
@@ -57,28 +55,15 @@ class Condition(_Model):
     message: str
 
 
-class StageStatus(_Model):
-    """One pipeline stage: its tensor-parallel group and half-open layer range."""
-
-    ranks: list[int]
-    layers: tuple[int, int]
-
-
-class PipelineStatus(_Model):
-    """One data-parallel pipeline."""
-
-    micro_batches: int
-    stages: list[StageStatus]
-
-
 class PlanStatus(_Model):
-    """The plan in force, as shown in the status."""
+    """The plan in force, in brief: the whole plan is ``plan.json`` in the job's ConfigMap
+    (hundreds of stages would make ``kubectl describe`` hundreds of lines)."""
 
     generation: int | None = None
     summary: str | None = None
     """The plan in one line (``kubectl get mj -o wide``); the whole plan is in the ConfigMap."""
     tp: int | None = None
-    pipelines: list[PipelineStatus] = Field(default_factory=list)
+    dp: int | None = None
     excluded: list[int] = Field(default_factory=list)
     predicted_speedup: float | None = None
     predicted_step_time: float | None = None

@@ -235,10 +235,7 @@ STATUS = {
         "generation": 3,
         "summary": "2 pipelines [1,1 stages] tp 2/1, 1 GPU out, 2.50x vs static",
         "tp": 2,
-        "pipelines": [
-            {"microBatches": 5, "stages": [{"ranks": [0, 2], "layers": [0, 8]}]},
-            {"microBatches": 3, "stages": [{"ranks": [4], "layers": [0, 8]}]},
-        ],
+        "dp": 2,
         "excluded": [1],
         "predictedSpeedup": 2.5,
         "predictedStepTime": 40.5,
@@ -289,10 +286,10 @@ def test_status_subresource(k8s_apiserver: ApiServer, k8s_namespace: str) -> Non
     assert later["metadata"]["generation"] == job["metadata"]["generation"] + 1
 
     # The status schema is enforced too.
-    bad = {"status": {"phase": "Exploding", "plan": {"pipelines": [{"microBatches": 0}]}}}
+    bad = {"status": {"phase": "Exploding", "plan": {"dp": -1, "summary": "x" * 300}}}
     response = client.patch(f"{url}/status", json=bad, headers=MERGE_PATCH)
     fields = {c["field"] for c in causes(response)}
-    assert {"status.phase", "status.plan.pipelines[0].microBatches"} <= fields
+    assert {"status.phase", "status.plan.dp", "status.plan.summary"} <= fields
 
 
 def test_printer_columns(k8s_apiserver: ApiServer, k8s_namespace: str) -> None:

@@ -132,6 +132,15 @@ def test_mistral_without_a_window_and_qwen2_with_biases_are_accepted(tmp_path: P
     assert job(folder_with(tmp_path, qwen | {"use_sliding_window": False})).model.attention_bias
 
 
+def test_pickled_weights_are_refused_not_replaced_by_random_ones(tmp_path: Path) -> None:
+    folder = folder_with(tmp_path, LLAMA)
+    (folder / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(BadInput, match=r"holds \*\.bin weights and no \*\.safetensors"):
+        job(folder)
+    (folder / "model.safetensors").write_bytes(b"")  # safetensors present: those are read
+    assert job(folder).check()
+
+
 def test_a_sequence_longer_than_the_model_knows_is_refused(tmp_path: Path) -> None:
     with pytest.raises(BadInput, match=r"spec\.model\.sequence: 64 exceeds max_position_emb"):
         job(folder_with(tmp_path, LLAMA), sequence=64)

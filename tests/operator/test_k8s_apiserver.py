@@ -114,6 +114,7 @@ def test_a_missing_job_reads_as_none_and_its_status_patch_is_ignored(
 
 def test_core_objects_through_the_cluster_proxy(
     k8s_cluster: Any,
+    k8s_apiserver: ApiServer,
     malleus_crd: dict[str, Any],
     k8s_namespace: str,
     make_job: Any,
@@ -122,8 +123,15 @@ def test_core_objects_through_the_cluster_proxy(
     server for the job, the test cluster's emulated core API for the rest)."""
     k8s = Cluster.connect(str(k8s_cluster.kubeconfig))
     ns = k8s_namespace
-    job = jobs.resolve(make_job(namespace=ns))
-    ref = JobRef(namespace=ns, name="demo", uid="uid-1234", generation=1)
+    body = make_job(namespace=ns)
+    job = jobs.resolve(body)
+    # The job exists on the server, so the proxy's garbage collector keeps its children.
+    body["metadata"] = {"name": "demo", "namespace": ns}
+    stored = k8s_apiserver.client.post(
+        f"/apis/malleus.io/v1alpha1/namespaces/{ns}/malleusjobs", json=body
+    )
+    assert stored.status_code == 201, stored.text
+    ref = JobRef(namespace=ns, name="demo", uid=stored.json()["metadata"]["uid"], generation=1)
 
     async def go() -> None:
         plan, _ = await jobs.initial_plan(job)

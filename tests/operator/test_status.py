@@ -79,26 +79,56 @@ PLAN = Plan(
 )
 
 
-def test_plan_status_is_camel_case_with_predictions() -> None:
+def test_plan_status_is_a_summary_with_predictions() -> None:
     s = status.plan_status(PLAN).model_dump(mode="json", by_alias=True, exclude_none=True)
-    assert s["generation"] == 4 and s["tp"] == 2
-    assert s["pipelines"][0] == {
-        "microBatches": 5,
-        "stages": [{"ranks": [1, 0], "layers": [0, 3]}, {"ranks": [2, 3], "layers": [3, 8]}],
+    assert s == {
+        "generation": 4,
+        "summary": "2 pipelines [2,1 stages] tp 2/1, 1 GPU out, 2.50x vs static",
+        "tp": 2,
+        "dp": 2,
+        "excluded": [5],
+        "predictedSpeedup": 2.5,
+        "predictedStepTime": 50.0,
     }
-    assert s["excluded"] == [5]
-    assert s["predictedSpeedup"] == 2.5
-    assert s["predictedStepTime"] == 50.0
 
 
-def test_plan_round_trips_through_the_status() -> None:
-    back = status.plan_from_status(
-        status.plan_status(PLAN).model_dump(mode="json", by_alias=True, exclude_none=True)
+def _stages(*counts: int, width: int = 8) -> Plan:
+    """A plan of pipelines with ``counts`` stages each, ``width`` ranks per stage."""
+    rank = 0
+    pipelines = []
+    for n in counts:
+        stages = []
+        for j in range(n):
+            stages.append(Stage(ranks=list(range(rank, rank + width)), layers=(j, j + 1)))
+            rank += width
+        pipelines.append(Pipeline(micro_batches=1, stages=stages))
+    return Plan(generation=1, tp=width, pipelines=pipelines)
+
+
+def test_plan_summary_reads_like_the_issue() -> None:
+    plan = _stages(4, 4, 3)
+    narrow = plan.pipelines[2].stages[0].model_copy(update={"ranks": [0, 1, 2, 3]})
+    plan.pipelines[2].stages[0] = narrow
+    plan = plan.model_copy(
+        update={
+            "excluded": [88, 89],
+            "estimate": Estimate(step_time=10.0, uniform_step_time=18.4),
+        }
     )
-    assert back == PLAN.model_copy(update={"estimate": None})
-    assert status.plan_from_status(None) is None
-    assert status.plan_from_status({"generation": 1}) is None
-    assert status.plan_from_status({"pipelines": [{"bad": 1}], "tp": 2}) is None
+    assert (
+        status.plan_summary(plan)
+        == "3 pipelines [4,4,3 stages] tp 8/4, 2 GPUs out, 1.84x vs static"
+    )
+    assert status.plan_summary(_stages(1, width=2)) == "1 pipeline [1 stage] tp 2"
+
+
+def test_plan_summary_of_a_70b_job_stays_one_short_line() -> None:
+    """64 pipelines: run-length counts, not one entry per pipeline (nor per stage)."""
+    plan = _stages(*([8] * 60 + [7] * 4), width=1)
+    text = status.plan_summary(plan)
+    assert text == "64 pipelines [8x60,7x4 stages] tp 1"
+    ragged = status.plan_summary(_stages(*range(64, 0, -1), width=1))
+    assert ragged.startswith("64 pipelines [64,63,62,") and len(ragged) <= 256
 
 
 def test_infinite_uniform_time_gives_no_speedup() -> None:
