@@ -3,20 +3,8 @@
 A real GPU cluster needs what only its admin knows (node pools, RDMA devices, NCCL interfaces,
 pull secrets, a scheduler), so a job may add to its pods; but the operator's pod is also the
 job's contract (torchrun's command line, the control token and TLS identity, the hardening), so
-what it set is never replaced. Where both give a value the operator's wins, key by key:
-
-- **operator wins**: the pod's name, namespace, ownerReferences and the labels and annotations
-  it sets (its selector labels, the scrape annotations); the trainer container's name, image,
-  command, ports and every env var it sets (``MALLEUS_*``, ``POD_IP``, ``HOME``, ...); the pod
-  and container security contexts; ``restartPolicy``, ``hostname``/``subdomain``,
-  ``automountServiceAccountToken: false`` (a ``serviceAccountName`` still gets no token); its
-  volumes (config, control-tls, tmp, checkpoints) and their mount paths; ``cpu``, ``memory``
-  and ``nvidia.com/gpu`` amounts; its GPU toleration and one-worker-per-node anti-affinity;
-- **the job adds**: labels, annotations, ``nodeSelector``, affinity terms, tolerations,
-  ``imagePullSecrets``, ``serviceAccountName``, ``priorityClassName``, ``schedulerName``,
-  volumes, the trainer's env, volumeMounts and other resources (``rdma/hca``);
-- **the job replaces**: the operator's ``/dev/shm`` (an unsized memory emptyDir), by mounting
-  a volume of its own there (a ``sizeLimit``-ed one, say).
+what the operator set is never replaced (`apply_pod_template` lists who wins). The CRD keeps a
+template from naming most of the operator's fields at all; this function is the guarantee.
 """
 
 from __future__ import annotations
@@ -51,8 +39,24 @@ def _affinity(ours: Mapping[str, Any] | None, theirs: Mapping[str, Any] | None) 
 
 
 def apply_pod_template(pod: Mapping[str, Any], template: PodTemplate | None) -> dict[str, Any]:
-    """``pod`` (the operator's, from `workers.build_pod`) with ``template`` merged in; the module
-    docstring says who wins. Returns a new dict; ``pod`` is not changed."""
+    """``pod`` (the operator's, from `workers.build_pod`) with ``template`` merged in, key by
+    key; a new dict (``pod`` is not changed).
+
+    - **The operator wins**: the pod's name, namespace, ownerReferences and the labels and
+      annotations it sets (its selector labels, the scrape annotations); the trainer
+      container's name, image, command, ports and every env var it sets (``MALLEUS_*``,
+      ``POD_IP``, ``HOME``, ...); the pod and container security contexts; ``restartPolicy``,
+      ``hostname``/``subdomain``, ``automountServiceAccountToken: false`` (a
+      ``serviceAccountName`` still gets no token); its volumes (config, control-tls, tmp,
+      checkpoints) and their mount paths; the `OPERATOR_RESOURCES` amounts; its GPU toleration
+      and one-worker-per-node anti-affinity (kept beside the template's terms).
+    - **The template adds**: labels, annotations, ``nodeSelector``, affinity terms,
+      tolerations, ``imagePullSecrets``, ``serviceAccountName``, ``priorityClassName``,
+      ``schedulerName``, volumes, and the trainer's env, volumeMounts and other resources
+      (``rdma/hca``).
+    - **The template replaces** the operator's ``/dev/shm`` (an unsized memory emptyDir) by
+      mounting a volume of its own there (a ``sizeLimit``-ed one, say).
+    """
     merged: dict[str, Any] = copy.deepcopy(dict(pod))
     if template is None:
         return merged
@@ -102,6 +106,6 @@ def apply_pod_template(pod: Mapping[str, Any], template: PodTemplate | None) -> 
         ("limits", trainer.resources.limits),
     ):
         if amounts:
-            extra = {k: str(v) for k, v in amounts.items() if k not in OPERATOR_RESOURCES}
-            resources[kind] = {**extra, **resources.get(kind, {})}
+            added = {k: str(v) for k, v in amounts.items() if k not in OPERATOR_RESOURCES}
+            resources[kind] = {**added, **resources.get(kind, {})}
     return merged

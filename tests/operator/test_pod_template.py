@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from malleus.job import validate_manifest
+from malleus.job import job_schema, validate_manifest
 from malleus.job.spec import ContainerOverride, EnvVar, PodSpecOverride, PodTemplate, VolumeMount
 from malleus.operator import jobs, workers
-from malleus.operator.overrides import apply_pod_template
+from malleus.operator.overrides import OPERATOR_RESOURCES, apply_pod_template
 from malleus.operator.resources import JobRef
 from tests.job.cases import REPO, load_yaml
 
@@ -216,3 +216,23 @@ def test_the_built_pods_are_valid_kubernetes_pods() -> None:
     job = jobs.resolve(manifest)
     for i in range(job.nodes):
         kv.validate(workers.build_pod(job, REF, i), kv.latest_version(), strict=True)
+
+
+def test_the_crds_reserved_names_are_the_operators(make_job: Any) -> None:
+    """The CEL rules name what the operator's pod uses: a new volume or env var of the
+    operator's must be added there too (or a template could shadow it in vain)."""
+    pod = workers.build_pod(jobs.resolve(make_job()), REF, 0)
+    template = job_schema()["properties"]["spec"]["properties"]["podTemplate"]
+    pod_spec = template["properties"]["spec"]
+    (volume_rule,) = pod_spec["x-kubernetes-validations"]
+    for volume in pod["spec"]["volumes"]:
+        assert f"'{volume['name']}'" in volume_rule["rule"], volume["name"]
+    container = pod_spec["properties"]["containers"]["items"]["properties"]
+    (env_rule,) = container["env"]["x-kubernetes-validations"]
+    for env in _trainer(pod)["env"]:
+        name = env["name"]
+        assert name.startswith("MALLEUS_") or f"'{name}'" in env_rule["rule"], name
+    for kind in ("requests", "limits"):
+        (rule,) = container["resources"]["properties"][kind]["x-kubernetes-validations"]
+        assert all(f"'{r}'" in rule["rule"] for r in OPERATOR_RESOURCES)
+    assert workers.GPU_RESOURCE in OPERATOR_RESOURCES

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -30,6 +30,7 @@ from transformers import (
 
 from malleus.errors import BadInput
 from malleus.job import ResolvedJob
+from malleus.trainer import hf as hf_module
 from malleus.trainer.hf import INDEX, WeightFiles, hf_name, initial_full, initial_pieces, save_hf
 from malleus.trainer.model import (
     GPT,
@@ -160,7 +161,40 @@ def test_sdpa_equals_the_explicit_attention_math() -> None:
     assert rel(got, y @ wo.T) <= 1e-6
 
 
-def test_each_rank_reads_only_its_slices(tmp_path: Path) -> None:
+class _SpyFile:
+    """`safe_open` recording the elements every tensor read returns."""
+
+    opener: ClassVar[Any] = None  # the real safe_open
+    reads: ClassVar[list[int]] = []
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.file = _SpyFile.opener(*args, **kwargs)
+
+    def __enter__(self) -> _SpyFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def keys(self) -> list[str]:
+        return list(self.file.keys())
+
+    def get_slice(self, name: str) -> Any:
+        view, reads = self.file.get_slice(name), self.reads
+
+        class View:
+            def get_shape(self) -> list[int]:
+                return view.get_shape()
+
+            def __getitem__(self, key: Any) -> torch.Tensor:
+                tensor = view[key]
+                reads.append(tensor.numel())
+                return tensor
+
+        return View()
+
+
+def test_each_rank_reads_only_its_slices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     hf = hf_model(num_attention_heads=4, num_key_value_heads=1)  # kv heads < tp: replicated
     hf.save_pretrained(tmp_path)
     job = job_for(tmp_path, tp=4)
@@ -168,7 +202,11 @@ def test_each_rank_reads_only_its_slices(tmp_path: Path) -> None:
     kv = [p.name for p in every if p.spec.name == "layers.0.attn.wk.weight"]
     assert kv == ["layers.0.attn.wk.weight@0"]  # one kv head, served to all 4 shards
     mine = [p for p in every if p.shard in (None, 1)]
+    _SpyFile.opener, _SpyFile.reads = hf_module.safe_open, []
+    monkeypatch.setattr(hf_module, "safe_open", _SpyFile)
     parts = initial_pieces(job, mine)
+    assert sum(_SpyFile.reads) == sum(t.numel() for t in parts.values())  # no more was read
+    monkeypatch.undo()
     assert parts["layers.1.attn.wq.weight@1"].shape == (16, 64)  # its 2 heads' rows, only
     assert parts["embed.weight@1"].shape == (97, 16)  # its hidden columns, only
     state = hf.state_dict()
