@@ -95,9 +95,11 @@ def describe_job(job: ResolvedJob) -> dict[str, Any]:
         "world": job.world,
         "model": {
             "preset": job.spec.model.preset,
+            "path": job.spec.model.path,
             "layers": cfg.layers,
             "hidden": cfg.hidden,
             "heads": cfg.heads,
+            "kv_heads": cfg.kv_heads,
             "ffn": cfg.ffn,
             "vocab": cfg.vocab,
             "sequence": cfg.sequence,
@@ -127,6 +129,9 @@ def describe_job(job: ResolvedJob) -> dict[str, Any]:
 def _job_text(d: dict[str, Any]) -> str:
     m = d["model"]
     preset = f"preset {m['preset']}: " if m["preset"] else ""
+    if m["path"]:
+        preset = f"{m['path']}: "
+    kv = f" ({m['kv_heads']} kv)" if m["kv_heads"] != m["heads"] else ""
     tied = ", tied embeddings" if m["tied_embeddings"] else ""
     pinned = ", ".join(f"{k} {d[k]}" for k in ("dp", "pp") if d[k] is not None) or "dp, pp free"
     emu = d["emulation"]
@@ -144,7 +149,7 @@ def _job_text(d: dict[str, Any]) -> str:
         [
             f"job {d['name']}: valid",
             f"world: {d['nodes']} nodes x {d['gpus_per_node']} GPUs = {d['world']} ranks",
-            f"model: {preset}{m['layers']} layers, hidden {m['hidden']}, heads {m['heads']}, "
+            f"model: {preset}{m['layers']} layers, hidden {m['hidden']}, heads {m['heads']}{kv}, "
             f"ffn {m['ffn']}, vocab {m['vocab']}, sequence {m['sequence']}{tied}; "
             f"{d['parameters']:,} parameters",
             f"parallelism: tp {d['tp']}, {pinned}; {d['gpu_memory_mib']} MiB per GPU",
@@ -205,6 +210,8 @@ def _documents(path: str) -> list[Any]:
     text = read_text(path, what=_PLAN_INPUT)
     try:
         return [json.loads(text)]
+    except RecursionError:
+        raise BadInput.one("", "nested too deeply", path, what=_PLAN_INPUT) from None
     except json.JSONDecodeError as error:
         if not path.endswith(".json"):
             return read_documents(path, what=_PLAN_INPUT)

@@ -6,10 +6,14 @@ Rooms:
 - `spec`, `status`: the typed models of ``spec`` and ``status``;
 - `presets`: named model sizes and GPU profiles;
 - `load`: files and mappings -> a validated `MalleusJob`, with one wording for bad files;
+- `model`, `hf`: `spec.model` resolved into a `ModelConfig` (preset, explicit sizes, or a
+  Hugging Face folder's config.json, judged without torch);
+- `data`: `spec.training.data` and its files judged before any trainer starts;
 - `memory`: the planner's memory model of a job;
 - `resolved`: `ResolvedJob`, the one derived view (sizes, world, faults, problem, first plan);
 - `resources`: can this machine run the job (`malleus run` and `malleus train` both ask);
-- `control`: the trainers' control API (`ControlStatus`) and its client.
+- `control`: the trainers' control API (`ControlStatus`) and its client;
+- `report`: the parts of the JSON run report that `malleus run` and `malleus train` share.
 
 Imports: job -> planner (the plan contract), errors; nothing here imports the controller, the
 runner, the operator or the trainer.

@@ -7,9 +7,9 @@ a problem usually comes from a person or a metrics pipeline and one round trip p
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 
 from malleus.errors import BadInput, Fault
 
@@ -53,6 +53,10 @@ class ProblemError(BadInput):
         super().__init__([_as_fault(f) for f in faults], source, what="PlanningProblem")
 
 
+Count = Annotated[int, Strict()]
+"""An integer that is one: `true` or `8.0` in a problem file is a mistake, not a count."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -60,8 +64,8 @@ class _Strict(BaseModel):
 class ModelSpec(_Strict):
     """What the planner needs to know of the model: depth, nominal TP degree, group slowdowns."""
 
-    layers: int = Field(description="Number of transformer layers to split across stages.")
-    tp: int = Field(
+    layers: Count = Field(description="Number of transformer layers to split across stages.")
+    tp: Count = Field(
         description="Nominal tensor-parallel degree: a power of two dividing gpus_per_node."
     )
     alpha: list[float] | None = Field(
@@ -97,8 +101,8 @@ class MemorySpec(_Strict):
 class PlanningProblem(_Strict):
     """A cluster with per-GPU straggling rates and a model to lay out (DESIGN §4.1)."""
 
-    nodes: int = Field(description="Number of nodes.")
-    gpus_per_node: int = Field(
+    nodes: Count = Field(description="Number of nodes.")
+    gpus_per_node: Count = Field(
         description="GPUs in each node; rank = node * gpus_per_node + local."
     )
     rates: dict[int, float | None] = Field(
@@ -106,9 +110,11 @@ class PlanningProblem(_Strict):
         description="Straggling rate per global rank (absent = 1.0 healthy; null = unusable).",
     )
     model: ModelSpec
-    micro_batches: int = Field(description="Global batch / micro-batch size: one step's work.")
+    micro_batches: Count = Field(description="Global batch / micro-batch size: one step's work.")
     memory: MemorySpec | None = Field(default=None, description="Memory bound; none = unbounded.")
-    dp: int | None = Field(default=None, description="Pin the number of pipelines; null = choose.")
+    dp: Count | None = Field(
+        default=None, description="Pin the number of pipelines; null = choose."
+    )
     previous_plan: Any | None = Field(
         default=None, description="The plan in force (a Plan), to prefer layouts that move less."
     )
@@ -122,6 +128,10 @@ class PlanningProblem(_Strict):
             from .plan import Plan
 
             object.__setattr__(self, "previous_plan", Plan.model_validate(self.previous_plan))
+        if self.previous_plan is not None:
+            faults = previous_plan_faults(self)
+            if faults:
+                raise ProblemError(faults)
         return self
 
     # ---- derived views -------------------------------------------------------------------
@@ -214,6 +224,32 @@ def problem_faults(p: PlanningProblem) -> list[str]:
                 faults.append(f"memory.{name}: {v} is not allowed; need a finite number >= 0")
     if not faults and all(p.rates.get(r, 1.0) is None for r in range(world)):
         faults.append("rates: every GPU is unusable (null); at least one must be usable")
+    return faults
+
+
+def previous_plan_faults(p: PlanningProblem) -> list[str]:
+    """A plan in force that cannot be this cluster's: another tp, or ranks outside the world
+    (the planner would prefer layouts that "move little" from GPUs that do not exist)."""
+    plan = p.previous_plan
+    faults: list[str] = []
+    if plan.tp != p.tp:
+        faults.append(f"previous_plan.tp: {plan.tp} is not the problem's tp ({p.tp})")
+    where = f"ranks are 0..{p.world - 1} ({p.nodes} nodes x {p.gpus_per_node} GPUs)"
+    for i, pipeline in enumerate(plan.pipelines):
+        for j, stage in enumerate(pipeline.stages):
+            outside = [r for r in stage.ranks if not 0 <= r < p.world]
+            if outside:
+                faults.append(
+                    f"previous_plan.pipelines[{i}].stages[{j}].ranks: {outside} outside; {where}"
+                )
+            if stage.layers[1] > p.layers:
+                faults.append(
+                    f"previous_plan.pipelines[{i}].stages[{j}].layers: {list(stage.layers)} "
+                    f"beyond the model's {p.layers} layers"
+                )
+    outside = [r for r in plan.excluded if not 0 <= r < p.world]
+    if outside:
+        faults.append(f"previous_plan.excluded: {outside} outside; {where}")
     return faults
 
 

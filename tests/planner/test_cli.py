@@ -216,3 +216,10 @@ def test_time_limit_bounds_the_search(tmp_path: Path) -> None:
 def test_bad_time_limit_exits_2(limit: str) -> None:
     code, _, err = run(EXAMPLES / "70b.json", None, "--time-limit", limit)
     assert code == 2 and "--time-limit:" in err
+
+
+def test_json_nested_100k_deep_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    code, _, err = run(path)
+    assert code == 2 and "nested too deeply" in err

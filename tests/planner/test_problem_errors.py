@@ -97,3 +97,20 @@ def test_more_pinned_pipelines_than_micro_batches() -> None:
     assert e.value.faults == [
         Fault("dp", "5 pipelines need at least 5 micro-batches; the step has 3"),
     ]
+
+
+@pytest.mark.parametrize("field", ["nodes", "gpus_per_node", "micro_batches", "dp"])
+def test_a_boolean_or_float_is_not_a_count(field: str) -> None:
+    for value in (True, 8.0):
+        faults = faults_of(base(**{field: value}))
+        assert any(f.startswith(f"{field}:") for f in faults), faults
+
+
+def test_a_previous_plan_must_fit_the_cluster() -> None:
+    good = PlanningProblem.load(base())
+    previous = plan(good).model_dump(mode="json")
+    previous["pipelines"][0]["stages"][0]["ranks"] = [40, 41]
+    previous["excluded"] = [99]
+    faults = faults_of(base(previous_plan=previous))
+    assert any("previous_plan.pipelines[0].stages[0].ranks: [40, 41] outside" in f for f in faults)
+    assert any(f.startswith("previous_plan.excluded: [99] outside") for f in faults), faults

@@ -238,6 +238,8 @@ def test_load_and_save_with_zero_steps_is_bitwise_and_loads_in_transformers(
     back = AutoModelForCausalLM.from_pretrained(out)
     x = torch.randint(0, 97, (1, SEQUENCE))
     assert torch.equal(back(input_ids=x).logits, hf(input_ids=x).logits)
+    start, again = initial_full(job), initial_full(job_for(out))  # a sharded folder reads too
+    assert all(torch.equal(start[n], again[n]) for n in start)
 
 
 def test_a_config_alone_starts_from_the_seed_and_exports_for_transformers(
