@@ -175,12 +175,12 @@ def test_check_run_and_train_refuse_bad_files_and_the_operator_does_not_look(
     assert f"spec.training.data.path: {tmp_path / 'gone.bin'}: no such file" in err
     with pytest.raises(BadInput, match=r"gone\.bin: no such file"):
         prepare(LocalRunOptions(job=path, check_resources=False))
-    from malleus.trainer import cli
+    from malleus.trainer import cli, inputs
 
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     with pytest.raises(BadInput, match=r"gone\.bin: no such file"):
-        cli.judge(parser.parse_args([path]))
+        inputs.judge(parser.parse_args([path]))
     # What the operator does: resolve and judge the spec; no file is opened.
     assert ResolvedJob.load(path).check().initial_plan().generation == 1
 

@@ -25,7 +25,7 @@ sc = importlib.import_module("switch_cases")
 
 from malleus.errors import BadInput  # noqa: E402
 from malleus.planner.cost import holdings  # noqa: E402
-from malleus.trainer import cli  # noqa: E402
+from malleus.trainer import cli, inputs  # noqa: E402
 from malleus.trainer.model import pieces  # noqa: E402
 from malleus.trainer.parallel.layout import Layout  # noqa: E402
 from malleus.trainer.parallel.migrate import (  # noqa: E402
@@ -167,7 +167,7 @@ def test_switch_option_is_validated_before_anything_starts(tmp_path: Path) -> No
         return p.parse_args([str(job), "--plan", str(good), *extra, "--no-resource-check"])
 
     args = parse(f"3:{good}", f"1:{good}")
-    cli.load_inputs(args)
+    inputs.load_inputs(args)
     assert [(s, p.generation) for s, p in args.switch_plans] == [(1, 1), (3, 2)]  # renumbered
     for spec, message in [
         (f"1:{gap}", r"layers end at 1; they must cover \[0, 2\)"),
@@ -176,7 +176,7 @@ def test_switch_option_is_validated_before_anything_starts(tmp_path: Path) -> No
         (f"2:{tmp_path / 'missing.json'}", "missing.json"),
     ]:
         with pytest.raises(BadInput, match=message):
-            cli.load_inputs(parse(spec))
+            inputs.load_inputs(parse(spec))
 
 
 def test_a_failed_rank_is_published_as_nan_not_dropped() -> None:
