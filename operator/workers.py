@@ -36,7 +36,18 @@ from .resources import (
     service_name,
 )
 
-__all__ = ["GPU_RESOURCE", "RUN_AS_USER", "build_children", "build_pod", "torchrun_command"]
+__all__ = [
+    "GPU_RESOURCE",
+    "HF_EXPORT",
+    "RUN_AS_USER",
+    "build_children",
+    "build_pod",
+    "torchrun_command",
+]
+
+HF_EXPORT = "hf-final"
+"""Folder under `spec.checkpoint.path` where a job with a persistent checkpoint volume leaves its
+trained model in the Hugging Face layout (config.json + safetensors)."""
 
 RUN_AS_USER = 1000
 """The non-root user of the trainer image (Dockerfile's ``malleus`` user)."""
@@ -72,6 +83,10 @@ def torchrun_command(job: ResolvedJob, ref: JobRef, index: int) -> list[str]:
     ckpt = job.spec.checkpoint
     if ckpt.interval_steps:
         cmd += [f"--checkpoint-dir={ckpt.path}", f"--checkpoint-every={ckpt.interval_steps}"]
+    if ckpt.claim_name:
+        # The trained model, as a Hugging Face folder, on the job's persistent volume at the end
+        # (rank 0 writes it; an emptyDir would vanish with the pod, so only with a claim).
+        cmd.append(f"--save-hf={ckpt.path.rstrip('/')}/{HF_EXPORT}")
     return cmd
 
 

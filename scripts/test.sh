@@ -21,4 +21,9 @@ if [ -z "${MALLEUS_HELM:-}" ] && [ -x scripts/helm-bin.sh ]; then
   scripts/helm-bin.sh "$cache/bin" "$venv/bin/python"
   export MALLEUS_HELM=$cache/bin/helm MALLEUS_KUBECTL=$cache/bin/kubectl
 fi
+if [ -z "${MALLEUS_PROMETHEUS:-}" ] && [ -x scripts/prometheus-bin.sh ]; then
+  scripts/prometheus-bin.sh "$cache/prometheus"   # a failure here stops the run, as above
+  export MALLEUS_PROMETHEUS=$cache/prometheus/usr/bin/prometheus
+  export MALLEUS_PROMTOOL=$cache/prometheus/usr/bin/promtool
+fi
 exec "$venv/bin/python" -m pytest -q "$@"

@@ -170,7 +170,14 @@ def test_checkpoint_claim_is_mounted_at_its_path(make_job: Any) -> None:
     mounts = {m["name"]: m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
     assert mounts["checkpoints"] == "/data/ckpt"
     cmd = pod["spec"]["containers"][0]["command"]
-    assert cmd[-2:] == ["--checkpoint-dir=/data/ckpt", "--checkpoint-every=10"]
+    assert cmd[-3:-1] == ["--checkpoint-dir=/data/ckpt", "--checkpoint-every=10"]
+    # The trained model is left on the claim as a Hugging Face folder at the end.
+    assert cmd[-1] == f"--save-hf=/data/ckpt/{workers.HF_EXPORT}"
+
+
+def test_no_export_without_a_persistent_volume(make_job: Any) -> None:
+    (pod, *_) = _pods(_children(make_job, checkpoint={"intervalSteps": 10}))
+    assert not any(a.startswith("--save-hf") for a in pod["spec"]["containers"][0]["command"])
 
 
 def test_headless_service_publishes_not_ready_addresses(make_job: Any) -> None:
