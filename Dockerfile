@@ -6,6 +6,7 @@
 # provides the driver). A CPU-only trainer (emulated GPUs, CI clusters):
 #   docker build --target trainer --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
 # Every install step is scripts/docker-install.sh, which the test suite runs without Docker.
+# Building, pushing, CI and pull secrets: docs/images.md.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG TRAINER_BASE_IMAGE=${PYTHON_IMAGE}

@@ -1,8 +1,9 @@
 """``python -m malleus.operator``: run the MalleusJob operator (kopf) with its handlers.
 
-Equivalent to ``kopf run -m malleus.operator.handlers --standalone --liveness=...`` plus the
-operator's own settings. Standalone (no kopf peering): the chart runs one replica with the
-Recreate strategy, so two operators never handle the same job.
+Equivalent to ``kopf run -m malleus.operator.handlers --liveness=...`` plus the operator's own
+settings. With ``--peering NAME`` (the chart's ``peering.enabled``) replicas elect one active
+operator through kopf's peering object, by priority (`Settings.priority`); without, standalone:
+safe only as one replica (the chart then uses the Recreate strategy).
 """
 
 from __future__ import annotations
@@ -71,6 +72,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="give every job a NetworkPolicy (off where no NetworkPolicy controller runs); "
         "default %(default)s",
     )
+    p.add_argument(
+        "--peering",
+        default=defaults.peering_name,
+        metavar="NAME",
+        help="kopf peering object for leader election between replicas ('' = standalone); "
+        "default %(default)r",
+    )
+    p.add_argument(
+        "--priority",
+        type=int,
+        default=defaults.peering_priority,
+        help="this replica's peering priority (0 = derived from the pod name); default %(default)s",
+    )
     p.add_argument("--kubeconfig", default=defaults.kubeconfig or None, help="kubeconfig file")
     p.add_argument("--context", default=defaults.context or None, help="kubeconfig context")
     p.add_argument("-v", "--verbose", action="store_true", help="log more")
@@ -89,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ack_timeout_seconds=args.ack_timeout,
         prometheus_allowed_urls=tuple(args.allow_prometheus),
         network_policies=args.network_policies,
+        peering_name=args.peering,
+        peering_priority=args.priority,
         kubeconfig=args.kubeconfig or "",
         context=args.context or "",
     )
@@ -98,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     kopf.configure(verbose=args.verbose, debug=args.debug)
     kopf.run(
-        standalone=True,
+        **settings.peering_options(),
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=args.liveness or None,

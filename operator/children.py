@@ -46,7 +46,7 @@ def network_policy(
 
 
 async def ensure_children(
-    ctx: Context, job: ResolvedJob, ref: resources.JobRef, plan: Plan
+    ctx: Context, job: ResolvedJob, ref: resources.JobRef, plan: Plan, *, pods: bool = True
 ) -> tuple[list[str], Plan]:
     """Create what is missing (idempotent by name): the job's existing objects are left
     untouched, so a Secret keeps its token and a ConfigMap its newer plan.
@@ -54,7 +54,8 @@ async def ensure_children(
     Returns the names created and the plan the workers get: the existing ConfigMap's when there
     is one (a retried or resumed create must not show a plan the pods do not run). Raises
     `k8s.NameConflict` at the first name taken by an object the job does not control; what
-    comes after it (the pods last) is not created.
+    comes after it (the pods last) is not created. Without ``pods`` (a job created suspended:
+    `admission`), everything but the pods.
     """
     created: list[str] = []
     token = secrets.token_urlsafe(32)
@@ -63,7 +64,7 @@ async def ensure_children(
     built = workers.build_children(
         job, ref, plan, token, policy, certificates, ctx.settings.disruption_budgets
     )
-    for obj in built:
+    for obj in built if pods else [o for o in built if o["kind"] != "Pod"]:
         stored, new = await ctx.cluster.create(obj)
         if new:
             created.append(f"{obj['kind']}/{obj['metadata']['name']}")

@@ -249,8 +249,11 @@ async def run_job(
             or _generation(body) != start_generation
         )
 
+    prom_auth = await sources.prometheus_credentials(ctx.cluster, ref.namespace, job)
     source = _ObservingSource(
-        sources.rate_source(job, ref, url, timeout=timeout, tls=trust), ended, reporter
+        sources.rate_source(job, ref, url, timeout=timeout, tls=trust, prometheus_auth=prom_auth),
+        ended,
+        reporter,
     )
     plan_sink = planstore.ConfigMapPlanSink(
         ctx.cluster, ref, HttpPlanSink(url, token, timeout=timeout, tls=trust)

@@ -19,6 +19,8 @@ Lifecycle (DESIGN §4.5):
   that vanished meanwhile; never re-create a running job's pods or reset its plan generation;
 - run policy (a timer): fail a job past ``activeDeadlineSeconds``, delete a finished job's
   children ``ttlSecondsAfterFinished`` after it ended;
+- admission (a timer, and ``spec.suspend`` edits): `admission.tick`, suspend/resume and the
+  schedule timeout of Pending pods;
 - delete: delete the children explicitly (the garbage collector would, via ownerReferences,
   but not every cluster the operator is tested on has one), then kopf drops its finalizer.
 """
@@ -36,7 +38,7 @@ from malleus.errors import BadInput
 from malleus.job import API_GROUP, PLURAL, VERSION, MalleusJobStatus, Phase, ResolvedJob
 from malleus.planner.plan import Plan
 
-from . import children, daemon, jobs, lifecycle, resources, run_policy, status
+from . import admission, children, daemon, jobs, lifecycle, resources, run_policy, status
 from .context import MEMO_KEY, Context
 from .k8s import Cluster, NameConflict
 from .metrics import OperatorMetrics
@@ -52,6 +54,7 @@ __all__ = [
     "on_pod_event",
     "on_resume",
     "on_update",
+    "pending_timer",
     "probe_jobs",
     "run_policy_timer",
     "sync_pods",
@@ -64,7 +67,8 @@ NAME_CONFLICT_RETRY_SECONDS = 60
 """How often a job blocked by a `NameConflict` looks again whether the name is free."""
 METRICS_URL_POLL_SECONDS = 30.0
 """How often a daemon paused on a disallowed Prometheus URL reads the live spec again."""
-_POLICY_FIELDS = ("stragglerPolicy", "metrics", "runPolicy")
+_LIVE = ("suspend", "scheduling.scheduleTimeoutSeconds")  # read by the admission timer
+_POLICY_FIELDS = ("stragglerPolicy", "metrics", "runPolicy", *_LIVE)
 
 
 @kopf.on.startup()
@@ -81,12 +85,13 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         prefix="malleus.io", key="last-handled-configuration"
     )
     settings.posting.level = logging.WARNING  # our own events tell the story; not every log line
-    settings.peering.standalone = True  # one replica (Deployment strategy Recreate)
-    if isinstance(memo.get(MEMO_KEY), Context):
-        return
-    ours = memo.get("settings")
+    existing = memo.get(MEMO_KEY)
+    ours = existing.settings if isinstance(existing, Context) else memo.get("settings")
     if not isinstance(ours, Settings):
         ours = Settings.from_env()
+    ours.apply_peering(settings.peering)  # standalone unless a peering name is set
+    if isinstance(existing, Context):
+        return
     cluster = Cluster.connect(ours.kubeconfig or None, ours.context or None)
     metrics = OperatorMetrics()
     metrics.serve(ours.metrics_port)
@@ -118,11 +123,12 @@ async def _create_children(
     plan: Plan,
     patch: kopf.Patch,
     conditions: list[Any],
+    pods: bool = True,
 ) -> tuple[list[str], Plan]:
-    """`children.ensure_children`; on a `NameConflict` the job says so (condition, Warning
+    """`children.ensure_children` (without the pods of a suspended job); on a `NameConflict` the job says so (condition, Warning
     event) and kopf retries later, so deleting the impostor is all the user has to do."""
     try:
-        return await children.ensure_children(ctx, job, ref, plan)
+        return await children.ensure_children(ctx, job, ref, plan, pods=pods)
     except NameConflict as e:
         blocked = status.name_conflict_status(str(e), ref.generation, status.now(), conditions)
         patch.status.update(status.dump(blocked))
@@ -156,18 +162,22 @@ async def on_create(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: An
     except PlanningTimeout as e:
         raise kopf.TemporaryError(f"initial planning timed out: {e}", delay=30) from None
     ctx.metrics.planning_seconds.observe(seconds)
-    created, plan = await _create_children(ctx, job, ref, plan, patch, conditions)
-    pods = [resources.pod_name(ref.name, i) for i in range(job.nodes)]
-    patch.status.update(
-        status.dump(status.created_status(plan, pods, job.world, ref.generation, at, conditions))
+    suspended = job.spec.suspend
+    created, plan = await _create_children(
+        ctx, job, ref, plan, patch, conditions, pods=not suspended
     )
-    ctx.metrics.phases.set(ref.namespace, ref.name, Phase.PENDING)
+    pods = [resources.pod_name(ref.name, i) for i in range(job.nodes)]
+    new = status.dump(status.created_status(plan, pods, job.world, ref.generation, at, conditions))
+    if suspended:  # admitted later (Kueue flips spec.suspend): no pods until then
+        new = admission.created_suspended(new, ref.generation, at)
+    patch.status.update(new)
+    ctx.metrics.phases.set(ref.namespace, ref.name, status.phase_of(new))
     await ctx.cluster.post_event(
         ref,
         "Normal",
         "Created",
-        f"created {len(pods)} worker pod(s) on {job.world} GPU(s); plan generation "
-        f"{plan.generation}: {status.plan_summary(plan)}",
+        f"created {0 if suspended else len(pods)} worker pod(s) on {job.world} GPU(s); plan "
+        f"generation {plan.generation}: {status.plan_summary(plan)}",
     )
     log.info("%s/%s: created %s (planning %.3f s)", ref.namespace, ref.name, created, seconds)
 
@@ -189,6 +199,8 @@ async def on_update(
     ]
     if status.phase_of(body.get("status")) in status.TERMINAL_PHASES:
         return
+    if "suspend" in changed:
+        await admission.reconcile(Context.of(memo), body, status.now())
     if structural:
         await cluster.post_event(
             ref,
@@ -315,6 +327,22 @@ async def run_policy_timer(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     await run_policy.enforce(Context.of(memo), body, status.now())
 
 
+# ---- admission and scheduling ---------------------------------------------------------------
+
+
+def _pending_or_suspended(spec: Mapping[str, Any], body: kopf.Body, **_: Any) -> bool:
+    phase = status.phase_of(body.get("status"))
+    return bool(spec.get("suspend")) or phase in (Phase.PENDING, Phase.SUSPENDED)
+
+
+@kopf.timer(
+    API_GROUP, VERSION, PLURAL, interval=lifecycle.RUN_POLICY_INTERVAL, when=_pending_or_suspended
+)
+async def pending_timer(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """`admission.tick` now: ``spec.suspend`` and the schedule timeout of Pending pods."""
+    await admission.tick(Context.of(memo), body, status.now())
+
+
 # ---- resume ---------------------------------------------------------------------------------
 
 
@@ -331,8 +359,8 @@ async def on_resume(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: An
     st = body.get("status") or {}
     phase = status.phase_of(st)
     ctx.metrics.phases.set(ref.namespace, ref.name, phase)
-    if phase is None or phase in status.TERMINAL_PHASES:
-        return  # never handled (on.create will run) or finished
+    if phase is None or phase in status.TERMINAL_PHASES or phase == Phase.SUSPENDED:
+        return  # never handled (on.create will run), finished, or the admission timer's
     try:
         job = jobs.resolve(body)
     except BadInput as e:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from malleus.job import MalleusJobStatus, Phase
 from malleus.job.spec import RunPolicy
 
+from . import scheduling
 from .status import (
     ACTIVE_PHASES,
     READY,
@@ -36,6 +37,7 @@ __all__ = [
     "pod_outcome",
     "pods_transition",
     "run_policy_due",
+    "schedule_timeout_transition",
 ]
 
 RUN_POLICY_INTERVAL = 10.0
@@ -143,11 +145,12 @@ def pods_transition(
       checkpoint);
     - every worker succeeded -> ``Succeeded``;
     - every worker running -> ``Running`` (from ``Pending``);
-    - terminal phases never change.
+    - some still pending -> why, in ``Ready=False`` (`_pending_transition`);
+    - terminal phases never change, nor does ``Suspended`` (its pods are deleted on purpose).
     """
     stored = job_status or {}
     phase = phase_of(stored)
-    if phase is None or phase in TERMINAL_PHASES:
+    if phase is None or phase in TERMINAL_PHASES or phase == Phase.SUSPENDED:
         return Transition()
     by_name = {p.get("metadata", {}).get("name"): pod_outcome(p) for p in pods}
     conds = stored.get("conditions") or []
@@ -176,21 +179,67 @@ def pods_transition(
         )
     if phase != Phase.PENDING:
         return Transition()  # a running job with a pod not yet "Running" again: wait for failure
-    # Some worker still pending: surface why (image pull, config errors) in the condition.
-    stuck = [by_name[n] for n in expected if n in by_name and by_name[n].detail]
+    return _pending_transition(conds, pods, by_name, expected, states, generation, at)
+
+
+def _pending_transition(
+    conds: Any,
+    pods: Sequence[Mapping[str, Any]],
+    by_name: Mapping[str, PodOutcome],
+    expected: Sequence[str],
+    states: Sequence[str],
+    generation: int,
+    at: dt.datetime,
+) -> Transition:
+    """Some worker still pending: say why in ``Ready=False``. Its reason is the first stuck
+    pod's (`scheduling.UNSCHEDULABLE`, `scheduling.IMAGE_PULL`) with the scheduler's or the
+    kubelet's message, else ``PodsPending``; a new stuck reason is also a Warning event, once."""
+    reasons = scheduling.pending_reasons(pods, expected)
+    stuck = {r.pod for r in reasons}
+    others = [by_name[n] for n in expected if n in by_name and by_name[n].detail]
     running = sum(s == "Running" for s in states)
     msg = f"{running}/{len(expected)} worker pod(s) running"
-    if stuck:
-        msg += "; " + "; ".join(f"{o.name}: {o.detail}" for o in stuck)
+    details = [str(r) for r in reasons] + [
+        f"{o.name}: {o.detail}" for o in others if o.name not in stuck
+    ]
+    if details:
+        msg += "; " + "; ".join(details)
+    reason = reasons[0].reason if reasons else "PodsPending"
     old = next((c for c in conds if c.get("type") == READY), None)
-    if old is not None and old.get("message") == msg and old.get("reason") == "PodsPending":
+    if old is not None and old.get("message") == msg and old.get("reason") == reason:
         return Transition()
+    said = (old or {}).get("message") or ""
+    events = [Event("Warning", r.reason, str(r)) for r in reasons if str(r) not in said]
     return Transition(
         status=MalleusJobStatus(
-            conditions=merge_conditions(
-                conds, condition(READY, False, "PodsPending", msg, generation, at)
-            )
-        )
+            conditions=merge_conditions(conds, condition(READY, False, reason, msg, generation, at))
+        ),
+        events=events,
+    )
+
+
+def schedule_timeout_transition(
+    job_status: Mapping[str, Any] | None, timeout: int, generation: int, at: dt.datetime
+) -> Transition:
+    """A Pending job whose pods waited ``spec.scheduling.scheduleTimeoutSeconds`` since
+    ``startTime`` -> ``Failed``/``ScheduleTimeout`` (naming what the pods last waited for);
+    empty before that, or in any other phase. Pure, so tests move ``at``."""
+    stored = job_status or {}
+    if phase_of(stored) != Phase.PENDING:
+        return Transition()
+    left = scheduling.schedule_timeout_left(parse_time(stored.get("startTime")), timeout, at)
+    if left is None or left > 0:
+        return Transition()
+    conds = stored.get("conditions") or []
+    ready = next((c for c in conds if c.get("type") == READY), None) or {}
+    message = f"the worker pods were not all running {timeout} s after creation"
+    if ready.get("message"):
+        message += f" ({ready['message']})"
+    return Transition(
+        status=finished_status(
+            Phase.FAILED, scheduling.SCHEDULE_TIMEOUT, message, generation, at, conds
+        ),
+        events=[Event("Warning", scheduling.SCHEDULE_TIMEOUT, message + "; deleting its pods")],
     )
 
 

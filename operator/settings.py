@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import urllib.parse
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -19,6 +20,8 @@ from typing import Any
 from malleus.errors import Fault
 
 __all__ = ["DEFAULT_ENDPOINT", "Settings", "url_allowed"]
+
+_PRIORITY_RANGE = 1_000_000
 
 DEFAULT_ENDPOINT = "https://{pod}.{service}.{namespace}.svc:{port}"
 """How the operator reaches a worker's control port: its stable DNS name via the headless
@@ -124,6 +127,14 @@ class Settings:
     """The operator pod's labels, ``key=value,key=value``."""
     control_port_peers: str = ""
     """More NetworkPolicyPeers for the control port (e.g. a Prometheus), a JSON list."""
+    peering_name: str = ""
+    """kopf's peering object (``KopfPeering`` in each watched namespace, ``ClusterKopfPeering``
+    cluster-wide): with it, replicas see each other and only the highest priority works, the
+    rest stand by. Empty: standalone, safe only as a single replica (the chart's
+    ``peering.enabled``)."""
+    peering_priority: int = 0
+    """This replica's kopf priority; 0: derived from the pod name (``HOSTNAME``), so two
+    replicas of one Deployment differ (kopf pauses every peer of equal priority)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -179,6 +190,35 @@ class Settings:
                 f"got {self.control_port_peers!r}"
             )
         return peers
+
+    def priority(self, environ: Mapping[str, str] | None = None) -> int:
+        """`peering_priority`, else 1 + crc32 of the pod name (``HOSTNAME``) below a million:
+        stable for a pod, distinct between replicas but for a one-in-a-million clash (which
+        kopf resolves safely: every peer pauses and warns)."""
+        if self.peering_priority:
+            return self.peering_priority
+        host = (os.environ if environ is None else environ).get("HOSTNAME", "")
+        return 1 + zlib.crc32(host.encode()) % _PRIORITY_RANGE
+
+    def peering_options(self, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """kopf.run's peering arguments: standalone, or the peering name and our priority."""
+        if not self.peering_name:
+            return {"standalone": True}
+        return {
+            "standalone": False,
+            "peering_name": self.peering_name,
+            "priority": self.priority(environ),
+        }
+
+    def apply_peering(self, peering: Any, environ: Mapping[str, str] | None = None) -> None:
+        """The same onto kopf's ``settings.peering`` (under a bare ``kopf run``, whose startup
+        handler reads the settings from the environment)."""
+        options = self.peering_options(environ)
+        peering.standalone = options["standalone"]
+        if not peering.standalone:
+            peering.mandatory = True
+            peering.name = options["peering_name"]
+            peering.priority = options["priority"]
 
     def with_(self, **changes: object) -> Settings:
         return replace(self, **changes)  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ observation for the status (step, tokens/s) and ends the loop when the job is ov
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Protocol
 
 from malleus.controller.ports import Observation, RateSource
 from malleus.controller.prometheus import (
@@ -25,7 +26,44 @@ from malleus.job.control import ControlTLS
 
 from . import resources
 
-__all__ = ["TrackingSource", "rate_source"]
+__all__ = ["PrometheusAuthError", "TrackingSource", "prometheus_credentials", "rate_source"]
+
+
+class PrometheusAuthError(RuntimeError):
+    """A Secret or ConfigMap key that spec.metrics.prometheus names is missing."""
+
+
+class _Reader(Protocol):
+    async def read(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+    async def read_secret_value(self, namespace: str, name: str, key: str) -> str | None: ...
+
+
+async def prometheus_credentials(
+    cluster: _Reader, namespace: str, job: ResolvedJob
+) -> tuple[str | None, str | None]:
+    """(bearer token, CA bundle PEM) that ``spec.metrics.prometheus`` names, read by name from
+    the job's own namespace; (None, None) when it names neither."""
+    prom = job.spec.metrics.prometheus
+    if prom is None:
+        return None, None
+    token = ca = None
+    if (ref := prom.bearer_token_secret) is not None:
+        token = await cluster.read_secret_value(namespace, ref.name, ref.key)
+        if not token:
+            raise PrometheusAuthError(f"Secret {namespace}/{ref.name} has no key {ref.key!r}")
+        token = token.strip()
+    tls_spec = prom.tls
+    if tls_spec is not None and (ref := tls_spec.ca_secret) is not None:
+        ca = await cluster.read_secret_value(namespace, ref.name, ref.key)
+        if not ca:
+            raise PrometheusAuthError(f"Secret {namespace}/{ref.name} has no key {ref.key!r}")
+    elif tls_spec is not None and (ref := tls_spec.ca_config_map) is not None:
+        cm = await cluster.read("ConfigMap", namespace, ref.name) or {}
+        ca = (cm.get("data") or {}).get(ref.key)
+        if not ca:
+            raise PrometheusAuthError(f"ConfigMap {namespace}/{ref.name} has no key {ref.key!r}")
+    return token, ca
 
 
 class TrackingSource:
@@ -53,9 +91,11 @@ def rate_source(
     *,
     timeout: float,
     tls: ControlTLS | None = None,
+    prometheus_auth: tuple[str | None, str | None] = (None, None),
 ) -> RateSource:
     """The source ``spec.metrics`` asks for: the coordinator's /metrics (verified with
-    `tls`, the job's CA), or Prometheus."""
+    `tls`, the job's CA), or Prometheus (with `prometheus_auth`, from
+    `prometheus_credentials`)."""
     metrics = job.spec.metrics
     interval = float(metrics.scrape_interval_seconds)
     prom = metrics.prometheus
@@ -74,6 +114,8 @@ def rate_source(
             keep=own_rank_series(job.spec.gpus_per_node, r"-node-(\d+)$"),
             interval=interval,
             timeout=timeout,
+            bearer_token=prometheus_auth[0],
+            ca_pem=prometheus_auth[1],
         )
     return TrainerScrapeSource(
         coordinator_url,

@@ -35,6 +35,7 @@ from .resources import (
     secret_name,
     service_name,
 )
+from .scheduling import gang_metadata
 
 __all__ = [
     "GPU_RESOURCE",
@@ -108,6 +109,8 @@ def _env(job: ResolvedJob, ref: JobRef, index: int) -> list[dict[str, Any]]:
         {"name": "MALLEUS_CONTROL_TLS_CERT", "value": f"{TLS_MOUNT}/{tls.CERT_KEY}"},
         {"name": "MALLEUS_CONTROL_TLS_KEY", "value": f"{TLS_MOUNT}/{tls.KEY_KEY}"},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        # The Kubernetes node, a label of the trainer metrics (an admin cordons by it).
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {"name": "MALLEUS_EMULATION", "value": "1" if job.spec.emulation.enabled else "0"},
         {"name": "HOME", "value": "/tmp"},  # read-only root: caches (torch, triton) go to /tmp
         {"name": "PYTHONUNBUFFERED", "value": "1"},
@@ -169,7 +172,8 @@ def build_pod(job: ResolvedJob, ref: JobRef, index: int) -> dict[str, Any]:
     volumes, mounts = _volumes(job, ref)
     port = job.spec.control_port
     name = pod_name(ref.name, index)
-    labels = {**job_labels(ref.name), NODE_LABEL: str(index)}
+    gang_labels, gang_annotations = gang_metadata(job.spec, job.job.metadata.labels, ref.name)
+    labels = {**job_labels(ref.name), NODE_LABEL: str(index), **gang_labels}
     spec: dict[str, Any] = {
         "hostname": name,
         "subdomain": service_name(ref.name),
@@ -231,6 +235,7 @@ def build_pod(job: ResolvedJob, ref: JobRef, index: int) -> dict[str, Any]:
                 "prometheus.io/port": str(port),
                 "prometheus.io/path": "/metrics",
                 "prometheus.io/scheme": "https",
+                **gang_annotations,
             },
         ),
         "spec": spec,

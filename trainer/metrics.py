@@ -3,62 +3,105 @@
 One registry per trainer object (not prometheus-client's global one), so several ranks or tests
 in one process never collide. The coordinator publishes every rank's rate, since a pod is a node
 holding several ranks and the controller scrapes one endpoint. Torch-free.
+
+Prometheus conventions: what a dashboard wants as a rate is a counter (`malleus_steps_total`,
+`malleus_tokens_total`, `malleus_migrations_total`, `malleus_migrated_bytes_total`) or a
+histogram (`malleus_step_duration_seconds`, `malleus_migration_duration_seconds`), so no sample
+is lost between two scrapes; the last-step gauges stay for the operator's own reader (the step,
+the step time and the generation in force). The job's label is `malleus_job`, not `job`, which
+Prometheus gives every target; a rate carries the rank, its node's index (`node_rank`), its GPU
+index in that node (`gpu`, DCGM's label) and, for this pod's own ranks, the Kubernetes node
+(`node_name`, from the downward API's `NODE_NAME`) an admin cordons.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["CONTENT_TYPE", "TrainerMetrics", "parse_rates"]
+__all__ = ["CONTENT_TYPE", "JOB_LABEL", "TrainerMetrics", "parse_rates"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+JOB_LABEL = "malleus_job"
+"""The label naming the MalleusJob on every trainer series."""
+STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+MIGRATION_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+RATE_LABELS = (JOB_LABEL, "rank", "node_rank", "gpu", "node_name")
 
 
 class TrainerMetrics:
     """The metrics of DESIGN §4.4 for one trainer process (GET /status reads the loop's own
-    state, not these gauges: see `trainer.services`)."""
+    state, not these gauges: see `trainer.services`). `gpu` is this process's GPU index in its
+    node; `node_name` defaults to the `NODE_NAME` environment variable."""
 
     def __init__(
-        self, job: str, rank: int, node: int, registry: CollectorRegistry | None = None
+        self,
+        job: str,
+        rank: int,
+        node: int,
+        registry: CollectorRegistry | None = None,
+        *,
+        gpu: int | None = None,
+        node_name: str | None = None,
     ) -> None:
         self.job, self.rank, self.node = job, rank, node
+        self.gpu = gpu
+        self.node_name = node_name if node_name is not None else os.environ.get("NODE_NAME", "")
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        r = self.registry
+        r, j = self.registry, [JOB_LABEL]
         self._rate = Gauge(
             "malleus_gpu_straggling_rate",
             "Compute time per layer-shard x micro-batch over a healthy GPU's (1.0 = healthy).",
-            ["job", "rank", "node"],
+            RATE_LABELS,
             registry=r,
         )
         self._compute = Gauge(
             "malleus_gpu_compute_seconds",
             "Compute seconds of the rank's last step, communication waits excluded.",
-            ["job", "rank"],
+            [JOB_LABEL, "rank"],
             registry=r,
         )
         self._step_seconds = Gauge(
-            "malleus_step_seconds", "Wall seconds of the last training step.", ["job"], registry=r
+            "malleus_step_seconds", "Wall seconds of the last training step.", j, registry=r
         )
         self._tps = Gauge(
-            "malleus_tokens_per_second", "Tokens per second of the last step.", ["job"], registry=r
+            "malleus_tokens_per_second", "Tokens per second of the last step.", j, registry=r
         )
         self._generation = Gauge(
-            "malleus_plan_generation", "Generation of the plan in force.", ["job"], registry=r
+            "malleus_plan_generation", "Generation of the plan in force.", j, registry=r
         )
         self._mig_seconds = Gauge(
-            "malleus_migration_seconds", "Wall seconds of the last migration.", ["job"], registry=r
+            "malleus_migration_seconds", "Wall seconds of the last migration.", j, registry=r
         )
         self._mig_bytes = Gauge(
-            "malleus_migration_bytes", "Bytes moved by the last migration.", ["job"], registry=r
+            "malleus_migration_bytes", "Bytes moved by the last migration.", j, registry=r
         )
-        self._step = Gauge("malleus_step", "Last completed training step.", ["job"], registry=r)
-        self._migrations = Counter(
-            "malleus_migrations", "Migrations completed.", ["job"], registry=r
+        self._step = Gauge("malleus_step", "Last completed training step.", j, registry=r)
+        self._loss = Gauge("malleus_loss", "Training loss of the last step.", j, registry=r)
+        self._steps = Counter("malleus_steps", "Training steps completed.", j, registry=r)
+        self._tokens = Counter("malleus_tokens", "Tokens trained on.", j, registry=r)
+        self._step_hist = Histogram(
+            "malleus_step_duration_seconds",
+            "Wall seconds per training step.",
+            j,
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self._migrations = Counter("malleus_migrations", "Migrations completed.", j, registry=r)
+        self._migrated = Counter(
+            "malleus_migrated_bytes", "Bytes moved by migrations.", j, registry=r
+        )
+        self._mig_hist = Histogram(
+            "malleus_migration_duration_seconds",
+            "Wall seconds per migration (a plan switch).",
+            j,
+            buckets=MIGRATION_BUCKETS,
+            registry=r,
         )
         for g in (
             self._step_seconds,
@@ -68,11 +111,14 @@ class TrainerMetrics:
             self._mig_bytes,
             self._step,
         ):
-            g.labels(job=job).set(0)
-        self._migrations.labels(job=job)
-        self._compute.labels(job=job, rank=str(rank)).set(0)
+            g.labels(job).set(0)
+        for c in (self._steps, self._tokens, self._step_hist):
+            c.labels(job)
+        for c in (self._migrations, self._migrated, self._mig_hist):
+            c.labels(job)
+        self._compute.labels(job, str(rank)).set(0)
         self._lock = threading.Lock()
-        self._rate_labels: dict[int, tuple[str, str, str]] = {}
+        self._rate_labels: dict[int, tuple[str, ...]] = {}
 
     # ---- observations ----------------------------------------------------------------------
     def observe_step(
@@ -82,15 +128,23 @@ class TrainerMetrics:
         tokens_per_second: float,
         rate: float | None,
         compute_seconds: float,
+        loss: float | None = None,
     ) -> None:
         """After each step: the job's step figures and this rank's own rate and compute time."""
         j = self.job
-        self._step.labels(job=j).set(step)
-        self._step_seconds.labels(job=j).set(step_seconds)
-        self._tps.labels(job=j).set(tokens_per_second)
-        self._compute.labels(job=j, rank=str(self.rank)).set(compute_seconds)
+        self._step.labels(j).set(step)
+        self._step_seconds.labels(j).set(step_seconds)
+        self._tps.labels(j).set(tokens_per_second)
+        self._steps.labels(j).inc()
+        if math.isfinite(step_seconds) and step_seconds >= 0:
+            self._step_hist.labels(j).observe(step_seconds)
+            if math.isfinite(tokens_per_second) and tokens_per_second >= 0:
+                self._tokens.labels(j).inc(tokens_per_second * step_seconds)
+        if loss is not None:
+            self._loss.labels(j).set(loss)
+        self._compute.labels(j, str(self.rank)).set(compute_seconds)
         with self._lock:
-            self._set_rate(self.rank, self.node, rate)
+            self._set_rate(self.rank, self.node, self.gpu, rate)
 
     def observe_rates(
         self,
@@ -99,15 +153,21 @@ class TrainerMetrics:
         compute_seconds: Mapping[int, float] | None = None,
     ) -> None:
         """The coordinator publishes every rank's rate: None = not measured yet (series removed),
-        NaN = measured no more (failed or unusable: the series stays, as NaN)."""
+        NaN = measured no more (failed or unusable: the series stays, as NaN). A rank's GPU
+        index is its place among the ranks `nodes` puts on its node."""
+        peers: dict[int, list[int]] = {}
+        for rank, node in sorted(nodes.items()):
+            peers.setdefault(node, []).append(rank)
         with self._lock:
             for rank, rate in rates.items():
-                self._set_rate(rank, nodes[rank], rate)
+                node = nodes[rank]
+                self._set_rate(rank, node, peers[node].index(rank), rate)
             for rank, secs in (compute_seconds or {}).items():
-                self._compute.labels(job=self.job, rank=str(rank)).set(secs)
+                self._compute.labels(self.job, str(rank)).set(secs)
 
-    def _set_rate(self, rank: int, node: int, rate: float | None) -> None:
-        labels = (self.job, str(rank), str(node))
+    def _set_rate(self, rank: int, node: int, gpu: int | None, rate: float | None) -> None:
+        name = self.node_name if node == self.node else ""  # another pod's node: not known here
+        labels = (self.job, str(rank), str(node), "" if gpu is None else str(gpu), name)
         old = self._rate_labels.get(rank)
         if old is not None and (old != labels or rate is None):
             self._rate.remove(*old)
@@ -118,13 +178,15 @@ class TrainerMetrics:
         self._rate_labels[rank] = labels
 
     def observe_plan(self, generation: int) -> None:
-        self._generation.labels(job=self.job).set(generation)
+        self._generation.labels(self.job).set(generation)
 
     def observe_migration(self, seconds: float, bytes_: int) -> None:
         j = self.job
-        self._mig_seconds.labels(job=j).set(seconds)
-        self._mig_bytes.labels(job=j).set(bytes_)
-        self._migrations.labels(job=j).inc()
+        self._mig_seconds.labels(j).set(seconds)
+        self._mig_bytes.labels(j).set(bytes_)
+        self._migrations.labels(j).inc()
+        self._migrated.labels(j).inc(max(0, bytes_))
+        self._mig_hist.labels(j).observe(max(0.0, seconds))
 
     # ---- output ---------------------------------------------------------------------------
     def render(self) -> bytes:
@@ -139,7 +201,7 @@ def parse_rates(text: str, job: str | None = None) -> dict[int, float]:
         if family.name != "malleus_gpu_straggling_rate":
             continue
         for sample in family.samples:
-            if job is not None and sample.labels.get("job") != job:
+            if job is not None and sample.labels.get(JOB_LABEL) != job:
                 continue
             if "rank" in sample.labels and math.isfinite(sample.value):
                 out[int(sample.labels["rank"])] = float(sample.value)

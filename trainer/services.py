@@ -132,7 +132,8 @@ class Services:
         from .metrics import TrainerMetrics
 
         svc = cls.null(job, rank, steps=steps)
-        svc.metrics = TrainerMetrics(job.name, rank, rank // job.gpus_per_node)
+        gpn = job.gpus_per_node
+        svc.metrics = TrainerMetrics(job.name, rank, rank // gpn, gpu=rank % gpn)
         if control_port is not None:
             from .control import ControlServer
             from .credentials import control_host, load_tls, load_token

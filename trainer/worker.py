@@ -394,6 +394,7 @@ class Trainer:
                 report.tokens_per_second,
                 rates.get(self.rank),
                 report.compute_seconds,
+                loss=report.loss,
             )
             if svc.server is not None:  # an endpoint publishes every rank's figures
                 gpn = self.job.gpus_per_node

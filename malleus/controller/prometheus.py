@@ -7,16 +7,21 @@ thermal/power clock-event reason), reported as evidence on the StragglerDetected
 person sees why a GPU is slow. It does not change the decision: a GPU can be slow with full
 clocks (a bad NVLink, a noisy neighbour), and a throttled GPU shows in its rate anyway.
 
-Label clash: the trainers label their series `job=<MalleusJob name>`, which is also the label
-Prometheus gives every target. Unless the scrape config has `honor_labels: true`, Prometheus
-renames the trainers' label to `exported_job`; the queries match either.
+Labels: the trainers name their job in `malleus_job` (not `job`, Prometheus' own target label).
+DCGM-exporter series name the workload pod in `pod`/`namespace`; scraped with
+`honorLabels: false`, as NVIDIA's GPU Operator does, those clash with the target's own labels
+(the exporter's pod) and Prometheus renames them `exported_pod`/`exported_namespace`. The DCGM
+queries match either style, and the workload pod is `exported_pod` where it exists.
 
 Ownership: every worker pod publishes every rank's figure, and Prometheus stamps each series
 with the `pod` it scraped it from. A rate is read from the pod that holds its rank only
 (`own_rank_series`): a pod cannot speak for GPUs that are not its own. Series without a `pod`
 label are dropped, with a warning.
 
-Everything but `PrometheusSource._query` is a pure function of JSON, tested without a server.
+Auth and TLS: a bearer token (`Authorization: Bearer`) and a CA bundle (PEM) for the server's
+certificate, as Thanos, OpenShift's and managed Prometheus need. Everything but
+`PrometheusSource._query` is a pure function of JSON; tests/prometheus runs the whole against a
+real Prometheus.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import json
 import logging
 import math
 import re
+import ssl
 import urllib.parse
 import urllib.request
 from collections.abc import Awaitable, Callable, Mapping
@@ -74,12 +80,15 @@ def _quote(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _selector_or(metric: str, job: str, scope: str = "") -> str:
-    """`metric` of one MalleusJob, whether Prometheus kept the trainers' `job` label or not;
-    `scope` (`pod=~...,namespace=...`) also requires the series to come from the job's pods."""
-    v = _quote(job)
-    extra = f",{scope}" if scope else ""
-    return f"{metric}{{job={v}{extra}}} or {metric}{{exported_job={v}{extra}}}"
+JOB_LABEL = "malleus_job"
+
+
+def _scope(pod_regex: str, namespace: str | None, prefix: str = "") -> str:
+    """Matchers for the job's pods (and namespace), on `pod` or, with `prefix`, `exported_pod`."""
+    matchers = [f"{prefix}pod=~{_quote(pod_regex)}"]
+    if namespace:
+        matchers.append(f"{prefix}namespace={_quote(namespace)}")
+    return ",".join(matchers)
 
 
 @dataclass(frozen=True)
@@ -105,27 +114,29 @@ def default_queries(
     """Queries for MalleusJob `job`; every series (the trainers' and DCGM's) selected by the
     job's pods (`pod_regex`, default `<job>-.*`) and, when given, `namespace`.
 
-    The `job` label alone is the trainers' own claim, which any pod can make: `pod` and
-    `namespace` are the target labels Prometheus attaches from service discovery (with
+    The `malleus_job` label alone is the trainers' own claim, which any pod can make: `pod`
+    and `namespace` are the target labels Prometheus attaches from service discovery (with
     `honor_labels: false` a series cannot set them itself), so another team's pod cannot feed
-    this job's rates."""
+    this job's rates. DCGM's `exported_pod` is the exporter's claim (any scraped pod could make
+    it): it only corroborates, as evidence on an event, and never steers a decision."""
 
-    matchers = [f"pod=~{_quote(pod_regex or re.escape(job) + '-.*')}"]
-    if namespace:
-        matchers.append(f"namespace={_quote(namespace)}")
-    scope = ",".join(matchers)
-    dcgm_sel = "{" + scope + "}"
+    regex = pod_regex or re.escape(job) + "-.*"
+    trainer = "{" + f"{JOB_LABEL}={_quote(job)}," + _scope(regex, namespace) + "}"
+    dcgm_styles = (
+        "{" + _scope(regex, namespace) + "}",
+        "{" + _scope(regex, namespace, "exported_") + "}",
+    )
 
-    def scalar(metric: str) -> str:
-        return f"max({_selector_or(metric, job, scope)})"
+    def dcgm(metric: str | None) -> str | None:
+        return " or ".join(f"{metric}{sel}" for sel in dcgm_styles) if metric else None
 
     return PromQueries(
-        rates=f"max by (rank, pod) ({_selector_or('malleus_gpu_straggling_rate', job, scope)})",
-        step=scalar("malleus_step"),
-        step_seconds=scalar("malleus_step_seconds"),
-        generation=scalar("malleus_plan_generation"),
-        sm_clock=f"{sm_clock_metric}{dcgm_sel}" if sm_clock_metric else None,
-        clock_reasons=f"{clock_reasons_metric}{dcgm_sel}" if clock_reasons_metric else None,
+        rates=f"max by (rank, pod) (malleus_gpu_straggling_rate{trainer})",
+        step=f"max(malleus_step{trainer})",
+        step_seconds=f"max(malleus_step_seconds{trainer})",
+        generation=f"max(malleus_plan_generation{trainer})",
+        sm_clock=dcgm(sm_clock_metric),
+        clock_reasons=dcgm(clock_reasons_metric),
     )
 
 
@@ -157,12 +168,13 @@ def decode_clock_reasons(mask: int) -> list[str]:
 def pod_gpu_rank(
     gpus_per_node: int, pattern: str = r"-(\d+)$"
 ) -> Callable[[Mapping[str, str]], int | None]:
-    """rank_of(labels) for DCGM series: node index from the pod name's trailing number, GPU index
-    from the `gpu` label (one worker pod per node, DESIGN §4.5)."""
+    """rank_of(labels) for DCGM series: node index from the workload pod name's trailing number
+    (`exported_pod` where Prometheus renamed it, else `pod`), GPU index from the `gpu` label (one
+    worker pod per node, DESIGN §4.5)."""
     rx = re.compile(pattern)
 
     def rank_of(labels: Mapping[str, str]) -> int | None:
-        m = rx.search(labels.get("pod", ""))
+        m = rx.search(labels.get("exported_pod") or labels.get("pod", ""))
         gpu = labels.get("gpu")
         if m is None or gpu is None or not gpu.isdigit():
             return None
@@ -254,8 +266,14 @@ class PrometheusSource:
         interval: float = 5.0,
         timeout: float = 10.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        bearer_token: str | None = None,
+        ca_pem: str | None = None,
     ) -> None:
+        """`bearer_token` is sent on every query; `ca_pem` (PEM certificates) replaces the
+        system's trust store for an https `url`."""
         self.url = url
+        self._headers = {"Authorization": f"Bearer {bearer_token}"} if bearer_token else {}
+        self._ssl = ssl.create_default_context(cadata=ca_pem) if ca_pem else None
         self.queries = queries
         self.rank_of = rank_of
         self.keep = keep
@@ -266,7 +284,8 @@ class PrometheusSource:
         self._last_step = -1
 
     def _query_blocking(self, promql: str) -> list[Sample]:
-        with urllib.request.urlopen(query_url(self.url, promql), timeout=self.timeout) as resp:
+        req = urllib.request.Request(query_url(self.url, promql), headers=self._headers)
+        with urllib.request.urlopen(req, timeout=self.timeout, context=self._ssl) as resp:
             return parse_vector(json.loads(resp.read()))
 
     async def _query(self, promql: str) -> list[Sample]:

@@ -9,7 +9,7 @@ exposition text is parsed by prometheus-client's own parser.
 The coordinator speaks for every rank: each rank's figure is its own slot of a collective
 (`trainer/worker.py`), so no rank can write another's. What the page claims is still checked
 against the layout: a series for a rank outside the job, with a rank that is not a number, or
-whose ``node`` label is not the node that holds that rank is dropped, not believed.
+whose ``node_rank`` label is not the node that holds that rank is dropped, not believed.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ __all__ = [
 ]
 
 RATE_METRIC = "malleus_gpu_straggling_rate"
+JOB_LABEL = "malleus_job"  # the trainers' label naming the job (`job` is Prometheus' own)
 
 
 def _sample_value(v: float) -> float | None:
@@ -52,7 +53,7 @@ def _rank(labels: dict[str, str], world: int | None, gpus_per_node: int | None) 
     rank = int(text)
     if world is not None and rank >= world:
         return None
-    node = labels.get("node")
+    node = labels.get("node_rank")
     if gpus_per_node is not None and node is not None and node != str(rank // gpus_per_node):
         return None
     return rank
@@ -78,7 +79,7 @@ def observation_from_metrics(
     scalars: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if job is not None and sample.labels.get("job", job) != job:
+            if job is not None and sample.labels.get(JOB_LABEL, job) != job:
                 continue
             if sample.name == RATE_METRIC:
                 rank = _rank(sample.labels, world, gpus_per_node)

@@ -185,10 +185,28 @@ class DcgmSpec(_Model):
     clock_event_reasons_metric: str = "DCGM_FI_DEV_CLOCKS_EVENT_REASONS"
 
 
+class KeyRef(_Model):
+    """One key of a Secret or ConfigMap in the job's namespace (read by the operator by name)."""
+
+    name: str
+    key: str
+
+
+class PrometheusTLSSpec(_Model):
+    """The CA bundle (PEM) that verifies an https Prometheus URL, from a Secret or a ConfigMap
+    (not both); without one the operator's system trust store is used."""
+
+    ca_secret: KeyRef | None = None
+    ca_config_map: KeyRef | None = None
+
+
 class PrometheusSpec(_Model):
-    """The Prometheus server to query."""
+    """The Prometheus server to query, and how to authenticate to it."""
 
     url: str | None = None
+    bearer_token_secret: KeyRef | None = None
+    """Sent as `Authorization: Bearer` (Thanos, OpenShift, managed Prometheus)."""
+    tls: PrometheusTLSSpec | None = None
     dcgm: DcgmSpec = Field(default_factory=DcgmSpec)
 
 
@@ -333,6 +351,24 @@ class RunPolicy(_Model):
     """Delete the job's children this long after it Succeeded or Failed (the job stays)."""
 
 
+class PodGroupSpec(_Model):
+    """The pod group a coscheduler admits as one gang (Volcano, scheduler-plugins): the operator
+    labels and annotates every worker with ``name``; the PodGroup object itself is the
+    installer's (or the scheduler's) to create, with ``minMember`` = ``spec.nodes``."""
+
+    name: str
+
+
+class SchedulingSpec(_Model):
+    """How the job's pods get (or fail to get) places on nodes."""
+
+    schedule_timeout_seconds: int = 600
+    """Fail the job (reason ``ScheduleTimeout``) when its pods are not all running this long
+    after they were created: a gang that got half its GPUs must not hold them forever."""
+    pod_group: PodGroupSpec | None = None
+    """Label every worker for a coscheduler's PodGroup (unset: none)."""
+
+
 class MalleusJobSpec(_Model):
     """``spec`` of a MalleusJob."""
 
@@ -350,3 +386,7 @@ class MalleusJobSpec(_Model):
     emulation: EmulationSpec = Field(default_factory=EmulationSpec)
     pod_template: PodTemplate | None = None
     run_policy: RunPolicy = Field(default_factory=RunPolicy)
+    suspend: bool = False
+    """No pods while true (Kueue's admission flips it); suspending a running job checkpoints
+    and stops it, resuming recreates its pods from the checkpoint."""
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)

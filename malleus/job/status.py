@@ -38,6 +38,8 @@ class Phase(StrEnum):
     """Training under the plan in force."""
     REPLANNING = "Replanning"
     """A new plan was published; the trainers have not yet acknowledged the switch."""
+    SUSPENDED = "Suspended"
+    """``spec.suspend`` is true: no pods (the Service, ConfigMap and Secret stay)."""
     SUCCEEDED = "Succeeded"
     """Every step trained."""
     FAILED = "Failed"

@@ -1,8 +1,7 @@
 """PrometheusSource's pure parts: the PromQL it sends, how it reads answers, DCGM evidence.
 
-The HTTP call itself (`PrometheusSource._query`, one urllib GET) is not exercised here: no
-Prometheus server is installed on these machines (Debian's `prometheus` package would be the
-real one to test against).
+The HTTP side (queries, bearer token, CA bundle) runs against a real Prometheus in
+tests/prometheus.
 """
 
 from __future__ import annotations
@@ -34,19 +33,19 @@ def vector(*items: tuple[dict[str, str], float | str]) -> dict:
     }
 
 
-def test_default_queries_match_either_job_label_and_select_the_jobs_pods() -> None:
+def test_default_queries_select_the_jobs_pods_and_both_dcgm_label_styles() -> None:
     q = default_queries("ctl-test", namespace="ml")
     scope = 'pod=~"ctl\\\\-test-.*",namespace="ml"'  # only the job's pods in its namespace
-    assert q.rates == (
-        f'max by (rank, pod) (malleus_gpu_straggling_rate{{job="ctl-test",{scope}}} '
-        f'or malleus_gpu_straggling_rate{{exported_job="ctl-test",{scope}}})'
+    trainer = f'{{malleus_job="ctl-test",{scope}}}'
+    assert q.rates == f"max by (rank, pod) (malleus_gpu_straggling_rate{trainer})"
+    assert q.step == f"max(malleus_step{trainer})"
+    assert q.generation == f"max(malleus_plan_generation{trainer})"
+    # re.escape's backslash is itself escaped inside the PromQL string literal; DCGM's pod is
+    # `pod` (honorLabels: true) or `exported_pod` (the GPU Operator's honorLabels: false)
+    assert q.sm_clock == (
+        f"DCGM_FI_DEV_SM_CLOCK{{{scope}}} or DCGM_FI_DEV_SM_CLOCK"
+        '{exported_pod=~"ctl\\\\-test-.*",exported_namespace="ml"}'
     )
-    assert q.step == (
-        f'max(malleus_step{{job="ctl-test",{scope}}} or malleus_step{{exported_job="ctl-test",{scope}}})'
-    )
-    assert q.generation.startswith("max(malleus_plan_generation{")
-    # re.escape's backslash is itself escaped inside the PromQL string literal
-    assert q.sm_clock == 'DCGM_FI_DEV_SM_CLOCK{pod=~"ctl\\\\-test-.*",namespace="ml"}'
     assert q.clock_reasons is not None
     assert q.clock_reasons.startswith("DCGM_FI_DEV_CLOCKS_EVENT_REASONS{")
     assert default_queries("j", sm_clock_metric=None).sm_clock is None
@@ -97,6 +96,8 @@ def test_clock_reasons_and_dcgm_evidence() -> None:
     assert rank_of({"pod": "ctl-test-worker-1", "gpu": "2"}) == 6
     assert rank_of({"pod": "prometheus", "gpu": "0"}) is None
     assert rank_of({"pod": "ctl-test-worker-0"}) is None
+    # honorLabels: false: `pod` is the exporter's own pod, the workload's is `exported_pod`
+    assert rank_of({"pod": "dcgm-exporter-7", "exported_pod": "ctl-test-worker-1", "gpu": "1"}) == 5
     clocks = [
         ({"pod": "ctl-test-worker-0", "gpu": "0"}, 1980.0),
         ({"pod": "ctl-test-worker-0", "gpu": "3"}, 1200.0),

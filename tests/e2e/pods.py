@@ -63,6 +63,7 @@ __all__ = [
 JOB_LABEL = "malleus.io/job"
 NODE_LABEL = "malleus.io/node-rank"
 POD_IP = "127.0.0.1"
+NODE_NAME = "e2e-node"  # spec.nodeName of every emulated pod (one machine)
 
 Obj = dict[str, Any]
 
@@ -517,6 +518,8 @@ class LocalKubelet:
                 ]
             elif source.get("fieldRef", {}).get("fieldPath") in ("status.podIP", "status.hostIP"):
                 env[var["name"]] = POD_IP
+            elif source.get("fieldRef", {}).get("fieldPath") == "spec.nodeName":
+                env[var["name"]] = NODE_NAME
             else:
                 raise PodError(f"env {var['name']}: unsupported valueFrom {sorted(source)}")
         return env

@@ -68,6 +68,28 @@ def test_operator_image_has_no_torch_and_the_charts_entrypoint() -> None:
     assert 'command: ["python", "-m", "malleus.operator"]' in chart
 
 
+def test_the_images_docs_build_the_dockerfiles_targets_under_the_charts_names() -> None:
+    """docs/images.md's commands and CI workflow name real stages and the images the chart and
+    the examples expect (the defaults are placeholders; the names are not)."""
+    stages = _stages()
+    text = (ROOT / "docs" / "images.md").read_text()
+    for target in re.findall(r"--target (\S+)", text):
+        assert target in stages, f"docs/images.md builds --target {target}: no such stage"
+    (workflow,) = re.findall(r"```yaml\n(# \.github/workflows/.*?)```", text, re.DOTALL)
+    ci = yaml.safe_load(workflow)
+    (job,) = ci["jobs"].values()
+    matrix = job["strategy"]["matrix"]["include"]
+    assert {m["target"] for m in matrix} == {"operator", "trainer"}
+    (step,) = [s for s in job["steps"] if s.get("uses", "").startswith("docker/build-push")]
+    assert step["with"]["target"] == "${{ matrix.target }}" and step["with"]["push"] is True
+    values = yaml.safe_load((ROOT / "helm/malleus-operator/values.yaml").read_text())
+    example = yaml.safe_load((ROOT / "examples/tiny-cpu.yaml").read_text())
+    names = {m["target"]: m["image"] for m in matrix}
+    assert values["image"]["repository"].rsplit("/", 1)[1] == names["operator"]
+    assert example["spec"]["image"].rsplit("/", 1)[1].split(":")[0] == names["trainer"]
+    assert any("whl/cpu" in m.get("args", "") for m in matrix)  # the CPU trainer too
+
+
 def test_install_steps_are_the_script_and_copies_exist() -> None:
     for name, lines in _stages().items():
         for line in lines:

@@ -79,8 +79,9 @@ def test_some_pending_says_why_once() -> None:
     t = lifecycle.pods_transition(st, [pod(PODS[0]), stuck], PODS, 1, T0)
     assert "phase" not in shown(t)
     (cond,) = shown(t)["conditions"]
-    assert cond["reason"] == "PodsPending"
+    assert cond["reason"] == "ImagePullBackOff"
     assert "1/2" in cond["message"] and "ErrImagePull" in cond["message"]
+    assert [(e.type, e.reason) for e in t.events] == [("Warning", "ImagePullBackOff")]
     st["conditions"] = shown(t)["conditions"]
     assert not lifecycle.pods_transition(st, [pod(PODS[0]), stuck], PODS, 1, T0)
 

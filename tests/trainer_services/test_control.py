@@ -21,22 +21,30 @@ from malleus.trainer.services import Services, WorkerState
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
+RATE_LABELS = {"malleus_job", "rank", "node_rank", "gpu", "node_name"}
 DESIGN_METRICS = {
-    "malleus_gpu_straggling_rate": {"job", "rank", "node"},
-    "malleus_gpu_compute_seconds": {"job", "rank"},
-    "malleus_step_seconds": {"job"},
-    "malleus_tokens_per_second": {"job"},
-    "malleus_plan_generation": {"job"},
-    "malleus_migration_seconds": {"job"},
-    "malleus_migration_bytes": {"job"},
-    "malleus_step": {"job"},
+    "malleus_gpu_straggling_rate": RATE_LABELS,
+    "malleus_gpu_compute_seconds": {"malleus_job", "rank"},
+    "malleus_step_seconds": {"malleus_job"},
+    "malleus_tokens_per_second": {"malleus_job"},
+    "malleus_plan_generation": {"malleus_job"},
+    "malleus_migration_seconds": {"malleus_job"},
+    "malleus_migration_bytes": {"malleus_job"},
+    "malleus_step": {"malleus_job"},
+    "malleus_loss": {"malleus_job"},
+    "malleus_steps": {"malleus_job"},
+    "malleus_tokens": {"malleus_job"},
+    "malleus_migrations": {"malleus_job"},
+    "malleus_migrated_bytes": {"malleus_job"},
 }
 
 
 @pytest.fixture
 def metrics() -> TrainerMetrics:
-    m = TrainerMetrics(job="demo", rank=0, node=0)
-    m.observe_step(7, step_seconds=1.5, tokens_per_second=2048.0, rate=1.0, compute_seconds=0.9)
+    m = TrainerMetrics(job="demo", rank=0, node=0, gpu=0, node_name="gpu-a")
+    m.observe_step(
+        7, step_seconds=1.5, tokens_per_second=2048.0, rate=1.0, compute_seconds=0.9, loss=2.5
+    )
     m.observe_rates({0: 1.0, 1: 1.02, 2: 2.9, 3: None}, nodes={0: 0, 1: 0, 2: 1, 3: 1})
     m.observe_plan(1)
     m.observe_migration(0.25, 4096)
@@ -144,15 +152,25 @@ def test_metrics_exposition(server) -> None:
         assert name in families, name
         samples = families[name].samples
         assert samples and all(set(s.labels) == labels for s in samples), name
-        assert all(s.labels["job"] == "demo" for s in samples)
+        assert all(s.labels["malleus_job"] == "demo" for s in samples)
     rates = {s.labels["rank"]: s for s in families["malleus_gpu_straggling_rate"].samples}
-    assert rates["2"].labels["node"] == "1" and rates["2"].value == 2.9
+    assert rates["2"].labels["node_rank"] == "1" and rates["2"].value == 2.9
+    # GPU index within its node; the Kubernetes node name only for this pod's own node
+    assert (rates["2"].labels["gpu"], rates["2"].labels["node_name"]) == ("0", "")
+    assert (rates["1"].labels["gpu"], rates["1"].labels["node_name"]) == ("1", "gpu-a")
     assert parse_rates(text) == {0: 1.0, 1: 1.02, 2: 2.9}  # rank 3 unmeasured: no series
     assert parse_rates(text, job="other") == {}
     values = {
         s.name: s.value for f in families.values() for s in f.samples if "rank" not in s.labels
     }
     assert values["malleus_step"] == 7 and values["malleus_migration_bytes"] == 4096
+    assert values["malleus_loss"] == 2.5 and values["malleus_steps_total"] == 1
+    assert values["malleus_tokens_total"] == pytest.approx(2048.0 * 1.5)
+    assert values["malleus_migrated_bytes_total"] == 4096
+    step_hist = families["malleus_step_duration_seconds"]
+    assert step_hist.type == "histogram"
+    counts = {s.labels.get("le"): s.value for s in step_hist.samples if s.name.endswith("_bucket")}
+    assert (counts["1.0"], counts["2.5"]) == (0, 1)  # the 1.5 s step
 
 
 def test_load_token(tmp_path) -> None:

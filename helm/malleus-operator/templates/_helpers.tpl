@@ -1,14 +1,22 @@
-{{/* Chart name, truncated to a DNS label. */}}
+{{/* Chart name (or nameOverride), truncated to a DNS label. */}}
 {{- define "malleus-operator.name" -}}
-{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
-{{/* Full name: release-chart, or the release name when it already holds the chart name. */}}
+{{/*
+Full name, the prefix of every object's name: fullnameOverride, else release-name, or the
+release name alone when it already holds the name.
+*/}}
 {{- define "malleus-operator.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := include "malleus-operator.name" . -}}
+{{- if contains $name .Release.Name -}}
 {{- .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
@@ -17,13 +25,25 @@ app.kubernetes.io/name: {{ include "malleus-operator.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
+{{/*
+Labels of every object the chart makes: commonLabels and the chart's own, which win on a
+clash (so commonLabels cannot break a selector).
+*/}}
 {{- define "malleus-operator.labels" -}}
-helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
-{{ include "malleus-operator.selectorLabels" . }}
-app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
-app.kubernetes.io/component: operator
-app.kubernetes.io/part-of: malleus
-app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- $own := include "malleus-operator.selectorLabels" . | fromYaml -}}
+{{- $_ := set $own "helm.sh/chart" (printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-") -}}
+{{- $_ = set $own "app.kubernetes.io/version" .Chart.AppVersion -}}
+{{- $_ = set $own "app.kubernetes.io/component" "operator" -}}
+{{- $_ = set $own "app.kubernetes.io/part-of" "malleus" -}}
+{{- $_ = set $own "app.kubernetes.io/managed-by" .Release.Service -}}
+{{- toYaml (merge $own (deepCopy (.Values.commonLabels | default dict))) -}}
+{{- end -}}
+
+{{/* The operator pod's labels: its selector labels (which win), podLabels, commonLabels. */}}
+{{- define "malleus-operator.podLabels" -}}
+{{- $own := include "malleus-operator.selectorLabels" . | fromYaml -}}
+{{- $extra := merge (deepCopy (.Values.podLabels | default dict)) (deepCopy (.Values.commonLabels | default dict)) -}}
+{{- toYaml (merge $own $extra) -}}
 {{- end -}}
 
 {{- define "malleus-operator.serviceAccountName" -}}
@@ -80,6 +100,12 @@ Least privilege: exactly the verbs malleus.operator (kopf + k8s.py) uses.
   resources: ["networkpolicies"]
   verbs: ["create", "get", "delete"]
 {{- end }}
+{{- if and (eq (include "malleus-operator.peering" .) "true") (not .Values.rbac.clusterWide) }}
+# kopf peering: the KopfPeering of each watched namespace (read, watched, heartbeat patched).
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings"]
+  verbs: ["get", "list", "watch", "patch"]
+{{- end }}
 {{- end -}}
 
 {{/*
@@ -99,7 +125,8 @@ namespace, then every watchNamespaces entry (duplicates dropped).
 {{- join "," $pairs -}}
 {{- end -}}
 
-{{/* Cluster-scoped reads kopf needs to discover resources and namespaces. */}}
+{{/* Cluster-scoped reads kopf needs to discover resources and namespaces; with peering
+cluster-wide, its ClusterKopfPeering (kopf reads it and patches its own heartbeat into it). */}}
 {{- define "malleus-operator.clusterRules" -}}
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
@@ -107,4 +134,24 @@ namespace, then every watchNamespaces entry (duplicates dropped).
 - apiGroups: [""]
   resources: ["namespaces"]
   verbs: ["list", "watch"]
+{{- if and (eq (include "malleus-operator.peering" .) "true") .Values.rbac.clusterWide }}
+- apiGroups: ["kopf.dev"]
+  resources: ["clusterkopfpeerings"]
+  verbs: ["get", "list", "watch", "patch"]
+{{- end }}
+{{- end -}}
+
+{{/* "true" when kopf peering (leader election) is on: peering.enabled, or, left null, more
+than one replica. */}}
+{{- define "malleus-operator.peering" -}}
+{{- if kindIs "invalid" .Values.peering.enabled -}}
+{{- gt (int .Values.replicaCount) 1 -}}
+{{- else -}}
+{{- .Values.peering.enabled -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Prefix of the aggregated user ClusterRoles (PREFIX-edit, PREFIX-view). */}}
+{{- define "malleus-operator.userRolePrefix" -}}
+{{- default "malleus" .Values.rbac.userRoles.namePrefix | trunc 58 | trimSuffix "-" -}}
 {{- end -}}

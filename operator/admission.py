@@ -1,0 +1,253 @@
+"""``spec.suspend``: a job with no pods, until someone (a user, Kueue) admits it.
+
+Kueue and batch schedulers admit a workload by flipping its ``spec.suspend`` to false, and
+preempt it by setting it true again, so suspending must give the GPUs back without losing the
+work: a running job is asked to checkpoint and stop (``POST /stop`` on its coordinator, with a
+checkpoint when ``spec.checkpoint`` is configured), its pods are deleted once they have exited
+(or after `STOP_GRACE_SECONDS`), and its Service, ConfigMap and Secret stay. Resuming recreates
+the pods, which continue from the checkpoint (the trainer resumes ``spec.checkpoint.path``).
+
+`admission_action` is the pure decision; `reconcile` acts on it through the `k8s.Cluster` and is
+called when ``spec.suspend`` changes and by the operator's timer, with the time as an argument.
+The phase is ``Suspended`` from the moment the suspension is decided, so the pods' exit is never
+mistaken for the job's end (`lifecycle.pods_transition` leaves a Suspended job alone).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from malleus.errors import BadInput
+from malleus.job import MalleusJobStatus, Phase
+from malleus.job.control import AsyncControlClient, ControlError, ControlTLS
+from malleus.job.spec import SchedulingSpec
+from malleus.planner.plan import Plan
+
+from . import children, jobs, resources, tls
+from .context import Context
+from .lifecycle import parse_time, pod_outcome, schedule_timeout_transition
+from .scheduling import gated
+from .status import READY, TERMINAL_PHASES, condition, dump, merge_conditions, phase_of
+from .trainers import Endpoints
+
+__all__ = [
+    "STOP_GRACE_SECONDS",
+    "SUSPENDED",
+    "Action",
+    "admission_action",
+    "created_suspended",
+    "reconcile",
+    "resumed_status",
+    "suspended_status",
+    "tick",
+]
+
+log = logging.getLogger(__name__)
+
+SUSPENDED = "Suspended"
+"""The condition type (and reason) of a suspended job."""
+STOP_GRACE_SECONDS = 300.0
+"""How long the trainers of a suspended job may take to checkpoint and exit before their pods
+are deleted anyway (a checkpoint is written at the next step boundary)."""
+
+Action = Literal["suspend", "delete-pods", "resume"]
+
+
+def admission_action(
+    suspend: bool,
+    phase: Phase | None,
+    live_pods: int,
+    since: dt.datetime | None,
+    at: dt.datetime,
+    grace: float = STOP_GRACE_SECONDS,
+) -> Action | None:
+    """What ``spec.suspend`` asks for now (None: nothing).
+
+    ``live_pods`` counts the job's pods that have not exited; ``since`` is when the job was
+    suspended (the ``Suspended`` condition's transition time). A finished job never changes;
+    a suspended job resumes only once its last pod is gone, so two sets of workers never
+    share a rendezvous.
+    """
+    if phase is None or phase in TERMINAL_PHASES:
+        return None
+    if suspend and phase != Phase.SUSPENDED:
+        return "suspend"
+    if phase != Phase.SUSPENDED:
+        return None
+    if live_pods:
+        overdue = since is None or (at - since).total_seconds() >= grace
+        return "delete-pods" if overdue else None
+    return None if suspend else "resume"
+
+
+def suspended_status(
+    stored: Mapping[str, Any] | None, message: str, generation: int, at: dt.datetime
+) -> MalleusJobStatus:
+    """Phase ``Suspended``: ``Suspended=True`` and ``Ready=False``, both reason Suspended."""
+    conds = (stored or {}).get("conditions") or []
+    return MalleusJobStatus(
+        phase=Phase.SUSPENDED,
+        message=message,
+        conditions=merge_conditions(
+            conds,
+            condition(SUSPENDED, True, SUSPENDED, message, generation, at),
+            condition(READY, False, SUSPENDED, message, generation, at),
+        ),
+    )
+
+
+def created_suspended(
+    created: Mapping[str, Any], generation: int, at: dt.datetime
+) -> dict[str, Any]:
+    """The status patch of a job created with ``spec.suspend``: the created status (plan, pods
+    it will have), but ``Suspended`` and no ``startTime`` (nothing runs yet; it is set when
+    the job is resumed)."""
+    message = "created suspended (spec.suspend): no worker pods until it is false"
+    held = dump(suspended_status(created, message, generation, at))
+    return {**created, **held, "startTime": None}
+
+
+def resumed_status(
+    stored: Mapping[str, Any] | None, pods: Sequence[str], generation: int, at: dt.datetime
+) -> MalleusJobStatus:
+    """Back to ``Pending`` with new pods: ``Suspended=False/Resumed``; ``startTime`` restarts,
+    so the schedule timeout and the active deadline count from the new pods."""
+    conds = (stored or {}).get("conditions") or []
+    message = f"resumed: created {len(pods)} worker pod(s); waiting for them to run"
+    return MalleusJobStatus(
+        phase=Phase.PENDING,
+        start_time=at,
+        message=message,
+        conditions=merge_conditions(
+            conds,
+            condition(SUSPENDED, False, "Resumed", message, generation, at),
+            condition(READY, False, "PodsPending", "worker pods are starting", generation, at),
+        ),
+    )
+
+
+def _since(stored: Mapping[str, Any]) -> dt.datetime | None:
+    for c in stored.get("conditions") or []:
+        if c.get("type") == SUSPENDED and c.get("status") == "True":
+            return parse_time(c.get("lastTransitionTime"))
+    return None
+
+
+async def _ask_stop(ctx: Context, ref: resources.JobRef, port: int, checkpoint: bool) -> bool:
+    """``POST /stop`` to the coordinator; False when it cannot be asked (then the pods go now)."""
+    name = resources.secret_name(ref.name)
+    token = await ctx.cluster.read_secret_value(ref.namespace, name, resources.TOKEN_KEY)
+    ca = await ctx.cluster.read_secret_value(ref.namespace, name, tls.CA_KEY)
+    trust = ControlTLS(ca, server_name=resources.coordinator_host(ref)) if ca else None
+    try:
+        url = await Endpoints(ctx.cluster, ref, port, ctx.settings.endpoint_template).url(0)
+        timeout = ctx.settings.http_timeout_seconds
+        async with AsyncControlClient(url, token, timeout=timeout, tls=trust) as client:
+            await client.stop(checkpoint=checkpoint)
+    except (ConnectionError, ControlError) as e:
+        log.warning("%s/%s: could not ask the trainers to stop: %s", ref.namespace, ref.name, e)
+        return False
+    return True
+
+
+async def _resume(ctx: Context, body: Mapping[str, Any], ref: resources.JobRef) -> list[str]:
+    """Recreate the pods (and anything else missing) under the plan in the job's ConfigMap."""
+    job = jobs.resolve(body)
+    stored = await ctx.cluster.read("ConfigMap", ref.namespace, resources.configmap_name(ref.name))
+    text = ((stored or {}).get("data") or {}).get(resources.PLAN_KEY)
+    plan = Plan.from_json(text) if text else (await jobs.initial_plan(job))[0]
+    await children.ensure_children(ctx, job, ref, plan)
+    return [resources.pod_name(ref.name, i) for i in range(job.nodes)]
+
+
+async def reconcile(ctx: Context, body: Mapping[str, Any], at: dt.datetime) -> Action | None:
+    """Act on ``spec.suspend`` at time ``at`` (the job read again first); returns the action.
+
+    Suspending: phase Suspended (status first, so the pods' exit is not the job's end), a
+    ``Suspended`` event, ``POST /stop`` to a running coordinator, or the pods deleted at once
+    when there is none to ask. While suspended: exited pods are deleted, the rest after
+    `STOP_GRACE_SECONDS`. Resuming: once no pod is left, the pods are recreated (Pending).
+    """
+    ref = resources.JobRef.from_body(body)
+    fresh = await ctx.cluster.get_job(ref.namespace, ref.name)
+    if fresh is None or (fresh.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    spec = fresh.get("spec") or {}
+    stored = fresh.get("status") or {}
+    nodes = int(spec.get("nodes") or 0)
+    pods = [
+        p
+        for p in await ctx.cluster.list_children("Pod", ref.namespace, ref.name)
+        if resources.owned_by(p, ref.uid)
+    ]
+    outcomes = [pod_outcome(p) for p in pods]
+    live = [o for o in outcomes if o.state in ("Pending", "Running")]
+    phase = phase_of(stored)
+    action = admission_action(bool(spec.get("suspend")), phase, len(live), _since(stored), at)
+    if phase == Phase.SUSPENDED:  # exited workers are done: give their resources back
+        for o in outcomes:
+            if o.state in ("Succeeded", "Failed"):
+                await ctx.cluster.delete("Pod", ref.namespace, o.name)
+    if action == "suspend":
+        checkpoint = bool((spec.get("checkpoint") or {}).get("intervalSteps"))
+        message = "spec.suspend is true: " + (
+            "checkpointing and stopping the trainers" if checkpoint else "stopping the trainers"
+        )
+        new = suspended_status(stored, message, ref.generation, at)
+        await ctx.cluster.patch_job_status(ref.namespace, ref.name, dump(new))
+        ctx.metrics.phases.set(ref.namespace, ref.name, Phase.SUSPENDED)
+        await ctx.cluster.post_event(ref, "Normal", SUSPENDED, message)
+        running = any(o.state == "Running" for o in outcomes)
+        port = int(spec.get("controlPort") or 8040)
+        if not (running and await _ask_stop(ctx, ref, port, checkpoint)):
+            await children.delete_children(ctx, ref, nodes, kinds=("Pod",))
+    elif action == "delete-pods":
+        await children.delete_children(ctx, ref, nodes, kinds=("Pod",))
+    elif action == "resume":
+        try:
+            names = await _resume(ctx, fresh, ref)
+        except BadInput as e:
+            log.warning("%s/%s: cannot resume: %s", ref.namespace, ref.name, e)
+            return None
+        new = resumed_status(stored, names, ref.generation, at)
+        await ctx.cluster.patch_job_status(ref.namespace, ref.name, dump(new))
+        ctx.metrics.phases.set(ref.namespace, ref.name, Phase.PENDING)
+        await ctx.cluster.post_event(ref, "Normal", "Resumed", new.message or "")
+    return action
+
+
+async def tick(ctx: Context, body: Mapping[str, Any], at: dt.datetime) -> str | None:
+    """The operator's timer at time ``at``: `reconcile`, then the schedule timeout of a Pending
+    job (``spec.scheduling.scheduleTimeoutSeconds``): ``Failed``/``ScheduleTimeout`` first,
+    then its pods deleted, so a gang that got half its GPUs gives them back. While a pod is
+    still gated (queued), ``startTime`` moves with ``at`` instead."""
+    action = await reconcile(ctx, body, at)
+    if action is not None:
+        return action
+    ref = resources.JobRef.from_body(body)
+    fresh = await ctx.cluster.get_job(ref.namespace, ref.name)
+    if fresh is None or (fresh.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    spec = fresh.get("spec") or {}
+    if phase_of(fresh.get("status")) == Phase.PENDING:
+        pods = await ctx.cluster.list_children("Pod", ref.namespace, ref.name)
+        if gated([p for p in pods if resources.owned_by(p, ref.uid)]):
+            # Queued (Kueue gates the gang until its quota is there): the clock of the
+            # timeout, and of the active deadline, starts when the pods are admitted.
+            patch = dump(MalleusJobStatus(start_time=at))
+            await ctx.cluster.patch_job_status(ref.namespace, ref.name, patch)
+            return "queued"
+    scheduling = SchedulingSpec.model_validate(spec.get("scheduling") or {})
+    timeout = scheduling.schedule_timeout_seconds
+    transition = schedule_timeout_transition(fresh.get("status"), timeout, ref.generation, at)
+    if transition.status is None:
+        return None
+    await ctx.cluster.patch_job_status(ref.namespace, ref.name, dump(transition.status))
+    ctx.metrics.phases.set(ref.namespace, ref.name, Phase.FAILED)
+    for event in transition.events:
+        await ctx.cluster.post_event(ref, event.type, event.reason, event.message)
+    await children.delete_children(ctx, ref, int(spec.get("nodes") or 0), kinds=("Pod",))
+    return "timeout"

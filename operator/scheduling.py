@@ -1,0 +1,140 @@
+"""Why a job's pods are not running yet, and when waiting for them has lasted too long: pure.
+
+A pod the scheduler cannot place (``PodScheduled=False``, reason ``Unschedulable``) or whose
+image cannot be pulled waits forever without failing, so without this a job shows only
+"1/2 worker pod(s) running" while half its GPUs sit idle. `pending_reasons` names each stuck pod
+with the scheduler's or the kubelet's own words (the job's ``Ready`` condition and a Warning
+event carry them, see `lifecycle.pods_transition`), and `schedule_timeout_left` says when
+``spec.scheduling.scheduleTimeoutSeconds`` is up (the operator's timer then fails the job with
+``ScheduleTimeout``). Labels for gang schedulers are in `gang_labels`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from malleus.job.spec import MalleusJobSpec
+
+__all__ = [
+    "IMAGE_PULL",
+    "KUEUE_POD_GROUP",
+    "KUEUE_POD_GROUP_COUNT",
+    "KUEUE_QUEUE",
+    "POD_GROUP_ANNOTATION",
+    "POD_GROUP_LABEL",
+    "SCHEDULE_TIMEOUT",
+    "UNSCHEDULABLE",
+    "PendingReason",
+    "gang_metadata",
+    "gated",
+    "pending_reasons",
+    "schedule_timeout_left",
+]
+
+UNSCHEDULABLE = "Unschedulable"
+IMAGE_PULL = "ImagePullBackOff"
+SCHEDULE_TIMEOUT = "ScheduleTimeout"
+_IMAGE_PULL_WAITING = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName"})
+
+KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
+"""Kueue's LocalQueue label: copied from the job to every worker pod."""
+KUEUE_POD_GROUP = "kueue.x-k8s.io/pod-group-name"
+"""Kueue's plain-pod group label: the job's workers are admitted as one gang."""
+KUEUE_POD_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
+"""Kueue's annotation: how many pods the group has (``spec.nodes``)."""
+POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
+"""scheduler-plugins' coscheduling label naming the PodGroup."""
+POD_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
+"""Volcano's annotation naming the PodGroup."""
+
+
+@dataclass(frozen=True)
+class PendingReason:
+    """Why pod ``pod`` is not running: ``reason`` (`UNSCHEDULABLE` or `IMAGE_PULL`) and the
+    scheduler's or kubelet's message."""
+
+    pod: str
+    reason: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.pod}: {self.reason}: {self.message}".rstrip(": ")
+
+
+def _pending_reason(pod: Mapping[str, Any]) -> PendingReason | None:
+    name = (pod.get("metadata") or {}).get("name", "?")
+    st = pod.get("status") or {}
+    if st.get("phase") not in (None, "Pending"):
+        return None
+    for cond in st.get("conditions") or []:
+        if (
+            cond.get("type") == "PodScheduled"
+            and cond.get("status") == "False"
+            and cond.get("reason") == UNSCHEDULABLE
+        ):
+            return PendingReason(name, UNSCHEDULABLE, cond.get("message") or "")
+    statuses = [*(st.get("initContainerStatuses") or []), *(st.get("containerStatuses") or [])]
+    for cs in statuses:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in _IMAGE_PULL_WAITING:
+            message = f"{waiting['reason']}: {waiting.get('message') or ''}".rstrip(": ")
+            return PendingReason(name, IMAGE_PULL, f"container {cs.get('name')}: {message}")
+    return None
+
+
+def pending_reasons(
+    pods: Sequence[Mapping[str, Any]], expected: Sequence[str]
+) -> list[PendingReason]:
+    """The expected pods that are stuck unschedulable or on an image pull, in ``expected``'s
+    order (unscheduled pods first: a pod not placed anywhere never pulls an image)."""
+    by_name = {(p.get("metadata") or {}).get("name"): p for p in pods}
+    found = [r for n in expected if n in by_name and (r := _pending_reason(by_name[n]))]
+    return sorted(found, key=lambda r: r.reason != UNSCHEDULABLE)
+
+
+def gated(pods: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The pods held back by scheduling gates (Kueue's ``kueue.x-k8s.io/admission`` until the
+    queue admits the gang): queued, not stuck, so the schedule timeout does not run for them."""
+    return [
+        (p.get("metadata") or {}).get("name", "?")
+        for p in pods
+        if (p.get("spec") or {}).get("schedulingGates")
+        and (p.get("status") or {}).get("phase") in (None, "Pending")
+    ]
+
+
+def schedule_timeout_left(
+    started: dt.datetime | None, timeout_seconds: int, at: dt.datetime
+) -> float | None:
+    """Seconds until a Pending job's pods have waited ``timeout_seconds`` since ``started``
+    (``status.startTime``, when the pods were created); <= 0: the job fails now; None: unknown
+    start (nothing to count from)."""
+    if started is None:
+        return None
+    return (started - at).total_seconds() + timeout_seconds
+
+
+def gang_metadata(
+    spec: MalleusJobSpec, job_labels: Mapping[str, str], group: str
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Labels and annotations for every worker so a gang scheduler admits them together.
+
+    Kueue (its plain-pod integration): the job's ``kueue.x-k8s.io/queue-name`` passed through,
+    with the pod-group name ``group`` and total count ``spec.nodes``; a coscheduler: the
+    ``spec.scheduling.podGroup`` name as scheduler-plugins' label and Volcano's annotation.
+    """
+    labels: dict[str, str] = {}
+    annotations: dict[str, str] = {}
+    queue = job_labels.get(KUEUE_QUEUE)
+    if queue:
+        labels[KUEUE_QUEUE] = queue
+        labels[KUEUE_POD_GROUP] = group
+        annotations[KUEUE_POD_GROUP_COUNT] = str(spec.nodes)
+    pod_group = spec.scheduling.pod_group
+    if pod_group is not None:
+        labels[POD_GROUP_LABEL] = pod_group.name
+        annotations[POD_GROUP_ANNOTATION] = pod_group.name
+    return labels, annotations
