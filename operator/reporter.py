@@ -23,9 +23,9 @@ from malleus.controller.events import (
     ReplanFailed,
     Replanned,
 )
-from malleus.controller.guard import bounded_rates
 from malleus.controller.ports import Observation
 from malleus.job import LastReplan, MalleusJobStatus, Phase, ResolvedJob
+from malleus.job.rates import bounded_rates
 from malleus.planner.plan import Plan
 
 from . import resources, status

@@ -27,7 +27,7 @@ from .events import (
     plan_summary,
 )
 from .generations import Generations
-from .guard import ExclusionGuard, bounded_rates
+from .guard import ExclusionGuard
 from .loop import Controller, EventCallback, ProblemBuilder
 from .planning import Planner, PlanningTimeout, default_planner, run_planner
 from .ports import (
@@ -79,7 +79,6 @@ __all__ = [
     "SimulatedJob",
     "StragglerDetected",
     "TrainerScrapeSource",
-    "bounded_rates",
     "decide",
     "default_planner",
     "default_queries",

@@ -3,7 +3,7 @@
 The rates come from processes and series the controller does not control. Two limits keep a
 wrong or hostile report from steering the job:
 
-- `bounded_rates`: only the job's ranks, finite figures capped at `MAX_RATE` (the planner's own
+- `malleus.job.rates.bounded_rates` (applied by the loop): only the job's ranks, finite figures capped at `MAX_RATE` (the planner's own
   bound; beyond it a GPU is as good as gone, and 1e307 used to overflow the cost model), and
   None (unusable) for NaN or infinity, before anything is smoothed.
 - `ExclusionGuard`: one re-plan may newly count at most `maxExclusionShare` of the GPUs (at
@@ -20,31 +20,13 @@ import math
 from collections.abc import Mapping
 
 from malleus.job.spec import StragglerPolicy
-from malleus.planner.problem import MAX_RATE
 
-__all__ = ["PERSIST_WINDOWS", "ExclusionGuard", "bounded_rates"]
+__all__ = ["PERSIST_WINDOWS", "ExclusionGuard"]
 
 PERSIST_WINDOWS = 3
 """Windows of `windowSteps` a straggler signal must last to be believed beyond the share."""
 
 Rates = Mapping[int, "float | None"]
-
-
-def bounded_rates(rates: Rates, world: int) -> dict[int, float | None]:
-    """Rates fit to smooth: ranks of the job only, at most `MAX_RATE`, None when not finite.
-
-    A figure of zero or below means nothing (no sample); below 1.0 is kept, since a GPU a
-    little faster than the reference is what a recovered one looks like.
-    """
-    out: dict[int, float | None] = {}
-    for rank, rate in rates.items():
-        if not 0 <= rank < world:
-            continue
-        if rate is None or not math.isfinite(rate):
-            out[rank] = None
-        elif rate > 0:
-            out[rank] = min(float(rate), MAX_RATE)
-    return out
 
 
 class ExclusionGuard:

@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from malleus.job.rates import bounded_rates
 from malleus.job.spec import StragglerPolicy
 from malleus.planner.cost import plan_step_time
 from malleus.planner.plan import Plan
@@ -53,7 +54,7 @@ from .events import (
     StragglerDetected,
 )
 from .generations import Generations, Pending
-from .guard import ExclusionGuard, bounded_rates
+from .guard import ExclusionGuard
 from .planning import Planner, default_planner, run_planner
 from .ports import Ack, GenerationConflict, Observation, PlanSink, RateSource
 

@@ -9,6 +9,7 @@ Rooms:
 - `model`, `hf`: `spec.model` resolved into a `ModelConfig` (preset, explicit sizes, or a
   Hugging Face folder's config.json, judged without torch);
 - `data`: `spec.training.data` and its files judged before any trainer starts;
+- `rates`: measured straggling rates bounded (job's ranks, finite, capped) before use;
 - `memory`: the planner's memory model of a job;
 - `resolved`: `ResolvedJob`, the one derived view (sizes, world, faults, problem, first plan);
 - `resources`: can this machine run the job (`malleus run` and `malleus train` both ask);
@@ -23,7 +24,8 @@ from malleus.errors import BadInput, Fault
 
 from .load import dump_job, load_job, read_documents, read_text
 from .presets import GPU_PROFILES, PRESETS, GpuProfile, ModelConfig, Preset
-from .resolved import INITIAL_GENERATION, MAX_RATE, ResolvedJob, clean_rates, resolve_model
+from .rates import bounded_rates, clean_rates
+from .resolved import INITIAL_GENERATION, MAX_RATE, ResolvedJob, resolve_model
 from .schema import (
     API_GROUP,
     API_VERSION,
@@ -99,6 +101,7 @@ __all__ = [
     "StragglerPolicy",
     "StragglerStatus",
     "TrainingSpec",
+    "bounded_rates",
     "clean_rates",
     "crd",
     "dump_job",

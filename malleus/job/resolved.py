@@ -9,7 +9,6 @@ InvalidSpec, with the same messages.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from .load import load_job
 from .memory import memory_model, model_parameters
 from .model import resolve_model
 from .presets import ModelConfig
+from .rates import clean_rates
 from .spec import MalleusJobSpec, StragglerPolicy
 from .status import MalleusJob
 
@@ -43,20 +43,6 @@ INITIAL_GENERATION = 1
 
 Planner = Callable[..., Plan]
 """`planner(problem, *, time_limit=seconds) -> Plan`, e.g. `malleus.planner.search.plan`."""
-
-
-def clean_rates(rates: Mapping[int, float | None], world: int) -> dict[int, float | None]:
-    """Rates the planner accepts: in-range ranks, >= 1.0 (a GPU measured a little faster than the
-    reference is healthy), at most `MAX_RATE`, and None (unusable) for anything not finite."""
-    out: dict[int, float | None] = {}
-    for rank, rate in rates.items():
-        if not 0 <= rank < world:
-            continue
-        if rate is None or not math.isfinite(rate):
-            out[rank] = None
-        elif rate > 1.0:
-            out[rank] = min(float(rate), MAX_RATE)
-    return out
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,10 @@ from typing import Any
 
 from malleus.controller import EventKind, Observation, SimulatedJob
 from malleus.controller.events import Planned, StragglerDetected
-from malleus.controller.guard import PERSIST_WINDOWS, ExclusionGuard, bounded_rates
+from malleus.controller.guard import PERSIST_WINDOWS, ExclusionGuard
 from malleus.controller.prometheus import observation_from_results, own_rank_series
 from malleus.job import StragglerPolicy
+from malleus.job.rates import bounded_rates
 from malleus.planner import Plan, PlanningProblem
 from malleus.planner.problem import MAX_RATE
 
