@@ -104,6 +104,7 @@ def rate_source(
             ref.name,
             namespace=ref.namespace,
             pod_regex=f"{ref.name}-node-[0-9]+",
+            coordinator_pod=resources.pod_name(ref.name, 0),
             sm_clock_metric=prom.dcgm.sm_clock_metric,
             clock_reasons_metric=prom.dcgm.clock_event_reasons_metric,
         )

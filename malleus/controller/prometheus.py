@@ -108,6 +108,7 @@ def default_queries(
     *,
     namespace: str | None = None,
     pod_regex: str | None = None,
+    coordinator_pod: str | None = None,
     sm_clock_metric: str | None = "DCGM_FI_DEV_SM_CLOCK",
     clock_reasons_metric: str | None = "DCGM_FI_DEV_CLOCKS_EVENT_REASONS",
 ) -> PromQueries:
@@ -118,7 +119,11 @@ def default_queries(
     and `namespace` are the target labels Prometheus attaches from service discovery (with
     `honor_labels: false` a series cannot set them itself), so another team's pod cannot feed
     this job's rates. DCGM's `exported_pod` is the exporter's claim (any scraped pod could make
-    it): it only corroborates, as evidence on an event, and never steers a decision."""
+    it): it only corroborates, as evidence on an event, and never steers a decision.
+
+    `coordinator_pod`: the pod whose trainers own the step and the plan generation; when given,
+    those figures are read from it alone, so that another of the job's pods (a compromised
+    worker) cannot inflate them through `max()`."""
 
     regex = pod_regex or re.escape(job) + "-.*"
     trainer = "{" + f"{JOB_LABEL}={_quote(job)}," + _scope(regex, namespace) + "}"
@@ -127,14 +132,19 @@ def default_queries(
         "{" + _scope(regex, namespace, "exported_") + "}",
     )
 
+    owner = trainer
+    if coordinator_pod is not None:
+        owner = "{" + f"{JOB_LABEL}={_quote(job)}," + f"pod={_quote(coordinator_pod)}"
+        owner += f",namespace={_quote(namespace)}}}" if namespace else "}"
+
     def dcgm(metric: str | None) -> str | None:
         return " or ".join(f"{metric}{sel}" for sel in dcgm_styles) if metric else None
 
     return PromQueries(
         rates=f"max by (rank, pod) (malleus_gpu_straggling_rate{trainer})",
-        step=f"max(malleus_step{trainer})",
-        step_seconds=f"max(malleus_step_seconds{trainer})",
-        generation=f"max(malleus_plan_generation{trainer})",
+        step=f"max(malleus_step{owner})",
+        step_seconds=f"max(malleus_step_seconds{owner})",
+        generation=f"max(malleus_plan_generation{owner})",
         sm_clock=dcgm(sm_clock_metric),
         clock_reasons=dcgm(clock_reasons_metric),
     )

@@ -112,3 +112,13 @@ def test_clock_reasons_and_dcgm_evidence() -> None:
         1: "throttled: sw_power_cap",
         3: "SM clock 1200 MHz, 61% of the job's fastest; throttled: hw_thermal_slowdown",
     }
+
+
+def test_step_and_generation_come_from_the_coordinator_pod_alone() -> None:
+    """A worker pod of the job cannot inflate the step or the plan generation through max()."""
+    q = default_queries("ctl-test", namespace="ml", coordinator_pod="ctl-test-node-0")
+    owner = '{malleus_job="ctl-test",pod="ctl-test-node-0",namespace="ml"}'
+    assert q.step == f"max(malleus_step{owner})"
+    assert q.step_seconds == f"max(malleus_step_seconds{owner})"
+    assert q.generation == f"max(malleus_plan_generation{owner})"
+    assert 'pod=~"ctl\\\\-test-.*"' in q.rates  # rates still come from every pod of the job
