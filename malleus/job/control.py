@@ -25,7 +25,7 @@ import os
 import ssl
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import httpx
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -42,6 +42,7 @@ __all__ = [
     "MigrationRecord",
     "PlanConflict",
     "PlanFailure",
+    "RecoveryRecord",
 ]
 
 
@@ -70,6 +71,28 @@ class PlanFailure(_Model):
     reason: str
 
 
+class RecoveryRecord(_Model):
+    """One completed recovery from failed ranks, as the new coordinator measured it."""
+
+    epoch: int
+    """Recoveries so far in this run (1 = the first); the process group's incarnation."""
+    failed: dict[int, str]
+    """The GPUs that left the job in this recovery, with why (``killed``, ``hung``, ...)."""
+    step: int
+    """The first step trained after the recovery."""
+    steps_lost: int
+    """Committed steps undone (0 when every shard had a surviving holder; a rollback to the
+    last checkpoint loses the steps since it)."""
+    seconds: float
+    """Wall seconds from the failure's detection to the first committed step after it."""
+    bytes_restored: int
+    """Bytes copied from surviving holders (or read from the checkpoint) to the new layout."""
+    mode: Literal["replicas", "checkpoint"]
+    """Where the lost shards came from: surviving data-parallel replicas, or the checkpoint."""
+    generation: int
+    """The plan generation the survivors went on with."""
+
+
 class ControlStatus(_Model):
     """The ``GET /status`` body served by a trainer's control endpoint (rank 0 speaks for all)."""
 
@@ -96,6 +119,11 @@ class ControlStatus(_Model):
     """The latest live switch; None while the first plan is still in force."""
     last_failure: PlanFailure | None
     """The latest plan that failed to apply, cleared when a later plan is applied."""
+    out: dict[int, str] = {}
+    """GPUs out of the job because they failed, with why (``killed``, ``hung``, ``left``);
+    a replacement that joined removes its GPU from here."""
+    last_recovery: RecoveryRecord | None = None
+    """The latest recovery from failed ranks; None while none has failed."""
 
 
 class ControlError(RuntimeError):

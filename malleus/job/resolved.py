@@ -143,10 +143,36 @@ class ResolvedJob:
 
     @property
     def schedule(self) -> tuple[tuple[int, int, float], ...]:
-        """Emulated slowdowns as (step, rank, factor); empty without emulation."""
+        """Emulated compute slowdowns as (step, rank, factor); empty without emulation."""
         if not self.emulated:
             return ()
-        return tuple((e.step, e.rank, e.factor) for e in self.spec.emulation.schedule)
+        return tuple(
+            (e.step, e.rank, e.factor)
+            for e in self.spec.emulation.schedule
+            if e.rank is not None and e.factor is not None
+        )
+
+    @property
+    def failures(self) -> tuple[tuple[int, int, str], ...]:
+        """Emulated failures as (step, rank, "kill" | "hang"); empty without emulation."""
+        if not self.emulated:
+            return ()
+        return tuple(
+            (e.step, e.rank, e.fail)
+            for e in self.spec.emulation.schedule
+            if e.rank is not None and e.fail is not None
+        )
+
+    @property
+    def link_schedule(self) -> tuple[tuple[int, int, float], ...]:
+        """Emulated link slowdowns as (step, node, factor); empty without emulation."""
+        if not self.emulated:
+            return ()
+        return tuple(
+            (e.step, e.node, e.link)
+            for e in self.spec.emulation.schedule
+            if e.node is not None and e.link is not None
+        )
 
     # -- what no schema can say -----------------------------------------------------------------
 

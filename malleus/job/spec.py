@@ -25,6 +25,8 @@ __all__ = [
     "DcgmSpec",
     "EmulationSpec",
     "EnvVar",
+    "FailKind",
+    "FailurePolicy",
     "JobMetadata",
     "LocalObjectReference",
     "MalleusJobSpec",
@@ -178,6 +180,23 @@ class StragglerPolicy(_Model):
         return rate is None or rate >= self.threshold
 
 
+class FailurePolicy(_Model):
+    """What happens when a GPU, rank or pod dies or hangs: the survivors re-plan and go on."""
+
+    hang_timeout_seconds: int | None = None
+    """A rank that makes no progress for this long counts as failed (every collective is bounded
+    by it). Unset: sized from the measured step time (10 steps, at least 30 s, at most 600 s)."""
+    max_restarts: int = 3
+    """Times the operator (or ``malleus run``) replaces one failed rank's pod (or process); a
+    rank that failed more often stays out of the job and is planned around."""
+    restart_backoff_seconds: int = 10
+    """Wait before replacing a failed pod or process; doubled after each failure of the same
+    rank, capped at 300 s."""
+    grace_period_seconds: int = 60
+    """Time a trainer told to stop (SIGTERM, Ctrl-C, pod deletion) has to checkpoint and exit;
+    the operator sets it as the pods' ``terminationGracePeriodSeconds``."""
+
+
 class DcgmSpec(_Model):
     """Names of the DCGM exporter metrics."""
 
@@ -239,12 +258,36 @@ class ResourcesSpec(_Model):
     gpu_memory_mib: int = Field(default=81559, alias="gpuMemoryMiB")
 
 
+FailKind = Literal["kill", "hang"]
+
+
 class ScheduleEntry(_Model):
-    """From ``step`` on, ``rank`` runs ``factor`` times slower (emulation only)."""
+    """One emulated event at ``step`` (emulation only); exactly one of three kinds:
+
+    - ``{step, rank, factor}``: from ``step`` on, GPU ``rank`` computes ``factor`` times slower
+      (1.0 heals it);
+    - ``{step, rank, fail}``: GPU ``rank``'s trainer fails during ``step``: ``kill`` (the
+      process dies, SIGKILL) or ``hang`` (it stops making progress, SIGSTOP);
+    - ``{step, node, link}``: from ``step`` on, node ``node``'s links are ``link`` times slower:
+      every collective whose group crosses that node (TP inside it, pipeline transfers and
+      gradient sync leaving it) is charged ``link`` times its time (1.0 heals it).
+    """
 
     step: int
-    rank: int
-    factor: float
+    rank: int | None = None
+    factor: float | None = None
+    fail: FailKind | None = None
+    node: int | None = None
+    link: float | None = None
+
+    @property
+    def kind(self) -> Literal["slowdown", "fail", "link"]:
+        """Which of the three events this entry is (the schema guarantees exactly one)."""
+        if self.fail is not None:
+            return "fail"
+        if self.link is not None:
+            return "link"
+        return "slowdown"
 
 
 class EmulationSpec(_Model):
@@ -379,6 +422,7 @@ class MalleusJobSpec(_Model):
     training: TrainingSpec
     parallelism: ParallelismSpec
     straggler_policy: StragglerPolicy = Field(default_factory=StragglerPolicy)
+    failure_policy: FailurePolicy = Field(default_factory=FailurePolicy)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
