@@ -1,7 +1,7 @@
 """End-to-end benchmark: one straggler scenario run three ways with `malleus run`.
 
 Run: .venv/bin/python bench/e2e.py [--job examples/quickstart.yaml] [--modes static,restart,live]
-     [--out DIR] [--no-write]
+     [--out DIR] [--no-write]      (--out DIR --reuse: re-render from the reports already there)
 
 - static:  the first plan for the whole run (what a framework without re-planning does);
 - restart: the same controller, each new plan applied by checkpoint, stop and relaunch of every
@@ -12,7 +12,11 @@ Each mode is a separate `malleus run` process, one after the other (they would c
 CPUs otherwise). Reported per mode: wall time (launch to exit), training time (first step to
 last), mean tokens/s over the training time, and the ratio of the cost model's ideal bound to
 the training time (all usable GPUs busy at their emulated speed, no bubbles, no overhead: the
-physical limit). Writes the "End to end" section of docs/benchmarks.md.
+physical limit). Per live re-plan: what it changed, its predicted speedup (cost-model units,
+and the controller's calibrated seconds) against the measured one; per re-plan window the old
+plan against the new under the same rates; and the static baseline the live run predicts for
+itself against the static run's measured steps. Writes the "End to end" section of
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from malleus.job import ResolvedJob
 from malleus.planner.cost import plan_step_time
 from malleus.planner.plan import Plan
 from malleus.runner.prepare import true_rates
+from malleus.runner.report import replan_windows, static_baseline_of
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -151,23 +156,136 @@ def render(
     if live and live["plan_changes"]:
         lines += [
             "",
-            "Live re-plans (predicted = cost model T_old/T_new; measured = step time before / "
-            "after, on steps clean of the next shift):",
+            "Live re-plans, what each changed and its speedup: predicted by the cost model "
+            "(T_old / T_new in layer units) and in seconds (the controller's calibrated step "
+            "times of both plans, the figure it decided on); measured = step time before the "
+            "switch / median after it, on steps clean of the next shift; error = measured / "
+            "predicted (s) - 1, target within +-10%:",
             "",
-            "| gen | at step | reason | plan s | migration s | migration KiB | predicted x "
-            "| measured x |",
-            "|---:|---:|---|---:|---:|---:|---:|---:|",
+            "| gen | at step | reason | changed | plan s | migration s | MiB "
+            "| predicted x (units) | predicted x (s) | measured x | error | hindsight x |",
+            "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for c in live["plan_changes"]:
-            kib = (c["migration_bytes"] or 0) / 1024
-            measured = "—" if c["measured_speedup"] is None else f"{c['measured_speedup']:.2f}"
-            lines.append(
-                f"| {c['generation']} | {c['step_applied']} | {c['reason']} | "
-                f"{c['planning_seconds']:.2f} | {c['migration_seconds'] or 0:.3f} | {kib:,.0f} | "
-                f"{c['predicted_speedup']:.2f} | {measured} |"
+            lines.append(replan_row(c, hindsight(live, c)))
+        errors = [e for c in live["plan_changes"] if (e := _error(c)) is not None]
+        if errors:
+            within = sum(abs(e) <= 0.10 for e in errors)
+            lines += [
+                "",
+                f"Measured within 10% of the predicted speedup (s): {within} of {len(errors)} "
+                f"re-plans (errors {', '.join(f'{e:+.0%}' for e in errors)}).",
+            ]
+        base = live.get("static_baseline")
+        if base:
+            lines += [
+                "",
+                "*hindsight x*: the same two (uncalibrated) cost-model times in seconds by the "
+                f"live run's own overhead (step seconds = {base['intercept_seconds']:.3f} + "
+                f"{base['seconds_per_unit'] * 1000:.1f} ms x units, the static baseline's "
+                "below): a constant overhead per step counted, known only after the run.",
+            ]
+    if live and live.get("windows"):
+        lines += [
+            "",
+            "Live run per re-plan window (the steps between one shift and the next: the old plan "
+            "before the switch, the new plan after it, under the same rates; tokens/s of the "
+            "median step, warm-up steps left out):",
+            "",
+            "| steps | generation | shift | before tok/s | after tok/s | gain |",
+            "|---|---|---|---:|---:|---:|",
+        ]
+        for w in live["windows"]:
+            gens = (
+                str(w["generation"])
+                if w["old_generation"] is None
+                else f"{w['old_generation']} -> {w['generation']}"
             )
+            lines.append(
+                f"| {w['first_step']}-{w['last_step']} | {gens} | {w['reason']} | "
+                f"{_fmt(w['before_tokens_per_second'], ',.0f')} | "
+                f"{_fmt(w['after_tokens_per_second'], ',.0f')} | {_fmt(w['gain'], '.2f', 'x')} |"
+            )
+    lines += baseline_lines(reports)
     lines += ["", *notes(rows)]
     return "\n".join(lines) + "\n"
+
+
+def _fmt(x: float | None, fmt: str, suffix: str = "") -> str:
+    return "—" if x is None else f"{format(x, fmt)}{suffix}"
+
+
+def _error(change: dict[str, Any]) -> float | None:
+    """Measured speedup over the predicted one in seconds, minus 1."""
+    predicted = change.get("predicted_speedup_seconds")
+    measured = change.get("measured_speedup")
+    return measured / predicted - 1 if predicted and measured is not None else None
+
+
+def hindsight(report: dict[str, Any], change: dict[str, Any]) -> float | None:
+    """The change's predicted speedup with the cost-model times of both plans in seconds by the
+    run's own affine fit (its static baseline's): overhead per step counted, in hindsight."""
+    base = report.get("static_baseline")
+    decision = next(
+        (
+            e["data"]["decision"]
+            for e in report["events"]
+            if e["kind"] == "Replanned" and e["data"].get("generation") == change["generation"]
+        ),
+        None,
+    )
+    if not base or not decision or None in (decision["old_units"], decision["new_units"]):
+        return None
+    a, b = base["intercept_seconds"], base["seconds_per_unit"]
+    return (a + b * decision["old_units"]) / (a + b * decision["new_units"])
+
+
+def replan_row(c: dict[str, Any], hindsight_x: float | None = None) -> str:
+    """One row of the live re-plans table."""
+    mib = (c["migration_bytes"] or 0) / (1 << 20)
+    changed = (c.get("changed") or {}).get("text", "—")
+    error = _error(c)
+    return (
+        f"| {c['generation']} | {c['step_applied']} | {c['reason']} | {changed} | "
+        f"{c['planning_seconds']:.2f} | {c['migration_seconds'] or 0:.3f} | {mib:.1f} | "
+        f"{_fmt(c['predicted_speedup'], '.2f')} | "
+        f"{_fmt(c.get('predicted_speedup_seconds'), '.2f')} | "
+        f"{_fmt(c['measured_speedup'], '.2f')} | {_fmt(error, '+.0%')} | "
+        f"{_fmt(hindsight_x, '.2f')} |"
+    )
+
+
+def baseline_lines(reports: dict[str, dict[str, Any]]) -> list[str]:
+    """The live run's predicted static baseline against the static run's measured steps."""
+    live, static = reports.get("live"), reports.get("static")
+    base = (live or {}).get("static_baseline")
+    if not base or base.get("predicted_seconds") is None:
+        return []
+    out = [
+        "",
+        f"Static baseline predicted from the live run (the first plan held all run, cost model "
+        f"at the live run's measured rates, step seconds = {base['intercept_seconds']:.3f} + "
+        f"{base['seconds_per_unit'] * 1000:.1f} ms x units: {base.get('fit', 'a fit')} in the "
+        "live run): "
+        f"{base['predicted_seconds']:.1f} s over {base['steps']} steps against "
+        f"{base['measured_seconds']:.1f} s measured live: a predicted gain of "
+        f"{base['gain']:.2f}x.",
+    ]
+    if static:
+        predicted = {p["step"]: p["predicted_seconds"] for p in base["per_step"]}
+        same = [
+            (r["seconds"], predicted[r["step"]])
+            for r in static["per_step"]
+            if r.get("seconds") and predicted.get(r["step"])
+        ]
+        if same:
+            measured = sum(s for s, _ in same)
+            guess = sum(p for _, p in same)
+            out[-1] += (
+                f" The static run, on the same {len(same)} steps, measured {measured:.1f} s "
+                f"(the prediction {guess / measured - 1:+.0%})."
+            )
+    return out
 
 
 def notes(rows: list[dict[str, Any]]) -> list[str]:
@@ -246,6 +364,17 @@ def main(argv: list[str] | None = None) -> int:
         reports = {m: run_mode(job, m, out, args.steps) for m in modes}
         meta["load_after"] = os.getloadavg()[0]
         (out / "meta.json").write_text(json.dumps(meta))
+    # The static baseline and windows by this version's arithmetic (older reports get them too).
+    resolved = ResolvedJob.load(job)
+    for report in reports.values():
+        report["static_baseline"] = static_baseline_of(report, resolved.problem)
+        report["windows"] = replan_windows(
+            report["plan_changes"],
+            report["per_step"],
+            [(s["step"], s["rank"], s["factor"]) for s in report["schedule"]],
+            resolved.policy.window_steps,
+            report["tokens_per_step"],
+        )
     rows = [row(reports[m], job) for m in modes]
     for r in rows:
         print(

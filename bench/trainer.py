@@ -9,8 +9,11 @@ in turn. For each situation two Trainers share the process group: one under the 
 alternate (U P, P U, U P, ...) so that both see the same load on a shared machine. Stragglers
 are injected through the job's emulation schedule from step 0. Measured speedup = median
 uniform step time / median planner-plan step time over the steps after warm-up; predicted =
-cost.plan_step_time(uniform) / cost.plan_step_time(planner's plan) (DESIGN §4.3), target within
-15%. Writes the "Trainer" section of docs/benchmarks.md.
+cost.plan_step_time(uniform) / cost.plan_step_time(planner's plan) under the calibrated cost
+model: the calibration (and link rates) the uniform plan's trainers measured in their first steps
+(trainer/calibration.py), as the controller would predict a re-plan from the plan in force;
+target within 10%. The uncalibrated model's prediction (layer compute only) is shown beside it.
+Writes the "Trainer" section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -181,7 +184,19 @@ def run_scale(jobs: list[Job], warmup: int, steps: int, out: str) -> None:
             gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, mine)
             if env.rank == 0:
-                result = {"seconds": seconds, "rates": rates, "ranks": gathered}
+                calibration = {
+                    name: {
+                        "calibration": t.calibrator.calibration,
+                        "link_rates": t.calibrator.link_rates,
+                    }
+                    for name, t in trainers.items()
+                }
+                result = {
+                    "seconds": seconds,
+                    "rates": rates,
+                    "ranks": gathered,
+                    "calibration": calibration,
+                }
                 (Path(out) / f"{index}.json").write_text(json.dumps(result))
             del trainers
     finally:
@@ -212,7 +227,10 @@ class Row:
     scale: Scale
     situation: str
     unit_s: float  # seconds of one layer-time unit (forward + backward of one layer-shard)
-    model: dict[str, float]  # plan -> cost-model step time (layer-time units)
+    model: dict[str, float]  # plan -> uncalibrated cost-model step time (layer-time units)
+    calibrated: dict[str, float]  # plan -> calibrated cost-model step time (layer-time units)
+    calibration: dict[str, Any]  # the uniform plan's measured terms (the prediction's)
+    own: dict[str, float]  # plan -> calibrated step time under its own trainers' calibration
     measured: dict[str, float]  # plan -> median step seconds
     pipelines: dict[str, float]  # plan -> median over steps of the slowest rank's 1F1B run
     measured_rates: dict[int, float]  # stragglers' rates as the uniform run measured them
@@ -221,7 +239,22 @@ class Row:
 
     @property
     def predicted(self) -> float:
+        """Calibrated: uniform / planner step time of the cost model with the uniform plan's
+        measured calibration."""
+        return self.calibrated["uniform"] / self.calibrated["planner"]
+
+    @property
+    def predicted_v1(self) -> float:
+        """The same with layer compute only (the cost model without calibration)."""
         return self.model["uniform"] / self.model["planner"]
+
+    @property
+    def error_v1(self) -> float:
+        return self.speedup / self.predicted_v1 - 1
+
+    def step_fidelity(self, name: str) -> float:
+        """Measured step seconds over the calibrated model's (the uniform calibration's)."""
+        return self.measured[name] / (self.calibrated[name] * self.unit_s)
 
     @property
     def speedup(self) -> float:
@@ -268,6 +301,21 @@ def analyse(scale: Scale, job: Job, result: dict[str, Any]) -> Row:
     rates = situations(scale)[job.name]
     problem = job.resolved.problem(rates)
     model = {n: plan_step_time(problem, p) for n, p in job.plans.items()}
+    measured_cal = result["calibration"]
+    uniform = measured_cal["uniform"]
+    assert uniform["calibration"] is not None, "the uniform plan's trainers measured nothing"
+    calibrated = job.resolved.problem(
+        rates, calibration=uniform["calibration"], link_rates=uniform["link_rates"]
+    )
+    cal_model = {n: plan_step_time(calibrated, p) for n, p in job.plans.items()}
+    own = {}
+    for n, p in job.plans.items():
+        c = measured_cal[n]
+        if c["calibration"] is not None:
+            mine = job.resolved.problem(
+                rates, calibration=c["calibration"], link_rates=c["link_rates"]
+            )
+            own[n] = plan_step_time(mine, p)
     ranks = result["ranks"]
     clock = [s for r in ranks for s in r["clock"].values()]
     calls = sum(c["calls"] for c in clock) or 1
@@ -282,6 +330,9 @@ def analyse(scale: Scale, job: Job, result: dict[str, Any]) -> Row:
         situation=job.name,
         unit_s=unit_s,
         model=model,
+        calibrated=cal_model,
+        calibration=dict(calibrated.calibration.model_dump()) if calibrated.calibration else {},
+        own=own,
         measured={n: statistics.median(v) for n, v in result["seconds"].items()},
         pipelines=pipelines,
         measured_rates=measured_rates,
@@ -297,16 +348,20 @@ def write_doc(section: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="8 GPUs only, 3 measured steps")
+    ap.add_argument("--quick", action="store_true", help="8 GPUs only, 4 measured steps")
     ap.add_argument("--scales", type=int, nargs="+", choices=sorted(SCALES), help="GPU counts")
-    ap.add_argument("--steps", type=int, help="measured steps per plan (default 5; quick 3)")
+    ap.add_argument("--steps", type=int, help="measured steps per plan (default 5; quick 4)")
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured steps per plan")
     ap.add_argument("--forward-ms", type=float, default=50.0, help="per layer-shard forward")
     ap.add_argument("--backward-ms", type=float, default=100.0, help="per layer-shard backward")
     ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = ap.parse_args(argv)
+    from malleus.trainer.calibration import CAL_STEPS, CAL_WARMUP
+
     scales = args.scales or ([8] if args.quick else sorted(SCALES))
-    args.steps = args.steps or (3 if args.quick else 5)
+    args.steps = args.steps or (4 if args.quick else 5)
+    if args.warmup + args.steps < CAL_WARMUP + CAL_STEPS + 1:
+        ap.error(f"--warmup + --steps must be >= {CAL_WARMUP + CAL_STEPS + 1}: the calibration")
     command = "python bench/trainer.py " + " ".join(argv if argv is not None else sys.argv[1:])
 
     from malleus.trainer.launch import spawn_local
@@ -327,9 +382,11 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(row)
                     jobs_by_key[(world, job.name)] = job
                     print(
-                        f"{s.label} {job.name}: predicted {row.predicted:.2f}, measured "
-                        f"{row.speedup:.2f} ({row.error:+.1%}), pipelines "
-                        f"{row.pipeline_speedup:.2f} ({row.pipeline_error:+.1%})",
+                        f"{s.label} {job.name}: predicted {row.predicted:.2f} (uncalibrated "
+                        f"{row.predicted_v1:.2f}), measured {row.speedup:.2f} "
+                        f"({row.error:+.1%}; uncalibrated {row.error_v1:+.1%}), step / model "
+                        f"uniform {row.step_fidelity('uniform'):.3f} planner "
+                        f"{row.step_fidelity('planner'):.3f}",
                         flush=True,
                     )
     section = render(

@@ -12,20 +12,24 @@ if TYPE_CHECKING:
     from malleus.planner import Plan
     from trainer import Job, Row  # bench/trainer.py, run as a script
 
-TARGET = 0.15
-"""|measured / predicted - 1| allowed for every plan."""
+TARGET = 0.10
+"""|measured / predicted - 1| allowed for every plan (issue 13: the calibrated cost model)."""
 
 NOTES = [
-    "Sensitivity (earlier runs on this machine, same day): the gap grows with the load and "
-    "with the TP group size, and shrinks with longer emulated layers. At 40/80 ms per "
-    "layer-shard, 8 GPUs at a load of 7-17 missed by 9-13%; 16 GPUs as 2 nodes x 8 at tp 4 "
-    "(a 4-GPU all-reduce is 6 sequential gloo steps) at a load of 17 (max 24) missed by "
-    "23-25%, its planner's pipelines running 1.4-1.6x their model time. At 50/100 ms, 16 GPUs "
-    "(4x4, tp 2) with 2 layers met the target at a mean load of 6.9 (worst -13.6%) but missed "
-    "it at 8.5 (max 16, with another benchmark running: -17.9% and -15.8%; pipelines alone "
-    "within -14.2%), its 0.1-0.2 s per step outside the pipelines weighing on 1.5 s planner "
-    "steps. Hence 50/100 ms, tp 2, and 4 layers at 16 GPUs here. On GPUs the effect is the same in kind but small: TP communication over "
-    "NVLink is a small fraction of a layer's time.",
+    "Load: this machine's two cores are shared with other work, and the remaining gap grows "
+    "with it. The planner's plans run a few per cent over their calibrated time at a load "
+    "of 30-40 (their critical path runs every layer call at healthy pace, so more wake-ups and "
+    "real math per second compete for the cores), where the uniform plans, whose critical "
+    "path waits on a straggler, run at it: the calibration, measured under the uniform plan, "
+    "cannot see that. At a load of about 5 (earlier today), the planner's pipelines ran "
+    "1.10-1.12x their uncalibrated model time, which is what the calibrated TP and end terms "
+    "account for. On GPUs the terms are small beside a layer's compute (TP over NVLink), and "
+    "the gradient sync across nodes is the one that matters.",
+    "Terms the plan in force does not exercise are not measured: the uniform plans here are "
+    "one-stage pipelines, so their calibration has no pipeline transfer (p2p 0) and the "
+    "planner's two-stage pipelines at 16 GPUs are predicted without it; their own trainers' "
+    "calibration (*own*) has it, and the controller re-measures after each switch, so the "
+    "next re-plan's prediction carries it.",
 ]
 
 
@@ -52,7 +56,7 @@ def render(
     m = next(iter(jobs.values())).resolved.model
     unit_ms = args.forward_ms + args.backward_ms
     met = [r for r in rows if r.ok]
-    met_pipe = [r for r in rows if abs(r.pipeline_error) <= TARGET]
+    met_v1 = [r for r in rows if abs(r.error_v1) <= TARGET]
     lines = [
         "## Trainer",
         "",
@@ -72,27 +76,32 @@ def render(
         f"so both see the same load: {args.warmup} warm-up step(s), then {args.steps} measured "
         "steps each, medians. Stragglers come from the job's emulation schedule.",
         "",
-        "- *predicted*: uniform T / planner T of the cost model; in parentheses after each "
-        f"step time, the plan's cost-model time, T x {unit_ms:g} ms.",
+        "- *predicted*: uniform T / planner T of the **calibrated** cost model "
+        '(docs/architecture.md, "Cost model"): the problem carries the calibration the '
+        "uniform plan's trainers measured in their first steps (trainer/calibration.py: TP "
+        "collectives per layer, embedding, head, pipeline transfers, gradient sync, optimizer, "
+        "the rest of a step) and their link rates, as the controller predicts a re-plan from "
+        "the plan in force; in parentheses after each step time, the plan's calibrated time "
+        "in seconds.",
         "- *measured*: uniform / planner median step time; *error* = measured / predicted - 1, "
         f"target within {TARGET:.0%}.",
-        "- *pipelines*: the same on the slowest rank's 1F1B schedule alone (`pipeline.run`), "
-        "leaving out the step's gradient sync, world all-reduces and optimizer, which the "
-        'cost model does not count ("DP sync not counted in v1").',
+        "- *uncalibrated*: the prediction of the cost model without calibration (layer compute "
+        "only, DESIGN §4.3) and its error, for comparison.",
         "- *rates*: the stragglers' straggling rates as the trainer measured them under the "
         "uniform plan (injected: the situation's factors).",
         "",
         "| GPUs | stragglers | uniform s (model) | planner s (model) | predicted | measured "
-        "| error | pipelines | error | rates |",
+        "| error | uncalibrated | error | rates |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         rates = ", ".join(f"r{k} {v:.2f}" for k, v in sorted(r.measured_rates.items()))
         lines.append(
             f"| {r.scale.label} | {r.situation} | {r.measured['uniform']:.3f} "
-            f"({r.model['uniform'] * r.unit_s:.3f}) | {r.measured['planner']:.3f} "
-            f"({r.model['planner'] * r.unit_s:.3f}) | {r.predicted:.2f} | {r.speedup:.2f} "
-            f"| {r.error:+.1%} | {r.pipeline_speedup:.2f} | {r.pipeline_error:+.1%} | {rates} |"
+            f"({r.calibrated['uniform'] * r.unit_s:.3f}) | {r.measured['planner']:.3f} "
+            f"({r.calibrated['planner'] * r.unit_s:.3f}) | {r.predicted:.2f} | "
+            f"{r.speedup:.2f} | {r.error:+.1%} | {r.predicted_v1:.2f} | {r.error_v1:+.1%} "
+            f"| {rates} |"
         )
     lines += [
         "",
@@ -102,30 +111,28 @@ def render(
             if len(met) == len(rows)
             else f" (misses: {'; '.join(miss_reason(r) for r in rows if not r.ok)})"
         )
-        + f"; pipelines alone {len(met_pipe)} of {len(rows)}.",
+        + f"; uncalibrated model {len(met_v1)} of {len(rows)}.",
         "",
-        "Where the gap comes from: the cost model counts layer compute only. Each layer call "
-        "also pays its TP all-reduces (two forward, two backward; gloo between processes on "
-        "two shared, loaded cores takes milliseconds for each, where NVLink takes "
-        "microseconds), each micro-batch its embedding, head, loss and pipeline transfers, "
-        "and each step its gradient sync, two world all-reduces and the optimizer. None of "
-        "that grows with a rank's slowdown, so it weighs more on the planner's plan, whose "
-        "critical path is shorter and runs more layer calls at healthy speed, than on the "
-        "uniform plan's, which waits on a straggler; the measured speedup falls short of the "
-        "predicted one by about the difference. Per plan: the slowest pipeline's measured "
-        "time over its cost-model time, and the seconds of a step spent outside the pipelines; "
-        "the emulated clock's accuracy (layer calls whose real math overran the budget, over "
-        "both plans and all ranks; mean wake-up lateness per layer call):",
+        "Where the uncalibrated model's gap came from, and what the calibration measures: "
+        "the layer-compute model counts layer compute only. Each layer call also pays its TP "
+        "all-reduces (two forward, two backward; gloo between processes on two shared, loaded "
+        "cores takes milliseconds for each, where NVLink takes microseconds), each "
+        "micro-batch its embedding, head, loss and pipeline transfers, and each step its "
+        "gradient sync, two world all-reduces and the optimizer. None of that grows with a "
+        "rank's slowdown, so it weighs more on the planner's plan, whose critical path is "
+        "shorter, than on the uniform plan's, which waits on a straggler: the uncalibrated "
+        "prediction overstates the speedup. The calibrated model charges each of these terms "
+        "as measured. Per situation: the terms the uniform plan's trainers measured (layer-time "
+        f"units of {unit_ms:g} ms; grad sync and optimizer per MiB), each plan's measured step "
+        "time over its calibrated model time, the calibrated prediction under each plan's own "
+        "trainers' calibration (*own*), and the emulated clock's accuracy (layer calls whose "
+        "real math overran the budget, over both plans and all ranks; mean wake-up lateness "
+        "per layer call):",
         "",
-        "| GPUs | stragglers | pipelines / model, uniform | planner | outside pipelines s, "
-        "uniform | planner | overruns | lateness ms |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-        *(
-            f"| {r.scale.world} | {r.situation} | {r.fidelity('uniform'):.2f} | "
-            f"{r.fidelity('planner'):.2f} | {r.fixed_s('uniform'):.2f} | "
-            f"{r.fixed_s('planner'):.2f} | {r.overruns} | {r.late_ms:.2f} |"
-            for r in rows
-        ),
+        "| GPUs | stragglers | tp_comm[2] | embedding | head | p2p | grad intra / inter | "
+        "optimizer | fixed | step / model, uniform | planner | own | overruns | lateness ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *(_terms_row(r) for r in rows),
         "",
         *NOTES,
         "",
@@ -139,6 +146,23 @@ def render(
             f"; uniform `{describe(job.plans['uniform'])}`"
         )
     return "\n".join(lines) + "\n"
+
+
+def _terms_row(r: Row) -> str:
+    c = r.calibration
+    tp2 = (c.get("tp_comm") or {}).get(2, 0.0)
+    own = (
+        f"{r.own['uniform'] / r.own['planner']:.2f}"
+        if "uniform" in r.own and "planner" in r.own
+        else "-"
+    )
+    return (
+        f"| {r.scale.world} | {r.situation} | {tp2:.3f} | {c.get('embedding', 0):.3f} | "
+        f"{c.get('head', 0):.3f} | {c.get('p2p', 0):.3f} | {c.get('grad_sync_intra', 0):.2f} / "
+        f"{c.get('grad_sync_inter', 0):.2f} | {c.get('optimizer', 0):.3f} | "
+        f"{c.get('fixed', 0):.3f} | {r.step_fidelity('uniform'):.3f} | "
+        f"{r.step_fidelity('planner'):.3f} | {own} | {r.overruns} | {r.late_ms:.2f} |"
+    )
 
 
 def miss_reason(r: Row) -> str:

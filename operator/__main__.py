@@ -85,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.peering_priority,
         help="this replica's peering priority (0 = derived from the pod name); default %(default)s",
     )
+    p.add_argument(
+        "--peering-lifetime",
+        type=int,
+        default=defaults.peering_lifetime_seconds,
+        metavar="SECONDS",
+        help="how long a replica's peering heartbeat counts: a standby takes over this long "
+        "after the active replica's last one; default %(default)s",
+    )
     p.add_argument("--kubeconfig", default=defaults.kubeconfig or None, help="kubeconfig file")
     p.add_argument("--context", default=defaults.context or None, help="kubeconfig context")
     p.add_argument("-v", "--verbose", action="store_true", help="log more")
@@ -105,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         network_policies=args.network_policies,
         peering_name=args.peering,
         peering_priority=args.priority,
+        peering_lifetime_seconds=args.peering_lifetime,
         kubeconfig=args.kubeconfig or "",
         context=args.context or "",
     )

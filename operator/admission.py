@@ -11,6 +11,11 @@ the pods, which continue from the checkpoint (the trainer resumes ``spec.checkpo
 called when ``spec.suspend`` changes and by the operator's timer, with the time as an argument.
 The phase is ``Suspended`` from the moment the suspension is decided, so the pods' exit is never
 mistaken for the job's end (`lifecycle.pods_transition` leaves a Suspended job alone).
+
+`ensure_pod_group` creates the coscheduler's PodGroup of ``spec.scheduling.podGroup.create``
+(`scheduling.build_pod_group`) before the job's pods, and says how that went in the
+``PodGroupCreated`` condition; a PodGroup that could not be made (its CRD absent, no right to
+it) is retried by the timer while the job is Pending.
 """
 
 from __future__ import annotations
@@ -23,22 +28,25 @@ from typing import Any, Literal
 from malleus.errors import BadInput
 from malleus.job import MalleusJobStatus, Phase
 from malleus.job.control import AsyncControlClient, ControlError, ControlTLS
-from malleus.job.spec import SchedulingSpec
+from malleus.job.spec import MalleusJobSpec, SchedulingSpec
 from malleus.planner.plan import Plan
 
 from . import children, jobs, resources, tls
 from .context import Context
+from .k8s import ApiError, NameConflict
 from .lifecycle import parse_time, pod_outcome, schedule_timeout_transition
-from .scheduling import gated
+from .scheduling import POD_GROUP_APIS, build_pod_group, gated
 from .status import READY, TERMINAL_PHASES, condition, dump, merge_conditions, phase_of
 from .trainers import Endpoints
 
 __all__ = [
+    "POD_GROUP_CREATED",
     "STOP_GRACE_SECONDS",
     "SUSPENDED",
     "Action",
     "admission_action",
     "created_suspended",
+    "ensure_pod_group",
     "reconcile",
     "resumed_status",
     "suspended_status",
@@ -52,6 +60,9 @@ SUSPENDED = "Suspended"
 STOP_GRACE_SECONDS = 300.0
 """How long the trainers of a suspended job may take to checkpoint and exit before their pods
 are deleted anyway (a checkpoint is written at the next step boundary)."""
+
+POD_GROUP_CREATED = "PodGroupCreated"
+"""The condition type saying whether the PodGroup of ``spec.scheduling.podGroup.create`` exists."""
 
 Action = Literal["suspend", "delete-pods", "resume"]
 
@@ -163,6 +174,96 @@ async def _resume(ctx: Context, body: Mapping[str, Any], ref: resources.JobRef) 
     return [resources.pod_name(ref.name, i) for i in range(job.nodes)]
 
 
+def _condition_of(conditions: Sequence[Any] | None, type_: str) -> Mapping[str, Any] | None:
+    for c in conditions or []:
+        c = c.model_dump(by_alias=True) if hasattr(c, "model_dump") else c
+        if isinstance(c, Mapping) and c.get("type") == type_:
+            return c
+    return None
+
+
+async def ensure_pod_group(
+    ctx: Context,
+    spec: MalleusJobSpec,
+    ref: resources.JobRef,
+    conditions: Sequence[Any] | None,
+    at: dt.datetime,
+) -> list[Any] | None:
+    """Create the PodGroup ``spec.scheduling.podGroup.create`` asks for (idempotent by name
+    and owner); ``conditions`` with ``PodGroupCreated`` merged in, or None when no PodGroup is
+    asked for.
+
+    Never blocks the workers (a coscheduler holds pods whose PodGroup is missing; the
+    schedule timeout ends a wait that never ends): a PodGroup that cannot be made gives
+    ``PodGroupCreated=False`` with the reason (``CRDMissing``: its API is not served;
+    ``Forbidden``: the operator has no right to it; ``NameConflict``; ``ApiError``) and one
+    Warning event ``PodGroupFailed`` per new reason; a new one gives a ``PodGroupCreated`` event.
+    """
+    wanted = build_pod_group(spec, ref)
+    pod_group = spec.scheduling.pod_group
+    if wanted is None or pod_group is None or pod_group.create is None:
+        return None
+    api = POD_GROUP_APIS[pod_group.create]
+    name = wanted["metadata"]["name"]
+    try:
+        _, created = await ctx.cluster.create_custom(wanted, api.plural)
+    except NameConflict as e:
+        reason, message = "NameConflict", str(e)
+    except ApiError as e:
+        if e.status == 404:
+            reason = "CRDMissing"
+            message = (
+                f"PodGroup {name}: {api.resource} is not served here: install {api.project} "
+                "(its PodGroup CRD), or drop spec.scheduling.podGroup.create; the workers wait "
+                "for their PodGroup until spec.scheduling.scheduleTimeoutSeconds"
+            )
+        elif e.status == 403:
+            reason = "Forbidden"
+            message = (
+                f"PodGroup {name}: the operator may not create {api.resource} (the chart's "
+                f"rbac.podGroups.{_CHART_VALUE[pod_group.create]}=true grants it)"
+            )
+        else:
+            reason, message = "ApiError", f"PodGroup {name}: {e}"
+    else:
+        message = f"PodGroup {name} ({api.api_version}, minMember {spec.nodes})"
+        if created:
+            await ctx.cluster.post_event(ref, "Normal", "PodGroupCreated", "created " + message)
+        done = condition(POD_GROUP_CREATED, True, "Created", message, ref.generation, at)
+        return list(merge_conditions(conditions, done))
+    before = _condition_of(conditions, POD_GROUP_CREATED)
+    if before is None or before.get("status") != "False" or before.get("reason") != reason:
+        await ctx.cluster.post_event(ref, "Warning", "PodGroupFailed", message)
+    log.warning("%s/%s: %s", ref.namespace, ref.name, message)
+    failed = condition(POD_GROUP_CREATED, False, reason, message, ref.generation, at)
+    return list(merge_conditions(conditions, failed))
+
+
+_CHART_VALUE = {"scheduler-plugins": "schedulerPlugins", "volcano": "volcano"}
+
+
+async def _retry_pod_group(
+    ctx: Context, fresh: Mapping[str, Any], ref: resources.JobRef, at: dt.datetime
+) -> None:
+    """The timer's retry of a PodGroup that is not there yet (a Pending job's)."""
+    stored = fresh.get("status") or {}
+    spec = fresh.get("spec") or {}
+    pod_group = (spec.get("scheduling") or {}).get("podGroup") or {}
+    if not pod_group.get("create"):
+        return
+    before = _condition_of(stored.get("conditions"), POD_GROUP_CREATED)
+    if before is not None and before.get("status") == "True":
+        return
+    try:
+        job = jobs.resolve(fresh)
+    except BadInput:
+        return
+    merged = await ensure_pod_group(ctx, job.spec, ref, stored.get("conditions"), at)
+    if merged is not None:
+        patch = dump(MalleusJobStatus(conditions=merged))
+        await ctx.cluster.patch_job_status(ref.namespace, ref.name, patch)
+
+
 async def reconcile(ctx: Context, body: Mapping[str, Any], at: dt.datetime) -> Action | None:
     """Act on ``spec.suspend`` at time ``at`` (the job read again first); returns the action.
 
@@ -233,6 +334,7 @@ async def tick(ctx: Context, body: Mapping[str, Any], at: dt.datetime) -> str | 
         return None
     spec = fresh.get("spec") or {}
     if phase_of(fresh.get("status")) == Phase.PENDING:
+        await _retry_pod_group(ctx, fresh, ref, at)
         pods = await ctx.cluster.list_children("Pod", ref.namespace, ref.name)
         if gated([p for p in pods if resources.owned_by(p, ref.uid)]):
             # Queued (Kueue gates the gang until its quota is there): the clock of the

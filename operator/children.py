@@ -4,22 +4,39 @@ Both directions go by name and by controller owner, never by name alone: an obje
 name that the job does not control may have been planted (a ``<job>-control`` Secret holding a
 token someone knows, a ``<job>-config`` ConfigMap with a plan of their choosing), so it is
 neither used (`k8s.NameConflict` stops the creation) nor deleted.
+
+`replace_failed` acts on `failures`: it replaces the worker pods whose backoff is over.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
+import logging
 import secrets
+from collections.abc import Mapping
 from typing import Any
 
-from malleus.job import ResolvedJob
+from malleus.errors import BadInput
+from malleus.job import FailurePolicy, Phase, ResolvedJob
+from malleus.job.status import MalleusJobStatus, NodeFailure
 from malleus.planner.plan import Plan
 
-from . import resources, tls, workers
+from . import failures, jobs, lifecycle, resources, status, store, tls, workers
 from .context import Context
 from .settings import Settings
 
-__all__ = ["child_kinds", "delete_children", "ensure_children", "network_policy"]
+__all__ = [
+    "child_kinds",
+    "delete_children",
+    "ensure_children",
+    "network_policy",
+    "replace_failed",
+    "started_job",
+    "sync_pods",
+]
+
+log = logging.getLogger(__name__)
 
 
 def child_kinds(settings: Settings) -> tuple[str, ...]:
@@ -77,8 +94,9 @@ async def ensure_children(
 
 def _names(ref: resources.JobRef, nodes: int) -> dict[str, list[str]]:
     return {
-        "Pod": [resources.pod_name(ref.name, i) for i in range(nodes)],
-        "Service": [resources.service_name(ref.name)],
+        "Pod": [resources.pod_name(ref.name, i) for i in range(nodes)]
+        + [store.store_name(ref.name)],
+        "Service": [resources.service_name(ref.name), store.store_name(ref.name)],
         "ConfigMap": [resources.configmap_name(ref.name)],
         "Secret": [resources.secret_name(ref.name)],
         "NetworkPolicy": [resources.network_policy_name(ref.name)],
@@ -112,3 +130,148 @@ async def delete_children(
                 await ctx.cluster.delete(kind, ref.namespace, name)
                 deleted.append(f"{kind}/{name}")
     return deleted
+
+
+# ---- pods -----------------------------------------------------------------------------------
+
+
+async def sync_pods(
+    ctx: Context,
+    namespace: str,
+    job_name: str,
+    *,
+    fresh: Mapping[str, Any] | None = None,
+    deleted: list[str | Mapping[str, Any]] | None = None,
+) -> lifecycle.Transition:
+    """Recompute the job's phase and failures from its pods; apply them (status + events).
+
+    ``deleted``: pods gone, by body (a watch's DELETED event) or by name."""
+    cluster = ctx.cluster
+    job_body = await cluster.get_job(namespace, job_name)
+    if job_body is None or (job_body.get("metadata") or {}).get("deletionTimestamp"):
+        return lifecycle.Transition()  # the job is going away: its pods do too
+    ref = resources.JobRef.from_body(job_body)
+    spec = job_body.get("spec") or {}
+    expected = [resources.pod_name(job_name, i) for i in range(int(spec.get("nodes") or 0))]
+    pods = await cluster.list_children("Pod", namespace, job_name)
+    pods = [p for p in pods if resources.owned_by(p, ref.uid)]  # labels can be copied
+    gone = [
+        d if isinstance(d, str) else (d.get("metadata") or {}).get("name") for d in deleted or []
+    ]
+    pods = [p for p in pods if p.get("metadata", {}).get("name") not in gone]
+    bodies = [d for d in deleted or [] if isinstance(d, str) or resources.owned_by(d, ref.uid)]
+    if fresh is not None and resources.owned_by(fresh, ref.uid):  # as new as the list's
+        name = fresh.get("metadata", {}).get("name")
+        pods = [p for p in pods if p.get("metadata", {}).get("name") != name] + [dict(fresh)]
+    transition = lifecycle.pods_transition(
+        job_body.get("status"),
+        pods,
+        expected,
+        ref.generation,
+        status.now(),
+        deleted=bodies,
+        policy=FailurePolicy.model_validate(spec.get("failurePolicy") or {}),
+        gpus_per_node=int(spec.get("gpusPerNode") or 1),
+    )
+    if transition.status is not None:
+        await cluster.patch_job_status(namespace, job_name, status.dump(transition.status))
+        if transition.status.phase is not None:
+            ctx.metrics.phases.set(namespace, job_name, transition.status.phase)
+    for event in transition.events:
+        if event.reason == "PodFailed":
+            ctx.metrics.pod_failures.labels(namespace=namespace, job=job_name).inc()
+        await cluster.post_event(ref, event.type, event.reason, event.message)
+    return transition
+
+
+# ---- replacing failed workers ---------------------------------------------------------------
+
+
+async def started_job(ctx: Context, ref: resources.JobRef, body: Mapping[str, Any]) -> ResolvedJob:
+    """The job as its pods were started (``job.json`` in the ConfigMap), else the live spec: a
+    replacement pod must be its predecessor's twin, whatever was edited since."""
+    cm = await ctx.cluster.read("ConfigMap", ref.namespace, resources.configmap_name(ref.name))
+    text = ((cm or {}).get("data") or {}).get(resources.JOB_KEY)
+    if text:
+        try:
+            return jobs.resolve({**json.loads(text), "metadata": body.get("metadata") or {}})
+        except (ValueError, BadInput) as e:
+            log.warning("%s/%s: %s unreadable (%s)", ref.namespace, ref.name, resources.JOB_KEY, e)
+    return jobs.resolve(body)
+
+
+async def _replace(
+    ctx: Context, job: ResolvedJob, ref: resources.JobRef, record: NodeFailure, join: bool
+) -> bool:
+    """One step towards node ``record.node``'s replacement; True once it exists.
+
+    The failed pod is deleted first (same name: its DNS name and certificate stay valid), and
+    the replacement created once the name is free; an existing pod that is neither the failed
+    one nor failed is the replacement already (created before an operator restart). ``join``:
+    its trainers join a running job (a job still Pending has not formed its group yet: then
+    the replacement starts like the first pods).
+    """
+    pod = await ctx.cluster.read("Pod", ref.namespace, record.pod)
+    if pod is not None:
+        if not resources.owned_by(pod, ref.uid):
+            log.warning("%s/%s: pod %s is not the job's", ref.namespace, ref.name, record.pod)
+            return False
+        meta = pod.get("metadata") or {}
+        if meta.get("uid") != record.pod_uid and failures.pod_failure(pod, ref.name) is None:
+            return True
+        if not meta.get("deletionTimestamp"):
+            await ctx.cluster.delete("Pod", ref.namespace, record.pod)
+        return False
+    obj = workers.build_pod(job, ref, record.node, join=join, restart=record.restarts + 1)
+    await ctx.cluster.create(obj)
+    return True
+
+
+async def replace_failed(ctx: Context, body: Mapping[str, Any], at: dt.datetime) -> list[str]:
+    """Replace the worker pods whose backoff is over (`failures.due_replacements`); returns
+    the pods created (or found created). Idempotent: a restarted operator resumes from
+    ``status.failures`` and never creates a pod twice (the names are the nodes')."""
+    ref = resources.JobRef.from_body(body)
+    fresh = await ctx.cluster.get_job(ref.namespace, ref.name)
+    if fresh is None or (fresh.get("metadata") or {}).get("deletionTimestamp"):
+        return []
+    st = fresh.get("status") or {}
+    if status.phase_of(st) not in status.ACTIVE_PHASES:
+        return []
+    records = MalleusJobStatus.model_validate({"failures": st.get("failures") or []}).failures
+    due = failures.due_replacements(records or [], at)
+    if not due:
+        return []
+    job = await started_job(ctx, ref, fresh)
+    join = status.phase_of(st) != Phase.PENDING
+    done = [r for r in due if await _replace(ctx, job, ref, r, join)]
+    if not done:
+        return []
+    # Apply to what the status holds now: a pod event may have marked some Replaced already.
+    latest = await ctx.cluster.get_job(ref.namespace, ref.name) or fresh
+    lst = latest.get("status") or {}
+    current = MalleusJobStatus.model_validate({"failures": lst.get("failures") or []}).failures
+    ours = {r.node: r for r in done}
+    new = [
+        failures.replaced(r)
+        if r.node in ours and r.state == "Waiting" and r.pod_uid == ours[r.node].pod_uid
+        else r
+        for r in current or []
+    ]
+    out = failures.gpus_out(new, failures.stored_out(lst), job.gpus_per_node)
+    conds = status.merge_conditions(
+        lst.get("conditions"), failures.degraded_condition(new, out, ref.generation, at)
+    )
+    patch = MalleusJobStatus(failures=new, gpus_out=out, conditions=conds)
+    await ctx.cluster.patch_job_status(ref.namespace, ref.name, status.dump(patch))
+    names = [r.pod for r in done]
+    for r in done:
+        await ctx.cluster.post_event(
+            ref,
+            "Normal",
+            "PodReplaced",
+            f"created {r.pod} (replacement {r.restarts + 1} of node {r.node}, "
+            f"maxRestarts {job.spec.failure_policy.max_restarts}); its trainers join the "
+            "running job at a step boundary",
+        )
+    return names

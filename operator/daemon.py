@@ -7,6 +7,11 @@ writes it into the status at once (a restart mid-re-plan must not leave the job 
 the old generation), then runs the Controller with
 
 - a RateSource reading the coordinator's /metrics through the headless Service, or Prometheus;
+  the coordinator is the lowest GPU still in the job, found among the running pods' ranks
+  (`trainers.Endpoints.coordinator`) and followed: every scrape interval its ``/status`` goes
+  to the reporter (the GPUs out, a recovery's ``Recovered`` event), and when it stops
+  answering and another rank does, the loop ends with `COORDINATOR_MOVED` (kopf restarts the
+  daemon, which resumes from the ConfigMap and that rank's status as after a restart);
 - the controller's `HttpPlanSink` posting to the coordinator's ``POST /plan`` with the job's
   Secret token, wrapped to keep the plan ConfigMap current (`planstore`): every plan the
   controller adopts, acknowledged or caught up with, is recorded there;
@@ -34,21 +39,32 @@ from malleus.controller.ports import Observation, RateSource
 from malleus.controller.sources import HttpPlanSink
 from malleus.errors import BadInput
 from malleus.job import MalleusJobStatus, Phase, ResolvedJob
-from malleus.job.control import AsyncControlClient, ControlError, ControlStatus, ControlTLS
+from malleus.job.control import AsyncControlClient, ControlError, ControlStatus
 from malleus.planner.plan import Plan
 
 from . import jobs, planstore, resources, sources, status, tls
 from .context import Context
 from .k8s import ApiError
 from .reporter import JobReporter
-from .trainers import Endpoints
+from .trainers import Coordinator, Endpoints, fetch_plan
 
-__all__ = ["SPEC_CHANGED", "StopFlag", "believed_rates", "effective_job", "run_job"]
+__all__ = [
+    "COORDINATOR_MOVED",
+    "SPEC_CHANGED",
+    "StopFlag",
+    "believed_rates",
+    "effective_job",
+    "run_job",
+]
 
 log = logging.getLogger(__name__)
 
 SPEC_CHANGED = "spec-changed"
 """`run_job`'s result when the spec changed under it: the caller restarts it on the new spec."""
+COORDINATOR_MOVED = "coordinator-moved"
+"""`run_job`'s result when another rank became the coordinator: the caller restarts it."""
+MISSES_BEFORE_MOVING = 2
+"""Unanswered ``/status`` polls of the coordinator before another rank is looked for."""
 
 _LIVE = frozenset({Phase.RUNNING, Phase.REPLANNING})
 
@@ -163,27 +179,35 @@ async def _plan_in_force(
     ref: resources.JobRef,
     job: ResolvedJob,
     client: AsyncControlClient,
+    running: ControlStatus | None,
 ) -> tuple[Plan, Plan | None]:
     """(plan in force, plan the trainers may still take): the ConfigMap reconciled with the
-    coordinator, else a fresh one (the status holds only a summary)."""
-    try:
-        running: ControlStatus | None = await client.status()
-    except ControlError as e:
-        log.info("%s/%s: coordinator status unreadable: %s", ref.namespace, ref.name, e)
-        running = None
+    coordinator's ``running`` status, else a fresh one (the status holds only a summary).
+
+    A generation the trainers made themselves (a recovery, while the operator was away) is
+    read from them (``GET /plan``) and recorded: neither lost nor numbered again."""
     plan, pending = await planstore.resume_plan(ctx.cluster, ref, running)
     if plan is None:
         plan, _ = await jobs.initial_plan(job)
+    ahead = running is not None and running.generation > plan.generation
+    if ahead and (pending is None or pending.generation != running.generation):
+        theirs = await fetch_plan(client)
+        if theirs is not None and theirs.generation == running.generation:
+            log.info(
+                "%s/%s: trainers run their plan %d", ref.namespace, ref.name, theirs.generation
+            )
+            await planstore.record_plan(ctx.cluster, ref, theirs)
+            plan = theirs
     return plan, pending
 
 
-async def _coordinator_url(
-    endpoints: Endpoints, ref: resources.JobRef, stopped: StopFlag, poll: float
-) -> str | None:
-    """The coordinator's base URL once it is known; None when the daemon is stopping first."""
+async def _find_coordinator(
+    endpoints: Endpoints, ref: resources.JobRef, stopped: StopFlag, poll: float, timeout: float
+) -> Coordinator | None:
+    """The coordinator once one answers; None when the daemon is stopping first."""
     while True:
         try:
-            return await endpoints.url(0)
+            return await endpoints.coordinator(timeout)
         except (ConnectionError, ApiError) as e:
             log.info("%s/%s: coordinator not reachable yet: %s", ref.namespace, ref.name, e)
             await stopped.wait(poll)
@@ -191,14 +215,59 @@ async def _coordinator_url(
                 return None
 
 
-async def _credentials(ctx: Context, ref: resources.JobRef) -> tuple[str | None, ControlTLS | None]:
-    """The job Secret's token, and how to verify the coordinator over HTTPS: the job's CA, for
-    node 0's stable DNS name whatever address the endpoint template reaches it at."""
+async def _follow(
+    endpoints: Endpoints,
+    coordinator: Coordinator,
+    reporter: JobReporter,
+    ended: Callable[[], bool],
+    stopped: StopFlag,
+    interval: float,
+    timeout: float,
+    tick: float = 1.0,
+) -> bool:
+    """Poll the coordinator's ``/status`` into the reporter every ``interval`` seconds until
+    ``ended()`` (looked at every ``tick``); True when another rank took over as coordinator
+    (the caller restarts the loop there)."""
+    misses = 0
+    loop = asyncio.get_running_loop()
+    due = loop.time() + interval
+    async with AsyncControlClient(coordinator.url, timeout=timeout, tls=coordinator.tls) as c:
+        while not ended():
+            await stopped.wait(min(tick, interval))
+            if ended():
+                return False
+            if loop.time() < due:
+                continue
+            due = loop.time() + interval
+            try:
+                answer = await c.status()
+            except ControlError:
+                misses += 1
+                if misses < MISSES_BEFORE_MOVING:
+                    continue
+                try:
+                    found = await endpoints.coordinator(timeout)
+                except (ConnectionError, ApiError):
+                    continue
+                if found.url != coordinator.url:
+                    log.info("coordinator moved to node %d rank %d", found.node, found.local_rank)
+                    return True
+                continue
+            misses = 0
+            try:
+                await reporter.on_trainers(answer)
+            except Exception:  # status is best effort; the decision loop must go on
+                log.exception("status update from the trainers failed")
+    return False
+
+
+async def _token(ctx: Context, ref: resources.JobRef) -> tuple[str | None, str | None]:
+    """The job Secret's token and CA (the coordinator is verified for its own stable DNS
+    name, whatever address the endpoint template reaches it at)."""
     name = resources.secret_name(ref.name)
     token = await ctx.cluster.read_secret_value(ref.namespace, name, resources.TOKEN_KEY)
     ca = await ctx.cluster.read_secret_value(ref.namespace, name, tls.CA_KEY)
-    trust = ControlTLS(ca, server_name=resources.coordinator_host(ref)) if ca else None
-    return token, trust
+    return token, ca
 
 
 async def run_job(
@@ -226,18 +295,27 @@ async def run_job(
         log.warning("%s/%s: not running the controller: %s", ref.namespace, ref.name, e)
         return None
     settings = ctx.settings
-    endpoints = Endpoints(ctx.cluster, ref, job.spec.control_port, settings.endpoint_template)
-    url = await _coordinator_url(endpoints, ref, stopped, poll_seconds)
-    if url is None:
-        return None
-    token, trust = await _credentials(ctx, ref)
+    token, ca = await _token(ctx, ref)
+    endpoints = Endpoints(
+        ctx.cluster,
+        ref,
+        job.spec.control_port,
+        settings.endpoint_template,
+        gpus_per_node=job.gpus_per_node,
+        ca=ca,
+    )
     timeout = settings.http_timeout_seconds
+    coordinator = await _find_coordinator(endpoints, ref, stopped, poll_seconds, timeout)
+    if coordinator is None:
+        return None
+    url, trust = coordinator.url, coordinator.tls
     async with AsyncControlClient(url, token, timeout=timeout, tls=trust) as client:
-        plan, pending = await _plan_in_force(ctx, ref, job, client)
+        plan, pending = await _plan_in_force(ctx, ref, job, client, coordinator.status)
     rates = believed_rates(body)
     reporter = JobReporter(ctx, ref, job, body)
     try:
         await reporter.resumed(plan, pending is not None)
+        await reporter.on_trainers(coordinator.status)
     except Exception:  # status is best effort; the decision loop must go on
         log.exception("status update failed")
     start_generation = _generation(body)
@@ -251,12 +329,25 @@ async def run_job(
 
     prom_auth = await sources.prometheus_credentials(ctx.cluster, ref.namespace, job)
     source = _ObservingSource(
-        sources.rate_source(job, ref, url, timeout=timeout, tls=trust, prometheus_auth=prom_auth),
+        sources.rate_source(
+            job,
+            ref,
+            url,
+            timeout=timeout,
+            tls=trust,
+            prometheus_auth=prom_auth,
+            coordinator_node=coordinator.node,
+        ),
         ended,
         reporter,
     )
+
+    async def trainers_plan() -> Plan | None:
+        async with AsyncControlClient(url, timeout=timeout, tls=trust) as client:
+            return await fetch_plan(client)
+
     plan_sink = planstore.ConfigMapPlanSink(
-        ctx.cluster, ref, HttpPlanSink(url, token, timeout=timeout, tls=trust)
+        ctx.cluster, ref, HttpPlanSink(url, token, timeout=timeout, tls=trust), trainers_plan
     )
 
     async def on_event(event: DecisionEvent) -> None:
@@ -281,10 +372,15 @@ async def run_job(
         read_retry_seconds=float(job.spec.metrics.scrape_interval_seconds),
     )
     stop = asyncio.Event()
+    moved = False
 
     async def watch() -> None:
-        while not ended():
-            await stopped.wait(min(poll_seconds, 1.0))
+        nonlocal moved
+        interval = float(job.spec.metrics.scrape_interval_seconds)
+        tick = min(poll_seconds, 1.0)
+        moved = await _follow(
+            endpoints, coordinator, reporter, ended, stopped, interval, timeout, tick
+        )
         stop.set()
 
     watcher = asyncio.ensure_future(watch())
@@ -293,4 +389,6 @@ async def run_job(
     finally:
         watcher.cancel()
         controller.close()
+    if moved and not stopped:
+        return COORDINATOR_MOVED
     return SPEC_CHANGED if _generation(body) != start_generation and not stopped else None

@@ -11,12 +11,13 @@ Lifecycle (DESIGN §4.5):
   -> InvalidSpec (Failed, nothing created, `kopf.PermanentError`) or NetworkPolicy + Service +
   ConfigMap + Secret + worker Pods, phase Pending; a child's name taken by an object the job
   does not control -> NameConflict (condition, event, retried: `kopf.TemporaryError`);
-- pod events: Pending -> Running when every worker runs; Failed (PodFailed) when one fails or
-  disappears; Succeeded when all complete;
+- pod events: Pending -> Running when every worker runs; a worker that fails or disappears is
+  recorded (PodFailed, Degraded) and replaced after its backoff by a timer (`failures`); Failed
+  only with no worker left or no valid plan; Succeeded when the live workers complete;
 - daemon: the decision loop (`daemon.run_job`) while the job is active, paused while the live
   ``spec.metrics.prometheus.url`` is not on the allowlist;
-- resume (operator restart): re-create only what is missing of a Pending job, detect workers
-  that vanished meanwhile; never re-create a running job's pods or reset its plan generation;
+- resume (operator restart): re-create only what is missing of a Pending job, record workers
+  that vanished meanwhile (replaced from ``status.failures``); never reset a plan generation;
 - run policy (a timer): fail a job past ``activeDeadlineSeconds``, delete a finished job's
   children ``ttlSecondsAfterFinished`` after it ended;
 - admission (a timer, and ``spec.suspend`` edits): `admission.tick`, suspend/resume and the
@@ -35,10 +36,18 @@ import kopf
 
 from malleus.controller.planning import PlanningTimeout
 from malleus.errors import BadInput
-from malleus.job import API_GROUP, PLURAL, VERSION, MalleusJobStatus, Phase, ResolvedJob
+from malleus.job import (
+    API_GROUP,
+    PLURAL,
+    VERSION,
+    MalleusJobStatus,
+    Phase,
+    ResolvedJob,
+)
 from malleus.planner.plan import Plan
 
-from . import admission, children, daemon, jobs, lifecycle, resources, run_policy, status
+from . import admission, children, daemon, failures, jobs, lifecycle, resources, run_policy, status
+from .children import sync_pods
 from .context import MEMO_KEY, Context
 from .k8s import Cluster, NameConflict
 from .metrics import OperatorMetrics
@@ -56,6 +65,7 @@ __all__ = [
     "on_update",
     "pending_timer",
     "probe_jobs",
+    "replacement_timer",
     "run_policy_timer",
     "sync_pods",
 ]
@@ -163,6 +173,8 @@ async def on_create(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: An
         raise kopf.TemporaryError(f"initial planning timed out: {e}", delay=30) from None
     ctx.metrics.planning_seconds.observe(seconds)
     suspended = job.spec.suspend
+    # A coscheduler's PodGroup before the pods it gangs (spec.scheduling.podGroup.create).
+    conditions = await admission.ensure_pod_group(ctx, job.spec, ref, conditions, at) or conditions
     created, plan = await _create_children(
         ctx, job, ref, plan, patch, conditions, pods=not suspended
     )
@@ -219,43 +231,6 @@ async def on_update(
 # ---- pods -----------------------------------------------------------------------------------
 
 
-async def sync_pods(
-    ctx: Context,
-    namespace: str,
-    job_name: str,
-    *,
-    fresh: Mapping[str, Any] | None = None,
-    deleted: list[str] | None = None,
-) -> lifecycle.Transition:
-    """Recompute the job's phase from its pods and apply it (status patch + events)."""
-    cluster = ctx.cluster
-    job_body = await cluster.get_job(namespace, job_name)
-    if job_body is None or (job_body.get("metadata") or {}).get("deletionTimestamp"):
-        return lifecycle.Transition()  # the job is going away: its pods do too
-    ref = resources.JobRef.from_body(job_body)
-    spec = job_body.get("spec") or {}
-    expected = [resources.pod_name(job_name, i) for i in range(int(spec.get("nodes") or 0))]
-    pods = await cluster.list_children("Pod", namespace, job_name)
-    pods = [p for p in pods if resources.owned_by(p, ref.uid)]  # labels can be copied
-    gone = set(deleted or [])
-    pods = [p for p in pods if p.get("metadata", {}).get("name") not in gone]
-    if fresh is not None and resources.owned_by(fresh, ref.uid):  # as new as the list's
-        name = fresh.get("metadata", {}).get("name")
-        pods = [p for p in pods if p.get("metadata", {}).get("name") != name] + [dict(fresh)]
-    transition = lifecycle.pods_transition(
-        job_body.get("status"), pods, expected, ref.generation, status.now(), deleted=list(gone)
-    )
-    if transition.status is not None:
-        await cluster.patch_job_status(namespace, job_name, status.dump(transition.status))
-        if transition.status.phase is not None:
-            ctx.metrics.phases.set(namespace, job_name, transition.status.phase)
-    for event in transition.events:
-        if event.reason == "PodFailed":
-            ctx.metrics.pod_failures.labels(namespace=namespace, job=job_name).inc()
-        await cluster.post_event(ref, event.type, event.reason, event.message)
-    return transition
-
-
 @kopf.on.event("v1", "pods", labels={"app.kubernetes.io/managed-by": resources.MANAGED_BY})
 async def on_pod_event(
     event: Mapping[str, Any],
@@ -270,9 +245,8 @@ async def on_pod_event(
     if not job_name:
         return
     ctx = Context.of(memo)
-    name = body.get("metadata", {}).get("name", "")
     if event.get("type") == "DELETED":
-        await sync_pods(ctx, namespace, job_name, deleted=[name])
+        await sync_pods(ctx, namespace, job_name, deleted=[body])
     else:
         await sync_pods(ctx, namespace, job_name, fresh=body)
 
@@ -310,6 +284,21 @@ async def job_daemon(
     )
     if result == daemon.SPEC_CHANGED:
         raise kopf.TemporaryError("spec changed; restarting the controller with it", delay=1)
+    if result == daemon.COORDINATOR_MOVED:
+        raise kopf.TemporaryError("the coordinator moved; restarting the controller there", delay=1)
+
+
+# ---- replacing failed workers ---------------------------------------------------------------
+
+
+def _replacing(status: Mapping[str, Any], **_: Any) -> bool:
+    return any(f.get("state") == "Waiting" for f in (status or {}).get("failures") or [])
+
+
+@kopf.timer(API_GROUP, VERSION, PLURAL, interval=failures.REPLACE_POLL_SECONDS, when=_replacing)
+async def replacement_timer(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """`children.replace_failed` now: the failed workers whose backoff is over."""
+    await children.replace_failed(Context.of(memo), body, status.now())
 
 
 # ---- run policy -----------------------------------------------------------------------------

@@ -157,6 +157,35 @@ class Cluster:
             raise NameConflict(kind, ns, name, resources.describe_owner(existing))
         return existing, False
 
+    async def create_custom(
+        self, obj: Mapping[str, Any], plural: str
+    ) -> tuple[dict[str, Any], bool]:
+        """`create` for a namespaced custom object (a coscheduler's PodGroup), by its
+        ``apiVersion`` and ``plural``: an existing one of that name is returned when the same
+        owner controls it, else `NameConflict`. `ApiError` 404: the API (its CRD) is not served.
+        """
+        group, _, version = str(obj["apiVersion"]).partition("/")
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        custom = self._custom
+        try:
+            made = await _run(
+                custom.create_namespaced_custom_object, group, version, ns, plural, dict(obj)
+            )
+            return _decode(made), True
+        except ApiException as e:
+            if e.status != 409:
+                raise _error(e) from None
+        try:
+            existing = _decode(
+                await _run(custom.get_namespaced_custom_object, group, version, ns, plural, name)
+            )
+        except ApiException as e:
+            raise _error(e) from None
+        ours, theirs = resources.controller_of(obj), resources.controller_of(existing)
+        if (ours or {}).get("uid") != (theirs or {}).get("uid"):
+            raise NameConflict(str(obj["kind"]), ns, name, resources.describe_owner(existing))
+        return existing, False
+
     async def read(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """The object, or None when it does not exist."""
         try:

@@ -12,10 +12,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from malleus.job import MalleusJobStatus, Phase
+from malleus.job import Condition, FailurePolicy, MalleusJobStatus, Phase
 from malleus.job.spec import RunPolicy
+from malleus.job.status import NodeFailure
 
-from . import scheduling
+from . import failures, scheduling
 from .status import (
     ACTIVE_PHASES,
     READY,
@@ -135,51 +136,114 @@ def pods_transition(
     generation: int,
     at: dt.datetime,
     *,
-    deleted: Sequence[str] = (),
+    deleted: Sequence[str | Mapping[str, Any]] = (),
+    policy: FailurePolicy | None = None,
+    gpus_per_node: int = 1,
 ) -> Transition:
     """The job's phase from its workers' states; empty when nothing changes.
 
-    - any worker failed (or was deleted under a live job) -> ``Failed``/``PodFailed``: the job
-      has no restart policy (a worker cannot rejoin a running process group); the other pods are
-      kept for their logs and the user decides (delete the job, or re-create it from a
-      checkpoint);
-    - every worker succeeded -> ``Succeeded``;
-    - every worker running -> ``Running`` (from ``Pending``);
+    - a worker failed (or was deleted under a live job) -> recorded in ``failures`` with a
+      ``PodFailed`` event and ``Degraded=True`` (`failures`): the others recover without it and
+      the operator replaces it after its backoff, up to ``maxRestarts``; the phase stays;
+    - no worker left, or the trainers found no valid plan -> ``Failed`` (``NoWorkersLeft``,
+      ``NoValidPlan``);
+    - every live worker (not waiting for a replacement nor out) succeeded, or a replacement
+      still pending beside the ones that did -> ``Succeeded``;
+    - every live worker running -> ``Running`` (from ``Pending``);
     - some still pending -> why, in ``Ready=False`` (`_pending_transition`);
     - terminal phases never change, nor does ``Suspended`` (its pods are deleted on purpose).
+
+    ``deleted``: pods gone (their last body, or a name when only that is known).
     """
     stored = job_status or {}
     phase = phase_of(stored)
     if phase is None or phase in TERMINAL_PHASES or phase == Phase.SUSPENDED:
         return Transition()
-    by_name = {p.get("metadata", {}).get("name"): pod_outcome(p) for p in pods}
+    policy = policy or FailurePolicy()
+    job = expected[0].rsplit("-node-", 1)[0] if expected else ""
+    by_body = {p.get("metadata", {}).get("name"): p for p in pods}
+    by_name = {n: pod_outcome(p) for n, p in by_body.items()}
     conds = stored.get("conditions") or []
-    failed = [o for n, o in by_name.items() if n in expected and o.state == "Failed"]
-    failed += [PodOutcome(n, "Failed", "pod was deleted") for n in deleted if n in expected]
-    if failed:
-        message = "; ".join(f"{o.name}: {o.detail}" for o in failed)
-        return Transition(
-            status=finished_status(Phase.FAILED, "PodFailed", message, generation, at, conds),
-            events=[Event("Warning", "PodFailed", f"{o.name}: {o.detail}") for o in failed],
+    seen = [failures.pod_failure(p, job) for n, p in by_body.items() if n in expected]
+    for d in deleted:
+        body = {"metadata": {"name": d}} if isinstance(d, str) else d
+        if body.get("metadata", {}).get("name") in expected:
+            seen.append(failures.pod_failure(body, job, deleted=True))
+    records, changed = failures.record_failures(
+        stored.get("failures"), [f for f in seen if f is not None], policy, at
+    )
+    fixed = {r.node: r for r in failures.reconcile_replaced(records, by_body)}
+    if fixed:
+        records = [fixed.get(r.node, r) for r in records]
+    patch = MalleusJobStatus()
+    events = [_failure_event(r, policy) for r in changed]
+    if changed or fixed:
+        out = failures.gpus_out(records, failures.stored_out(stored), gpus_per_node)
+        conds = merge_conditions(conds, failures.degraded_condition(records, out, generation, at))
+        patch = MalleusJobStatus(failures=records, gpus_out=out, conditions=conds)
+    end = failures.terminal_reason(records, len(expected))
+    if end is not None:
+        done = finished_status(Phase.FAILED, end[0], end[1], generation, at, conds)
+        done.failures, done.gpus_out = patch.failures, patch.gpus_out
+        return Transition(status=done, events=[*events, Event("Warning", end[0], end[1])])
+    live = [expected[i] for i in failures.live_nodes(records, len(expected))]
+    states = [by_name[n].state if n in by_name else "Missing" for n in live]
+    # Every rank of the job ends at the same step: once a worker completed, one still pending
+    # (a replacement not yet started) has nothing left to join.
+    if any(s == "Succeeded" for s in states) and all(s != "Running" for s in states):
+        msg = f"all {sum(s == 'Succeeded' for s in states)} worker pod(s) in the job completed"
+        done = finished_status(Phase.SUCCEEDED, "Completed", msg, generation, at, conds)
+        done.failures, done.gpus_out = patch.failures, patch.gpus_out
+        return Transition(status=done, events=[*events, Event("Normal", "Succeeded", msg)])
+    rest = _phase_transition(phase, conds, pods, by_name, live, states, generation, at)
+    if rest.status is not None:
+        rest.status.failures, rest.status.gpus_out = patch.failures, patch.gpus_out
+        return Transition(status=rest.status, events=[*events, *rest.events])
+    return Transition(status=patch if (changed or fixed) else None, events=events)
+
+
+def _failure_event(r: NodeFailure, policy: FailurePolicy) -> Event:
+    text = f"{r.pod}: {r.message}"
+    if r.state == "Out":
+        why = (
+            "no valid plan"
+            if r.reason == failures.NO_VALID_PLAN
+            else (
+                f"failed {r.failures} time(s), spec.failurePolicy.maxRestarts {policy.max_restarts}"
+            )
         )
-    states = [by_name[n].state if n in by_name else "Missing" for n in expected]
-    if expected and all(s == "Succeeded" for s in states):
-        msg = f"all {len(expected)} worker pod(s) completed"
-        return Transition(
-            status=finished_status(Phase.SUCCEEDED, "Completed", msg, generation, at, conds),
-            events=[Event("Normal", "Succeeded", msg)],
+        text += f"; node {r.node} stays out of the job ({why})"
+    else:
+        wait = failures.backoff_seconds(policy, r.failures)
+        text += (
+            f"; the other pods go on without it, replacement in {wait} s "
+            f"(failure {r.failures}, maxRestarts {policy.max_restarts})"
         )
-    if expected and all(s in ("Running", "Succeeded") for s in states):
+    return Event("Warning", "PodFailed", text)
+
+
+def _phase_transition(
+    phase: Phase,
+    conds: Any,
+    pods: Sequence[Mapping[str, Any]],
+    by_name: Mapping[str, PodOutcome],
+    live: Sequence[str],
+    states: Sequence[str],
+    generation: int,
+    at: dt.datetime,
+) -> Transition:
+    """Pending -> Running once every live worker runs; why not yet, while Pending."""
+    if live and all(s in ("Running", "Succeeded") for s in states):
         if phase != Phase.PENDING:
             return Transition()
-        msg = f"all {len(expected)} worker pod(s) running"
+        msg = f"all {len(live)} worker pod(s) running"
         return Transition(
             status=_running(msg, conds, generation, at),
             events=[Event("Normal", "Running", msg)],
         )
     if phase != Phase.PENDING:
-        return Transition()  # a running job with a pod not yet "Running" again: wait for failure
-    return _pending_transition(conds, pods, by_name, expected, states, generation, at)
+        return Transition()  # a running job with a pod not yet "Running" again (a replacement)
+    return _pending_transition(conds, pods, by_name, live, states, generation, at)
 
 
 def _pending_transition(
@@ -194,6 +258,10 @@ def _pending_transition(
     """Some worker still pending: say why in ``Ready=False``. Its reason is the first stuck
     pod's (`scheduling.UNSCHEDULABLE`, `scheduling.IMAGE_PULL`) with the scheduler's or the
     kubelet's message, else ``PodsPending``; a new stuck reason is also a Warning event, once."""
+    conds = [  # after a failure was merged in, some are models
+        c.model_dump(mode="json", by_alias=True) if isinstance(c, Condition) else c
+        for c in conds or []
+    ]
     reasons = scheduling.pending_reasons(pods, expected)
     stuck = {r.pod for r in reasons}
     others = [by_name[n] for n in expected if n in by_name and by_name[n].detail]

@@ -8,11 +8,17 @@ before the acknowledgement must not lose its layout), ``plan.json`` once the tra
 lookups, so that a controller that finds the trainers on a generation it did not see applied
 re-plans from the real layout. `resume_plan` reconciles the two after a restart with what the
 coordinator's ``/status`` says it runs and holds pending.
+
+The trainers also move the counter themselves: a recovery from failed GPUs goes on under a plan
+of theirs, one generation up. The sink's ``fetch`` (the coordinator's ``GET /plan``) finds that
+plan when the controller catches up with it, and `record_plan` keeps it as ``plan.json``, so a
+restarted operator neither re-uses that generation nor re-plans from the layout before it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from malleus.controller.ports import Ack, PlanRejected, PlanSink
@@ -22,7 +28,7 @@ from malleus.planner.plan import Plan
 from . import resources
 from .k8s import Cluster
 
-__all__ = ["PENDING_KEY", "ConfigMapPlanSink", "resume_plan"]
+__all__ = ["PENDING_KEY", "ConfigMapPlanSink", "record_plan", "resume_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +50,26 @@ async def _records(cluster: Cluster, ref: resources.JobRef) -> tuple[Plan | None
     return plan, pending
 
 
+async def record_plan(cluster: Cluster, ref: resources.JobRef, plan: Plan) -> None:
+    """``plan`` (the trainers' own, after a recovery) is in force: it becomes ``plan.json``."""
+    await _patch_data(cluster, ref, {resources.PLAN_KEY: plan.to_json()})
+
+
 class ConfigMapPlanSink:
     """Records plans in the job's ConfigMap around an inner sink that reaches the trainers."""
 
-    def __init__(self, cluster: Cluster, ref: resources.JobRef, inner: PlanSink) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        ref: resources.JobRef,
+        inner: PlanSink,
+        fetch: Callable[[], Awaitable[Plan | None]] | None = None,
+    ) -> None:
         self.cluster = cluster
         self.ref = ref
         self.inner = inner
+        self.fetch = fetch
+        """The trainers' plan in force (``GET /plan``), for generations they made themselves."""
         self._pending: dict[int, Plan] = {}
         self._recorded = -1  # the newest generation this sink wrote as plan.json
 
@@ -91,6 +110,10 @@ class ConfigMapPlanSink:
         for plan in await _records(self.cluster, self.ref):
             if plan is not None and plan.generation == generation:
                 return plan
+        theirs = await self.fetch() if self.fetch is not None else None
+        if theirs is not None and theirs.generation == generation:
+            await self.record_applied(theirs)
+            return theirs
         return None
 
 

@@ -6,6 +6,11 @@ patches (typed `MalleusJobStatus`es, dumped by `status.dump`) and Kubernetes eve
 reaches into the controller: the stragglers it shows are smoothed by a `ShiftDetector` of its
 own fed with the same observations (the controller's definition of a straggler, applied to
 what the status shows), and re-plans are described by the events alone.
+
+`JobReporter.on_trainers` gets the coordinator's ``GET /status`` answers: the GPUs the trainers
+leave out (``status.gpusOut``, the ``Degraded`` condition) and their latest recovery
+(``status.lastRecovery`` and one ``Recovered`` event per recovery epoch, kept in the status so
+that a restarted operator does not post it again).
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ from malleus.controller.events import (
 )
 from malleus.controller.ports import Observation
 from malleus.job import LastReplan, MalleusJobStatus, Phase, ResolvedJob
+from malleus.job.control import ControlStatus, RecoveryRecord
 from malleus.job.rates import bounded_rates
+from malleus.job.status import LastRecovery
 from malleus.planner.plan import Plan
 
-from . import resources, status
+from . import failures, resources, status
 from .context import Context
 
 __all__ = ["EVENT_REASONS", "JobReporter"]
@@ -117,6 +124,31 @@ class JobReporter:
         self._last.update(shown)
         await self._patch(patch)
 
+    async def on_trainers(self, answer: ControlStatus) -> None:
+        """The coordinator's ``/status``: GPUs out (and ``Degraded``), and a new recovery."""
+        fresh = await self.ctx.cluster.get_job(self.ref.namespace, self.ref.name) or self.body
+        stored = fresh.get("status") or {}
+        records = MalleusJobStatus.model_validate(
+            {"failures": stored.get("failures") or []}
+        ).failures
+        out = failures.gpus_out(records or [], answer.out, self.job.gpus_per_node)
+        patch = MalleusJobStatus()
+        if [o.model_dump(mode="json", by_alias=True) for o in out] != (stored.get("gpusOut") or []):
+            patch.gpus_out = out
+            patch.conditions = status.merge_conditions(
+                stored.get("conditions"),
+                failures.degraded_condition(records or [], out, self.ref.generation, status.now()),
+            )
+        rec = answer.last_recovery
+        seen = int((stored.get("lastRecovery") or {}).get("epoch") or 0)
+        if rec is not None and rec.epoch > seen:
+            patch.last_recovery = _last_recovery(rec)
+            await self.ctx.cluster.post_event(
+                self.ref, "Normal", "Recovered", recovered_message(rec)
+            )
+        if patch.gpus_out is not None or patch.last_recovery is not None:
+            await self._patch(patch)
+
     async def on_event(self, event: DecisionEvent) -> None:
         """One decision event: post it, count it, and update the status it concerns."""
         ctx, ns, name = self.ctx, self.ref.namespace, self.ref.name
@@ -153,3 +185,28 @@ class JobReporter:
         patch.phase = self._phase(Phase.RUNNING)
         patch.message = message[:1024]
         await self._patch(patch)
+
+
+def _last_recovery(rec: RecoveryRecord) -> LastRecovery:
+    return LastRecovery(
+        epoch=rec.epoch,
+        time=status.now(),
+        failed=sorted(rec.failed),
+        step=rec.step,
+        steps_lost=rec.steps_lost,
+        seconds=round(rec.seconds, 3),
+        bytes_restored=rec.bytes_restored,
+        mode=rec.mode,
+        generation=rec.generation,
+    )
+
+
+def recovered_message(rec: RecoveryRecord) -> str:
+    """The ``Recovered`` event: which GPUs, how long, how many steps lost, from where."""
+    lost = ", ".join(f"{g} ({why})" for g, why in sorted(rec.failed.items())) or "none"
+    return (
+        f"recovery {rec.epoch}: the job went on without GPU(s) {lost} in {rec.seconds:.1f} s, "
+        f"{rec.steps_lost} step(s) lost, {rec.bytes_restored} bytes restored from "
+        f"{'surviving replicas' if rec.mode == 'replicas' else 'the checkpoint'}; training "
+        f"resumed at step {rec.step} on plan generation {rec.generation}"
+    )

@@ -4,19 +4,21 @@ Keeping manifests pure (dask-kubernetes style) lets tests assert on every field 
 cluster, and keeps `k8s.py` the one place that talks to the API. A job of ``N`` nodes owns:
 
 - a headless Service named like the job: stable DNS names ``<job>-node-<i>.<job>.<ns>.svc``
-  for every worker (torchrun's static rendezvous uses node 0's, the operator scrapes and posts
-  plans to it); it publishes not-ready addresses so that rendezvous works before readiness;
+  for every worker (the operator scrapes the coordinator and posts plans to it through them);
+  it publishes not-ready addresses;
+- the rendezvous store ``<job>-store`` (a Pod and a Service, built in `store`): the TCPStore
+  the trainers meet in, hosted by no worker;
 - a ConfigMap ``<job>-config`` with ``plan.json`` (the plan in force; the operator rewrites it
   at every re-plan, so a restarted operator or trainer finds the latest) and ``job.json`` (the
   manifest the trainers read);
 - a Secret ``<job>-control`` with the bearer token that guards the trainers' ``POST /plan``,
   and the job's TLS identity for their control endpoints (`tls`: CA, certificate, key);
 - a NetworkPolicy ``<job>-network`` (unless the operator runs without them): only the job's
-  own pods reach its pods at all (torch's rendezvous store and the collectives' sockets have no
+  own pods reach its pods at all (the rendezvous store and the collectives' sockets have no
   authentication), and besides them only the operator (and configured peers such as a
-  Prometheus) reach the control port;
+  Prometheus) reach the control ports;
 - a PodDisruptionBudget ``<job>-workers`` with ``minAvailable: N``: a node drain (a voluntary
-  disruption) waits instead of evicting a worker, since one lost worker fails the whole job;
+  disruption) waits instead of evicting a worker (a lost worker is recovered from, at a cost);
 - ``N`` worker Pods ``<job>-node-<i>``, one per node, each running ``torchrun`` with
   ``gpusPerNode`` processes (built in `workers`).
 
@@ -49,6 +51,7 @@ __all__ = [
     "NODE_LABEL",
     "PLAN_KEY",
     "RENDEZVOUS_PORT",
+    "RESTART_ANNOTATION",
     "TOKEN_KEY",
     "JobRef",
     "build_configmap",
@@ -72,6 +75,8 @@ __all__ = [
     "pod_name",
     "secret_name",
     "service_name",
+    "worker_host",
+    "worker_selector",
 ]
 
 MANAGED_BY = "malleus-operator"
@@ -81,7 +86,10 @@ JOB_LABEL = "malleus.io/job"
 """Label holding the owning job's name: the selector of the Service and of every list call."""
 NODE_LABEL = "malleus.io/node-rank"
 RENDEZVOUS_PORT = 29500
-"""torchrun's static rendezvous (TCPStore) port on node 0."""
+"""The port of torchrun's agent store, on each pod's own loopback (the ranks meet in the job's
+store, `store.STORE_PORT`)."""
+RESTART_ANNOTATION = "malleus.io/restart"
+"""On a replacement worker pod: which replacement of its node it is (1, 2, ...)."""
 CONTROL_PORT_NAME = "control"
 CONFIG_MOUNT = "/etc/malleus"
 """Where the ConfigMap (plan.json, job.json) is mounted in every worker."""
@@ -142,9 +150,19 @@ def disruption_budget_name(job: str) -> str:
     return f"{job}-workers"
 
 
+def worker_host(ref: JobRef, index: int) -> str:
+    """Stable DNS name of worker ``index`` (in the job's TLS certificate)."""
+    return f"{pod_name(ref.name, index)}.{service_name(ref.name)}.{ref.namespace}.svc"
+
+
 def coordinator_host(ref: JobRef) -> str:
-    """Stable DNS name of node 0 (the coordinator and torchrun's rendezvous host)."""
-    return f"{pod_name(ref.name, 0)}.{service_name(ref.name)}.{ref.namespace}.svc"
+    """Stable DNS name of node 0, the coordinator until a failure moves it (`trainers`)."""
+    return worker_host(ref, 0)
+
+
+def worker_selector(job: str) -> dict[str, str]:
+    """Labels that select the job's worker pods (not its store)."""
+    return {JOB_LABEL: job, "app.kubernetes.io/component": COMPONENT}
 
 
 def job_labels(job: str) -> dict[str, str]:
@@ -220,11 +238,10 @@ def build_service(job: ResolvedJob, ref: JobRef) -> dict[str, Any]:
         "metadata": metadata(ref, service_name(ref.name)),
         "spec": {
             "clusterIP": "None",
-            "publishNotReadyAddresses": True,  # rendezvous must resolve before readiness
-            "selector": {JOB_LABEL: ref.name},
+            "publishNotReadyAddresses": True,  # names resolve before readiness
+            "selector": worker_selector(ref.name),
             "ports": [
                 {"name": CONTROL_PORT_NAME, "port": job.spec.control_port, "protocol": "TCP"},
-                {"name": "rendezvous", "port": RENDEZVOUS_PORT, "protocol": "TCP"},
             ],
         },
     }
@@ -269,8 +286,8 @@ def build_secret(ref: JobRef, token: str, files: Mapping[str, str] | None = None
 
 def build_disruption_budget(job: ResolvedJob, ref: JobRef) -> dict[str, Any]:
     """A PodDisruptionBudget asking that all ``nodes`` workers stay: an eviction (``kubectl
-    drain``, a cluster autoscaler) is refused rather than killing the job silently, since a
-    worker cannot rejoin a running process group. Involuntary failures still fail the job."""
+    drain``, a cluster autoscaler) waits rather than costing the job a recovery. Involuntary
+    failures are recovered from (`failures`)."""
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
@@ -278,7 +295,10 @@ def build_disruption_budget(job: ResolvedJob, ref: JobRef) -> dict[str, Any]:
         "spec": {
             "minAvailable": job.spec.nodes,
             "selector": {
-                "matchLabels": {JOB_LABEL: ref.name, "app.kubernetes.io/managed-by": MANAGED_BY}
+                "matchLabels": {
+                    **worker_selector(ref.name),
+                    "app.kubernetes.io/managed-by": MANAGED_BY,
+                }
             },
         },
     }
@@ -300,10 +320,12 @@ def build_network_policy(
     job: ResolvedJob, ref: JobRef, control_peers: Sequence[Mapping[str, Any]]
 ) -> dict[str, Any]:
     """Ingress to the job's pods: from each other on every port, from ``control_peers`` (the
-    operator, a Prometheus) on the control port only, from nothing else.
+    operator, a Prometheus) on the control ports only (``spec.controlPort`` and one more per
+    local rank, `workers.control_ports`), from nothing else.
 
-    The job's pods need every port among themselves: torchrun's rendezvous store (a TCPStore
-    on node 0, no authentication: whoever reaches it reads and writes the job's keys) and the
+    The job's pods need every port among themselves: the rendezvous store (a TCPStore in the
+    ``<job>-store`` pod, `store`, no authentication: whoever reaches it reads and writes the
+    job's keys, so it joins or wedges the rendezvous) and the
     collectives' connections (gloo, NCCL sockets on ephemeral ports). The policy is their only
     protection, and its unit of trust is the namespace: a pod labelled as one of the job's is
     admitted, so whoever may create pods in the namespace may join. Egress is left open
@@ -315,7 +337,7 @@ def build_network_policy(
         ingress.append(
             {
                 "from": [dict(p) for p in control_peers],
-                "ports": [{"port": job.spec.control_port, "protocol": "TCP"}],
+                "ports": [_control_port_range(job)],
             }
         )
     return {
@@ -330,6 +352,15 @@ def build_network_policy(
             "ingress": ingress,
         },
     }
+
+
+def _control_port_range(job: ResolvedJob) -> dict[str, Any]:
+    """The NetworkPolicyPort of the ranks' control ports (``endPort`` past one GPU a node)."""
+    first, g = job.spec.control_port, job.spec.gpus_per_node
+    port: dict[str, Any] = {"port": first, "protocol": "TCP"}
+    if g > 1:
+        port["endPort"] = first + g - 1
+    return port
 
 
 # ---- events ---------------------------------------------------------------------------------

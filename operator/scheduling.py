@@ -6,7 +6,8 @@ image cannot be pulled waits forever without failing, so without this a job show
 with the scheduler's or the kubelet's own words (the job's ``Ready`` condition and a Warning
 event carry them, see `lifecycle.pods_transition`), and `schedule_timeout_left` says when
 ``spec.scheduling.scheduleTimeoutSeconds`` is up (the operator's timer then fails the job with
-``ScheduleTimeout``). Labels for gang schedulers are in `gang_labels`.
+``ScheduleTimeout``). Labels for gang schedulers are in `gang_metadata`, and the PodGroup
+object the operator creates for ``spec.scheduling.podGroup.create`` is `build_pod_group`'s.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from malleus.job.spec import MalleusJobSpec
+from malleus.job.spec import MalleusJobSpec, PodGroupApi
+
+from .resources import JobRef, metadata
 
 __all__ = [
     "IMAGE_PULL",
@@ -24,10 +27,13 @@ __all__ = [
     "KUEUE_POD_GROUP_COUNT",
     "KUEUE_QUEUE",
     "POD_GROUP_ANNOTATION",
+    "POD_GROUP_APIS",
     "POD_GROUP_LABEL",
     "SCHEDULE_TIMEOUT",
     "UNSCHEDULABLE",
     "PendingReason",
+    "PodGroupApiInfo",
+    "build_pod_group",
     "gang_metadata",
     "gated",
     "pending_reasons",
@@ -49,6 +55,34 @@ POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
 """scheduler-plugins' coscheduling label naming the PodGroup."""
 POD_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
 """Volcano's annotation naming the PodGroup."""
+
+
+@dataclass(frozen=True)
+class PodGroupApiInfo:
+    """Where a coscheduler's PodGroup lives: API group, version and plural, and who serves it."""
+
+    group: str
+    version: str
+    plural: str
+    project: str
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}"
+
+    @property
+    def resource(self) -> str:
+        """``plural.group/version``, as a message names it."""
+        return f"{self.plural}.{self.api_version}"
+
+
+POD_GROUP_APIS: dict[PodGroupApi, PodGroupApiInfo] = {
+    "scheduler-plugins": PodGroupApiInfo(
+        "scheduling.x-k8s.io", "v1alpha1", "podgroups", "scheduler-plugins (coscheduling)"
+    ),
+    "volcano": PodGroupApiInfo("scheduling.volcano.sh", "v1beta1", "podgroups", "Volcano"),
+}
+"""``spec.scheduling.podGroup.create`` -> the PodGroup API the operator creates one in."""
 
 
 @dataclass(frozen=True)
@@ -138,3 +172,28 @@ def gang_metadata(
         labels[POD_GROUP_LABEL] = pod_group.name
         annotations[POD_GROUP_ANNOTATION] = pod_group.name
     return labels, annotations
+
+
+def build_pod_group(spec: MalleusJobSpec, ref: JobRef) -> dict[str, Any] | None:
+    """The PodGroup ``spec.scheduling.podGroup.create`` asks for (None: none), owned by the job.
+
+    ``minMember`` is ``spec.nodes``: the coscheduler binds no worker until all of them fit, so a
+    job never holds half its GPUs. scheduler-plugins' ``scheduleTimeoutSeconds`` is the job's
+    ``spec.scheduling.scheduleTimeoutSeconds`` (how long the coscheduler keeps a partial gang's
+    reservations); Volcano's ``queue`` is ``podGroup.queue`` when set.
+    """
+    pod_group = spec.scheduling.pod_group
+    if pod_group is None or pod_group.create is None:
+        return None
+    api = POD_GROUP_APIS[pod_group.create]
+    body: dict[str, Any] = {"minMember": spec.nodes}
+    if pod_group.create == "scheduler-plugins":
+        body["scheduleTimeoutSeconds"] = spec.scheduling.schedule_timeout_seconds
+    elif pod_group.queue:
+        body["queue"] = pod_group.queue
+    return {
+        "apiVersion": api.api_version,
+        "kind": "PodGroup",
+        "metadata": metadata(ref, pod_group.name),
+        "spec": body,
+    }

@@ -135,6 +135,10 @@ class Settings:
     peering_priority: int = 0
     """This replica's kopf priority; 0: derived from the pod name (``HOSTNAME``), so two
     replicas of one Deployment differ (kopf pauses every peer of equal priority)."""
+    peering_lifetime_seconds: int = 60
+    """How long a replica's heartbeat in the peering object counts (kopf's
+    ``peering.lifetime``): a standby takes over this long after the active replica's last
+    heartbeat (it heartbeats every lifetime minus 5-10 s, at least every second)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -219,6 +223,7 @@ class Settings:
             peering.mandatory = True
             peering.name = options["peering_name"]
             peering.priority = options["priority"]
+            peering.lifetime = max(1, self.peering_lifetime_seconds)
 
     def with_(self, **changes: object) -> Settings:
         return replace(self, **changes)  # type: ignore[arg-type]

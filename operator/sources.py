@@ -92,10 +92,12 @@ def rate_source(
     timeout: float,
     tls: ControlTLS | None = None,
     prometheus_auth: tuple[str | None, str | None] = (None, None),
+    coordinator_node: int = 0,
 ) -> RateSource:
     """The source ``spec.metrics`` asks for: the coordinator's /metrics (verified with
     `tls`, the job's CA), or Prometheus (with `prometheus_auth`, from
-    `prometheus_credentials`)."""
+    `prometheus_credentials`), reading the step and generation from the coordinator's pod
+    (``coordinator_node``: node 0's until a failure moves the coordinator)."""
     metrics = job.spec.metrics
     interval = float(metrics.scrape_interval_seconds)
     prom = metrics.prometheus
@@ -104,7 +106,7 @@ def rate_source(
             ref.name,
             namespace=ref.namespace,
             pod_regex=f"{ref.name}-node-[0-9]+",
-            coordinator_pod=resources.pod_name(ref.name, 0),
+            coordinator_pod=resources.pod_name(ref.name, coordinator_node),
             sm_clock_metric=prom.dcgm.sm_clock_metric,
             clock_reasons_metric=prom.dcgm.clock_event_reasons_metric,
         )

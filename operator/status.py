@@ -12,9 +12,12 @@ status flips, ``observedGeneration`` set to the spec generation the operator act
   ``NameConflict`` (an object of a child's name is someone else's), ``PodsPending``,
   ``PodFailed`` or ``Completed``.
 - ``Straggling``: True when some GPU is a straggler by the job's policy.
+- ``Degraded``: True while a failed worker waits for its replacement or stays out, or the
+  trainers leave GPUs out (`failures.degraded_condition`); False (``AllGpusIn``) otherwise.
 - ``Succeeded`` / ``Failed``: set True, once, when the job ends (``kubectl wait
   --for=condition=Succeeded mj/NAME``), with the reason (``Completed``; ``InvalidSpec``,
-  ``PodFailed``, ``DeadlineExceeded``); ``completionTime`` is set with them.
+  ``NoValidPlan``, ``NoWorkersLeft``, ``DeadlineExceeded``); ``completionTime`` is set with
+  them.
 """
 
 from __future__ import annotations

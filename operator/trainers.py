@@ -1,33 +1,89 @@
-"""Where a job's trainers are: the URL of a worker's control endpoint (DESIGN §4.4).
+"""Where a job's trainers are: the URL of a rank's control endpoint, and which one is the
+coordinator (DESIGN §4.4).
 
 Not the Kubernetes API (that is `k8s.py`): these are the workers' control endpoints, by default
 reached through their stable DNS names under the job's headless Service. The URL comes from a
 template (`settings.DEFAULT_ENDPOINT`) so tests and out-of-cluster operators can point it
 elsewhere; ``{pod_ip}`` in the template is resolved by reading the pod through the cluster.
 
-The coordinator (node 0, global rank 0) publishes every rank's rate, takes plans and reports
-the plan in force, so the operator talks to it alone, through `malleus.job.control`'s client.
+The coordinator (the lowest GPU still in the job: global rank 0 until a failure takes it out)
+publishes every rank's rate, takes plans and reports the plan in force, so the operator talks
+to it alone, through `malleus.job.control`'s client. Every rank has a control port of its own
+(``spec.controlPort + local rank``, `workers.control_ports`) and only the coordinator serves
+it, so `Endpoints.coordinator` asks the running pods, lowest node first, each of its ranks'
+ports in turn, and takes the first that answers ``GET /status``.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from malleus.job.control import AsyncControlClient, ControlError, ControlStatus, ControlTLS
+from malleus.planner.plan import Plan
+
 from . import resources
 from .k8s import Cluster
 
-__all__ = ["Endpoints"]
+__all__ = ["Coordinator", "Endpoints", "fetch_plan", "running_nodes"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Coordinator:
+    """The rank that speaks for the job: its node, local rank, URL, TLS check and status."""
+
+    node: int
+    local_rank: int
+    url: str
+    tls: ControlTLS | None
+    status: ControlStatus
+
+
+def running_nodes(pods: list[Mapping[str, Any]], job: str, uid: str) -> list[int]:
+    """Nodes whose worker pod (controlled by the job) may serve: running ones first, then those
+    not known to have failed (a phase not reported yet), never one being deleted."""
+    found: list[tuple[bool, int]] = []
+    for p in pods:
+        meta = p.get("metadata") or {}
+        name = str(meta.get("name") or "")
+        prefix = f"{job}-node-"
+        if not name.startswith(prefix) or not name[len(prefix) :].isdigit():
+            continue
+        if not resources.owned_by(p, uid) or meta.get("deletionTimestamp"):
+            continue
+        phase = (p.get("status") or {}).get("phase") or "Pending"
+        if phase in ("Failed", "Succeeded"):
+            continue
+        found.append((phase != "Running", int(name[len(prefix) :])))
+    return [node for _, node in sorted(found)]
 
 
 class Endpoints:
-    """Base URLs of a job's workers from a template such as ``https://{pod}.{service}...``."""
+    """Base URLs of a job's ranks from a template such as ``https://{pod}.{service}...``."""
 
-    def __init__(self, cluster: Cluster, ref: resources.JobRef, port: int, template: str) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        ref: resources.JobRef,
+        port: int,
+        template: str,
+        *,
+        gpus_per_node: int = 1,
+        ca: str | None = None,
+    ) -> None:
         self.cluster = cluster
         self.ref = ref
         self.port = port
         self.template = template
+        self.gpus_per_node = gpus_per_node
+        self.ca = ca
 
-    async def url(self, index: int = 0) -> str:
-        """Base URL of worker ``index`` (0 = the coordinator); ConnectionError if unknown yet."""
+    async def url(self, index: int = 0, local_rank: int = 0) -> str:
+        """Base URL of rank ``local_rank`` of worker ``index``; ConnectionError if unknown yet."""
         pod = resources.pod_name(self.ref.name, index)
         pod_ip = ""
         if "{pod_ip}" in self.template:
@@ -39,7 +95,53 @@ class Endpoints:
             pod=pod,
             service=resources.service_name(self.ref.name),
             namespace=self.ref.namespace,
-            port=self.port,
+            port=self.port + local_rank,
             index=index,
             pod_ip=pod_ip,
         ).rstrip("/")
+
+    def trust(self, index: int) -> ControlTLS | None:
+        """How to verify worker ``index``: the job's CA, for its stable DNS name."""
+        if not self.ca:
+            return None
+        return ControlTLS(self.ca, server_name=resources.worker_host(self.ref, index))
+
+    async def coordinator(self, timeout: float) -> Coordinator:
+        """The rank serving the control endpoint, lowest running node and rank first;
+        ConnectionError when none answers (yet)."""
+        pods = await self.cluster.list_children("Pod", self.ref.namespace, self.ref.name)
+        nodes = running_nodes(pods, self.ref.name, self.ref.uid)
+        tried: list[str] = []
+        for node in nodes:
+            for local in range(self.gpus_per_node):
+                try:
+                    url = await self.url(node, local)
+                except ConnectionError as e:
+                    tried.append(str(e))
+                    break
+                trust = self.trust(node)
+                try:
+                    async with AsyncControlClient(url, timeout=timeout, tls=trust) as client:
+                        answer = await client.status()
+                except ControlError as e:
+                    tried.append(str(e))
+                    continue
+                return Coordinator(node, local, url, trust, answer)
+        if not nodes:
+            raise ConnectionError("no worker pod runs")
+        raise ConnectionError("no rank serves the control endpoint: " + "; ".join(tried[-4:]))
+
+
+async def fetch_plan(client: AsyncControlClient) -> Plan | None:
+    """The plan in force on the trainers (``GET /plan``: a recovery's plan too), or None when
+    the endpoint does not serve it."""
+    try:
+        response = await client._call("GET", "/plan")  # no public read in the client yet
+    except ControlError:
+        return None
+    if response.status_code != 200:
+        return None
+    try:
+        return Plan.model_validate(response.json())
+    except ValueError:
+        return None

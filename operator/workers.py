@@ -16,11 +16,13 @@ from malleus.planner.plan import Plan
 from . import tls
 from .overrides import apply_pod_template
 from .resources import (
+    COMPONENT,
     CONFIG_MOUNT,
     CONTROL_PORT_NAME,
     JOB_LABEL,
     NODE_LABEL,
     RENDEZVOUS_PORT,
+    RESTART_ANNOTATION,
     TOKEN_KEY,
     JobRef,
     build_configmap,
@@ -28,7 +30,6 @@ from .resources import (
     build_secret,
     build_service,
     configmap_name,
-    coordinator_host,
     job_labels,
     metadata,
     pod_name,
@@ -36,6 +37,7 @@ from .resources import (
     service_name,
 )
 from .scheduling import gang_metadata
+from .store import STORE_ENV, build_store_pod, build_store_service, store_address
 
 __all__ = [
     "GPU_RESOURCE",
@@ -43,6 +45,7 @@ __all__ = [
     "RUN_AS_USER",
     "build_children",
     "build_pod",
+    "control_ports",
     "torchrun_command",
 ]
 
@@ -59,28 +62,40 @@ TLS_MOUNT = "/etc/malleus-tls"
 beside, not inside, the ConfigMap's mount."""
 
 
-def torchrun_command(job: ResolvedJob, ref: JobRef, index: int) -> list[str]:
-    """``torchrun ... -m malleus.trainer job.json --plan plan.json`` on a static rendezvous.
+def control_ports(job: ResolvedJob) -> list[int]:
+    """The control ports of a node's ranks: ``spec.controlPort + local rank``. Whichever rank is
+    the job's coordinator (the lowest GPU still in the job) serves its own."""
+    return [job.spec.control_port + local for local in range(job.spec.gpus_per_node)]
 
-    Static (not c10d/etcd) rendezvous on node 0's stable DNS name: the world never changes size
-    in Malleus (stragglers are re-planned around, not removed), and node ranks are the pod
-    indices, which the plan's global ranks (``node * gpusPerNode + local``) depend on.
-    ``--max-restarts=0``: a worker that dies cannot rejoin the job's process group, so failures
-    go to the operator. Each node's first rank serves the control port (``spec.controlPort``).
+
+def torchrun_command(job: ResolvedJob, ref: JobRef, index: int, *, join: bool = False) -> list[str]:
+    """``torchrun ... -m malleus.trainer job.json --plan plan.json`` as the pod's own launcher.
+
+    torchrun only starts and watches this pod's ``gpusPerNode`` ranks (``--nnodes=1``, its
+    agent's store on the pod's loopback): the ranks meet in the job's store (``MALLEUS_STORE``,
+    `store`), which no rank and no pod of a worker hosts, and take their global ranks from
+    ``MALLEUS_NODE_RANK`` (``node * gpusPerNode + local``), so a pod replaced mid-run starts
+    alone and its ranks join the running job (``join``: the trainer's ``--join``; they enter as
+    excluded GPUs at a step boundary and a later plan may re-admit them).
+    ``--max-restarts=0``: a rank that dies takes its pod down, and the operator replaces the pod
+    (`failures`); the other pods' ranks recover without it meanwhile.
     """
+    del ref  # the rendezvous is the job's store, not a worker's name
     cmd = [
         "torchrun",
-        f"--nnodes={job.spec.nodes}",
+        "--nnodes=1",
         f"--nproc-per-node={job.spec.gpus_per_node}",
-        f"--node-rank={index}",
-        f"--master-addr={coordinator_host(ref)}",
+        "--node-rank=0",
+        "--master-addr=127.0.0.1",
         f"--master-port={RENDEZVOUS_PORT}",
         "--max-restarts=0",
         "-m",
         "malleus.trainer",
         f"{CONFIG_MOUNT}/job.json",
-        f"--plan={CONFIG_MOUNT}/plan.json",
     ]
+    # A joining rank takes the running job's plan at admission: the plan file (the operator's
+    # record, which may place no rank of this pod) is only for the first pods.
+    cmd.append("--join" if join else f"--plan={CONFIG_MOUNT}/plan.json")
     ckpt = job.spec.checkpoint
     if ckpt.interval_steps:
         cmd += [f"--checkpoint-dir={ckpt.path}", f"--checkpoint-every={ckpt.interval_steps}"]
@@ -99,6 +114,8 @@ def _env(job: ResolvedJob, ref: JobRef, index: int) -> list[dict[str, Any]]:
         {"name": "MALLEUS_NODES", "value": str(job.spec.nodes)},
         {"name": "MALLEUS_GPUS_PER_NODE", "value": str(job.spec.gpus_per_node)},
         {"name": "MALLEUS_CONTROL_PORT", "value": str(job.spec.control_port)},
+        # The job's rendezvous store (`store`): no rank hosts it; every rank meets there.
+        {"name": STORE_ENV, "value": store_address(ref)},
         {"name": "MALLEUS_JOB", "value": f"{CONFIG_MOUNT}/job.json"},
         {"name": "MALLEUS_PLAN", "value": f"{CONFIG_MOUNT}/plan.json"},
         {
@@ -161,12 +178,18 @@ def _volumes(job: ResolvedJob, ref: JobRef) -> tuple[list[dict[str, Any]], list[
     return volumes, mounts
 
 
-def build_pod(job: ResolvedJob, ref: JobRef, index: int) -> dict[str, Any]:
+def build_pod(
+    job: ResolvedJob, ref: JobRef, index: int, *, join: bool = False, restart: int = 0
+) -> dict[str, Any]:
     """Worker pod of node ``index``: ``gpusPerNode`` trainer processes under torchrun.
 
-    ``restartPolicy: Never``: a restarted worker cannot rejoin the running process group, so a
-    failure is reported on the job instead of being hidden by a restart loop. Without emulation,
-    a required anti-affinity keeps one worker per node (the plan's node = the pod index).
+    ``restartPolicy: Never``: a pod whose rank died is replaced by the operator, under
+    ``spec.failurePolicy`` (`failures`), by a pod of the same name (its DNS name and TLS
+    certificate stay valid) whose trainers ``join`` the running job; ``restart`` (the
+    replacement's number, annotated `RESTART_ANNOTATION`) is 0 for the first pod.
+    ``terminationGracePeriodSeconds`` is ``spec.failurePolicy.gracePeriodSeconds``: the time a
+    trainer told to stop (SIGTERM) has to checkpoint and exit. Without emulation, a required
+    anti-affinity keeps one worker per node (the plan's node = the pod index).
     ``spec.podTemplate`` is merged in last, the operator's fields winning (`overrides`).
     """
     volumes, mounts = _volumes(job, ref)
@@ -180,7 +203,7 @@ def build_pod(job: ResolvedJob, ref: JobRef, index: int) -> dict[str, Any]:
         "restartPolicy": "Never",
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": job.spec.failure_policy.grace_period_seconds,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUN_AS_USER,
@@ -193,11 +216,20 @@ def build_pod(job: ResolvedJob, ref: JobRef, index: int) -> dict[str, Any]:
                 "name": "trainer",
                 "image": job.spec.image,
                 "imagePullPolicy": "IfNotPresent",
-                "command": torchrun_command(job, ref, index),
+                "command": torchrun_command(job, ref, index, join=join),
+                # A failed trainer's last lines become the pod's termination message, which
+                # the PodFailed event and status.failures quote.
+                "terminationMessagePolicy": "FallbackToLogsOnError",
                 "env": _env(job, ref, index),
                 "ports": [
-                    {"name": CONTROL_PORT_NAME, "containerPort": port, "protocol": "TCP"},
-                    {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"},
+                    {
+                        "name": CONTROL_PORT_NAME
+                        if p == port
+                        else f"{CONTROL_PORT_NAME}-{p - port}",
+                        "containerPort": p,
+                        "protocol": "TCP",
+                    }
+                    for p in control_ports(job)
                 ],
                 "resources": _resources(job),
                 "volumeMounts": mounts,
@@ -217,7 +249,12 @@ def build_pod(job: ResolvedJob, ref: JobRef, index: int) -> dict[str, Any]:
             "podAntiAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": [
                     {
-                        "labelSelector": {"matchLabels": {JOB_LABEL: ref.name}},
+                        "labelSelector": {
+                            "matchLabels": {
+                                JOB_LABEL: ref.name,
+                                "app.kubernetes.io/component": COMPONENT,
+                            }
+                        },
                         "topologyKey": "kubernetes.io/hostname",
                     }
                 ]
@@ -235,6 +272,7 @@ def build_pod(job: ResolvedJob, ref: JobRef, index: int) -> dict[str, Any]:
                 "prometheus.io/port": str(port),
                 "prometheus.io/path": "/metrics",
                 "prometheus.io/scheme": "https",
+                **({RESTART_ANNOTATION: str(restart)} if restart else {}),
                 **gang_annotations,
             },
         ),
@@ -253,14 +291,15 @@ def build_children(
     disruption_budget: bool = True,
 ) -> list[dict[str, Any]]:
     """Everything a job owns, in creation order: its NetworkPolicy (when given), Service,
-    ConfigMap, Secret, PodDisruptionBudget (unless ``disruption_budget`` is false), then the
-    pods.
+    ConfigMap, Secret, PodDisruptionBudget (unless ``disruption_budget`` is false), the
+    rendezvous store's Service and Pod (`store`), then the worker pods.
 
     ``certificates`` (`tls.issue`) go into the Secret, which the pods mount: a job that runs
     needs them; None only for manifests that are inspected, never run.
 
-    The policy comes first so that no pod ever runs unprotected; the pods come last because
-    they mount the ConfigMap and read the Secret.
+    The policy comes first so that no pod ever runs unprotected (the store has no
+    authentication: the policy is what keeps other pods from it); the workers come last
+    because they mount the ConfigMap, read the Secret and dial the store.
     """
     return [
         *([dict(network_policy)] if network_policy is not None else []),
@@ -268,5 +307,7 @@ def build_children(
         build_configmap(job, ref, plan),
         build_secret(ref, token, certificates.secret_data() if certificates else None),
         *([build_disruption_budget(job, ref)] if disruption_budget else []),
+        build_store_service(ref),
+        build_store_pod(job, ref),
         *(build_pod(job, ref, i) for i in range(job.spec.nodes)),
     ]

@@ -1,8 +1,16 @@
-"""`python -m malleus.trainer JOB.yaml [--plan PLAN.json] ...`: one rank, under torchrun."""
+"""`python -m malleus.trainer JOB.yaml [--plan PLAN.json] ...`: one rank, under torchrun.
+
+`python -m malleus.trainer store [--host H] [--port P]`: the job's rendezvous store, hosted by
+no rank (trainer/rendezvous.py).
+"""
 
 import sys
 
-from .cli import worker_main
-
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["store"]:
+        from .rendezvous import main as store_main
+
+        sys.exit(store_main(sys.argv[2:]))
+    from .cli import worker_main
+
     sys.exit(worker_main())

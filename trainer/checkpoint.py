@@ -44,9 +44,11 @@ from torch import Tensor
 from malleus.job import ResolvedJob
 
 from . import checkpoint_files as files
+from . import membership
 from .checkpoint_files import KINDS, MANIFEST, CheckpointError
 from .model import pieces
 from .parallel.optim import AdamState
+from .switch import fault_point
 
 __all__ = [
     "FORMAT",
@@ -106,12 +108,14 @@ def save(
     state: Mapping[str, AdamState],
     generation: int = 0,
 ) -> Path:
-    """Collective: every rank writes the pieces it owns; rank 0 publishes and prunes (keeping
-    `spec.checkpoint.keep`). Returns the path."""
+    """Collective: every rank writes the pieces it owns; the coordinator (rank 0 until a
+    recovery moves it) publishes and prunes (keeping `spec.checkpoint.keep`). Returns the path.
+    `rank` is this rank's GPU id."""
     directory = Path(directory)
     final = _step_dir(directory, step)
     tmp = directory / f".{final.name}.tmp"
-    if rank == 0:
+    lead = membership.coordinator()
+    if rank == lead:
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -132,11 +136,14 @@ def save(
         written[name] = files.save_hashed(payload, tmp / name)
         for n in mine:
             described[n] = {"file": name, **files.describe({k: payload[k][n] for k in KINDS})}
-    if rank == 0:
+    fault_point("checkpoint", rank, step)
+    if rank == lead:
         written[RNG] = files.save_hashed({"step": step, "rng": torch.get_rng_state()}, tmp / RNG)
-    reports: list[Any] = [None] * dist.get_world_size() if rank == 0 else []
-    dist.gather_object((written, described), reports if rank == 0 else None, dst=0)
-    if rank == 0:
+    reports: list[Any] = [None] * dist.get_world_size() if rank == lead else []
+    dist.gather_object(
+        (written, described), reports if rank == lead else None, dst=membership.pg(lead)
+    )
+    if rank == lead:
         for their_files, their_pieces in reports:
             written.update(their_files)
             described.update(their_pieces)

@@ -17,6 +17,7 @@ SIGTERM: every rank is stopped).
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -72,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--control-port",
         type=int,
         help="serve /healthz /status /metrics /inject here (rank 0 locally; "
-        "under torchrun default spec.controlPort on each node's first rank; -1 = off)",
+        "under torchrun default spec.controlPort on each node's first rank, or with "
+        "$MALLEUS_STORE on every rank at port + local rank; -1 = off)",
     )
     parser.add_argument("--log-every", type=int, default=1, metavar="N")
     parser.add_argument("--quiet", action="store_true", help="no per-step lines")
@@ -87,6 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="switch to this plan (migrating state in place) so that it is in force from STEP "
         "on; repeatable. Goes through the coordinator's plan inbox like POST /plan. A plan "
         "whose generation is not above the previous one's is renumbered previous + 1.",
+    )
+    parser.add_argument(
+        "--join",
+        action="store_true",
+        help="a replacement for this rank: join the running job at a step boundary "
+        "(needs $MALLEUS_STORE; python -m malleus.trainer only)",
     )
     parser.add_argument(
         "--no-resource-check",
@@ -126,14 +134,21 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # before any rank started
         print("malleus train: interrupted", file=sys.stderr)
         return 130
-    from .launch import Interrupted, LaunchError, spawn_local
+    from .launch import LaunchError
+    from .spawn import Interrupted, spawn_local
 
     port = None if args.control_port in (None, -1) else args.control_port
     opts = _options(args)
     if opts.report:
         Path(opts.report).unlink(missing_ok=True)  # rank 0 writes it; absent if rank 0 died
+    tolerant = bool(job.failures)  # emulated failures are survived, not fatal
     try:
-        spawn_local(job.world, _local_rank, (job, plan, opts, port, args.init_timeout))
+        spawn_local(
+            job.world,
+            _local_rank,
+            (job, plan, opts, port, args.init_timeout),
+            fault_tolerant=tolerant,
+        )
     except Interrupted as e:
         print(f"malleus train: {e}", file=sys.stderr)
         _failure_report(job, opts, 130, str(e))
@@ -188,11 +203,14 @@ def _local_rank(
     job: ResolvedJob, plan: Plan, opts: RunOptions, port: int | None, init_timeout: float
 ) -> int:
     from .checkpoint import CheckpointError
-    from .launch import DistEnv
+    from .launch import DistEnv, fault_tolerant
 
     env = DistEnv.from_env()
+    # Fault tolerant: every rank may become the coordinator; it serves the job's one port
+    # while it is (the failed coordinator's socket is gone with its process).
+    mine = port if env.rank == 0 or fault_tolerant() else None
     try:
-        return _run(job, plan, opts, env, port if env.rank == 0 else None, init_timeout)
+        return _run(job, plan, opts, env, mine, init_timeout)
     except CheckpointError as e:  # changed since the launcher checked it: every rank refuses
         if env.rank == 0:
             print(f"malleus train: {e}", file=sys.stderr, flush=True)
@@ -206,27 +224,40 @@ def _run(
     env: Any,
     port: int | None,
     init_timeout: float,
+    join: bool = False,
 ) -> int:
     import torch.distributed as dist
 
     from malleus.planner import Plan
 
-    from .launch import init_distributed, note_writer
+    from . import membership
+    from .launch import DEFAULT_COLLECTIVE_TIMEOUT_S, fault_tolerant, init_distributed, note_writer
     from .loop import run_rank
+    from .recovery import hang_timeout_s
     from .report import RunLog
     from .services import Services
 
-    device = init_distributed(env, init_timeout_s=init_timeout)
-    # Every rank validated its own plan; a planner need not be deterministic across
-    # processes, so all adopt rank 0's.
-    shared = [plan.to_json() if env.rank == 0 else None]
-    dist.broadcast_object_list(shared, src=0)
-    plan = Plan.from_json(shared[0])
+    tolerant = fault_tolerant()
+    timeout = hang_timeout_s(job) if tolerant else DEFAULT_COLLECTIVE_TIMEOUT_S
+    membership.set_collective_timeout(timeout)
+    admission = None
+    if join:
+        device, admission = init_distributed(env, init_timeout_s=init_timeout, join=True)
+        plan = Plan.from_json(admission.plan)
+    else:
+        device = init_distributed(env, init_timeout_s=init_timeout, collective_timeout_s=timeout)
+        # Every rank validated its own plan; a planner need not be deterministic across
+        # processes, so all adopt rank 0's.
+        shared = [plan.to_json() if env.rank == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        plan = Plan.from_json(shared[0])
     steps = opts.total_steps(job)
-    services = Services.create(job, env.rank, control_port=port, steps=steps)
-    if env.rank == 0:
+    services = Services.create(
+        job, env.rank, control_port=port, steps=steps, serve_when_coordinator=tolerant
+    )
+    if env.rank == membership.coordinator():
         services.note = note_writer(env)
-    report = opts.report if env.rank == 0 else None
+    report = opts.report if env.rank == 0 and not join else None
     log = RunLog(job, plan, steps, command=opts.command) if report else None
     try:
         run_rank(
@@ -238,6 +269,7 @@ def _run(
             device=device,
             services=services,
             log=log,
+            admission=admission,
         )
     except BaseException as e:  # the report says how far it got and why it ended
         if log is not None and report:
@@ -248,7 +280,8 @@ def _run(
             log.write(report, 0)
     finally:
         services.close()
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 
@@ -276,16 +309,24 @@ def worker_main(argv: list[str] | None = None) -> int:
     except LaunchError as e:
         print(f"malleus trainer: {e}", file=sys.stderr)
         return 2
-    if args.control_port == -1:
+    base = job.spec.control_port if args.control_port is None else args.control_port
+    if base == -1:
         port = None
-    elif args.control_port is not None:
-        port = args.control_port if env.local_rank == 0 else None
+    elif os.environ.get("MALLEUS_STORE"):  # every rank may become the coordinator: its own port
+        port = base + env.local_rank
     else:
-        port = job.spec.control_port if env.local_rank == 0 else None
+        port = base if env.local_rank == 0 else None
+    from .launch import fault_tolerant
+
+    if args.join and not fault_tolerant():
+        print(
+            "malleus trainer: --join needs $MALLEUS_STORE (a store no rank hosts)", file=sys.stderr
+        )
+        return 2
     from .checkpoint import CheckpointError
 
     try:
-        return _run(job, plan, _options(args), env, port, args.init_timeout)
+        return _run(job, plan, _options(args), env, port, args.init_timeout, args.join)
     except CheckpointError as e:  # every rank refuses together (state.resume), naming the fault
         print(f"malleus trainer: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,9 @@ token never crosses the pod network in clear; local runs serve plain HTTP on 127
 nothing but this machine can listen in. Every write body is judged here before anything acts
 on it: bounded in size (413) and nesting, strict JSON (no NaN), and an answer within the
 handler's timeout, a 400 naming the field, never a traceback or a dead handler thread.
+
+The routing, the authorization and the plumbing live here; judging a write body (strict JSON,
+nesting, an injection's fields) is trainer/control_body.py.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from socket import socket
 from typing import Any
 from urllib.parse import urlsplit
 
-from malleus.job import MAX_RATE
 from malleus.job.control import ControlStatus
 
+from .control_body import MAX_DEPTH, MAX_FACTOR, _injection, _parse, _Refused
 from .metrics import CONTENT_TYPE, TrainerMetrics
 from .plan_inbox import PlanInbox
 
@@ -39,93 +42,8 @@ __all__ = ["DEFAULT_PORT", "MAX_DEPTH", "MAX_FACTOR", "ControlServer"]
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8040
-MAX_FACTOR = MAX_RATE
-"""The largest slowdown `POST /inject` takes: the CRD's bound on a schedule's factor, so an
-injection cannot stall the emulated clock for hours."""
-MAX_DEPTH = 32
-"""Deepest JSON nesting a write body may have (a plan nests 5 deep)."""
 _MAX_BODY = 1 << 20  # a 64-GPU plan is a few KB; anything near this is a mistake or an attack
 _DRAIN_LIMIT = 16 << 20  # read and discard an oversize body up to this, so the 413 arrives
-
-
-class _Refused(ValueError):
-    """A write body the endpoint will not act on: a 400 naming `path` (the field)."""
-
-    def __init__(self, path: str, message: str) -> None:
-        super().__init__(f"{path}: {message}" if path else message)
-        self.path, self.message = path, message
-
-
-def _no_constant(name: str) -> Any:
-    raise _Refused("", f"body is not JSON: {name} is not a JSON number")
-
-
-def _parse(body: bytes) -> dict[str, Any]:
-    """A write body as a JSON object (an empty body is ``{}``), or `_Refused`.
-
-    The nesting is bounded before anything recurses over the value: `json` itself stops near
-    the interpreter's recursion limit, with a RecursionError that would kill the handler.
-    """
-    if not body.strip():
-        return {}
-    try:
-        value = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
-    except RecursionError:
-        raise _Refused("", f"body nests deeper than {MAX_DEPTH}") from None
-    except UnicodeDecodeError as e:
-        raise _Refused("", f"body is not UTF-8: {e}") from None
-    except _Refused:
-        raise
-    except ValueError as e:  # JSONDecodeError; also an integer of more than 4300 digits
-        raise _Refused("", f"body is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise _Refused("", f"expected a JSON object, got {type(value).__name__}")
-    if _deeper(value, MAX_DEPTH):
-        raise _Refused("", f"body nests deeper than {MAX_DEPTH}")
-    return value
-
-
-def _deeper(value: Any, limit: int) -> bool:
-    """Whether `value` nests objects and arrays more than `limit` deep (level by level, so
-    no recursion)."""
-    level, depth = [value], 1
-    while level:
-        level = [
-            v
-            for c in level
-            for v in (c.values() if isinstance(c, dict) else c)
-            if isinstance(v, (dict, list))
-        ]
-        depth += bool(level)
-        if depth > limit:
-            return True
-    return False
-
-
-def _show(value: Any) -> str:
-    """`value` for an error message, cut short: a refused body may be a megabyte of string."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _injection(req: Mapping[str, Any], world: int) -> tuple[int, float]:
-    """``{"rank", "factor"}`` checked against the world and `MAX_FACTOR`, or `_Refused`."""
-    for name in sorted({"rank", "factor"} ^ set(req)):
-        why = "unknown field" if name in req else "required"
-        raise _Refused(name, f'{why}: send exactly {{"rank": <int>, "factor": <number>}}')
-    rank, factor = req["rank"], req["factor"]
-    if not (_number(rank) and isinstance(rank, int) and 0 <= rank < world):
-        raise _Refused("rank", f"{_show(rank)}; need an integer from 0 to {world - 1} (the world)")
-    # A comparison, not float(): an integer of 400 digits compares, but does not convert.
-    if not (_number(factor) and 1.0 <= factor <= MAX_FACTOR):
-        raise _Refused(
-            "factor", f"{_show(factor)}; need a number from 1 (healthy) to {MAX_FACTOR:g}"
-        )
-    return rank, float(factor)
 
 
 class _Server(ThreadingHTTPServer):
@@ -199,6 +117,12 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(200, status.model_dump(mode="json"))
         elif path == "/metrics" and c.metrics is not None:
             self._send(200, c.metrics.render(), CONTENT_TYPE)
+        elif path == "/plan" and c.plan is not None:  # the plan in force (recovery plans too)
+            plan = c.plan()
+            if plan is None:
+                self._error(404, "no plan in force yet")
+            else:
+                self._json(200, plan)
         elif path in ("/plan", "/stop", "/inject"):
             self._error(405, "use POST", allowed=["POST"])
         else:
@@ -322,7 +246,7 @@ class ControlServer:
     inbox: the plan inbox (coordinator only; None = 404). metrics: served at /metrics.
     inject: `(rank, factor)` callback, only when emulation is on. stop: a parsed `POST /stop`
     body -> (code, answer) (coordinator only: stop at the next step boundary, by default with
-    a checkpoint). token: bearer token for writes (`credentials.load_token()`); None = writes refused with
+    a checkpoint). plan: the plan in force as JSON data, served at `GET /plan`. token: bearer token for writes (`credentials.load_token()`); None = writes refused with
     503. tls: serve HTTPS with this context (`credentials.load_tls()`); None = plain HTTP.
     """
 
@@ -339,11 +263,13 @@ class ControlServer:
         stop: Callable[[dict[str, Any]], tuple[int, dict[str, Any]]] | None = None,
         max_body: int = _MAX_BODY,
         tls: ssl.SSLContext | None = None,
+        plan: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None:
         self.host, self._port = host, port
         self.token = token or None
         self.status, self.inbox, self.metrics, self.inject = status, inbox, metrics, inject
         self.stop_request = stop
+        self.plan = plan  # GET /plan: the plan in force as JSON data (None: 405 as before)
         self.max_body = max_body
         self.tls = tls
         self._httpd: _Server | None = None

@@ -8,6 +8,11 @@ GPUs is alpha[k] = 2^k slower than a full group, exactly the cost model's defaul
 measured step time reflects the plan. Slowdowns come from a schedule (step -> rank -> factor) or
 from `POST /inject`.
 
+Slow links (`links`: step -> node -> factor, the job's `{step, node, link}` entries): a collective
+whose members touch a slowed node (a TP all-reduce inside it, a pipeline transfer or a gradient
+sync leaving it) is charged `factor` times its transfer time (`link_wait`), which the trainer's
+`CommMeter` counts as communication, so the calibration measures the slow link.
+
 Torch-free: the trainer core calls `compute()` after running the real math of a layer.
 """
 
@@ -16,7 +21,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -40,6 +46,9 @@ Kind = Literal["forward", "backward"]
 # whole time slice (measured: 4 ms late at the 90th percentile with 8 busy processes on 2 cores,
 # against 0.4 ms for sleep-then-spin). 0.1 ms of spinning per wait costs ~1% of a 10 ms charge.
 _SPIN_S = 0.0001
+LINK_WINDOW = 16
+"""Calls of one collective (same kind, members and bytes) whose shortest is its transfer time:
+a call that waited for a late peer is longer, and a slow link charges only the transfer."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +128,16 @@ class EmulatedClock:
     backward_s: float
     schedule: Sequence[SlowdownEvent] = ()
     tp: int = 1
+    links: Sequence[tuple[int, int, float]] = ()
+    """Slow links as (step, node, factor): from `step` on, `node`'s links are `factor` times
+    slower (1.0 heals them); `ResolvedJob.link_schedule`."""
+    _link_factors: dict[int, float] = field(default_factory=dict, init=False, repr=False)
+    _link_calls: dict[Hashable, deque[float]] = field(default_factory=dict, init=False, repr=False)
+    _link_seconds: float = field(default=0.0, init=False, repr=False)
+    catch_up: bool = False
+    """Make up a wait's wake-up lateness in the next charges (the trainer's clocks do): on a
+    loaded host the emulated timeline then keeps the budgets' sum; a wait may end early."""
+    _debt: float = field(default=0.0, init=False, repr=False)  # wake-up lateness to make up
     _factor: float = field(default=1.0, init=False, repr=False)
     _step: int | None = field(default=None, init=False, repr=False)
     _event_step: int = field(default=-1, init=False, repr=False)  # step of the event applied
@@ -134,6 +153,13 @@ class EmulatedClock:
         if self.tp < 1 or self.tp & (self.tp - 1):
             raise ValueError(f"tp: {self.tp} is not a power of two")
         self._mine = sorted((e for e in self.schedule if e.rank == self.rank), key=lambda e: e.step)
+        for step, node, factor in self.links:
+            _check_factor(factor)
+            if step < 0 or node < 0:
+                raise ValueError(f"link event {(step, node, factor)}: step and node must be >= 0")
+        self.links = sorted(
+            ((int(s), int(n), float(f)) for s, n, f in self.links), key=lambda e: e[0]
+        )
 
     # ---- the slowdown ----------------------------------------------------------------------
     @property
@@ -164,7 +190,29 @@ class EmulatedClock:
                 latest = e
             if latest is not None and latest.step > self._event_step:
                 self._factor, self._event_step = latest.factor, latest.step
+            self._link_factors = {n: f for s, n, f in self.links if s <= step}  # latest wins
             return self._factor
+
+    # ---- slow links ------------------------------------------------------------------------
+    def link_factor(self, nodes: frozenset[int] | Sequence[int]) -> float:
+        """The slowdown of a collective among `nodes`: its slowest node's links."""
+        return max((self._link_factors.get(n, 1.0) for n in nodes), default=1.0)
+
+    def link_wait(self, key: Hashable, nodes: frozenset[int], seconds: float) -> float:
+        """A collective `key` among `nodes` just took `seconds`: wait `(factor - 1)` times its
+        transfer time (the shortest of its last `LINK_WINDOW` calls, so that waiting for a late
+        peer is not multiplied); returns the seconds waited."""
+        calls = self._link_calls.get(key)
+        if calls is None:
+            calls = self._link_calls[key] = deque(maxlen=LINK_WINDOW)
+        calls.append(seconds)
+        factor = self.link_factor(nodes)
+        if factor <= 1.0:
+            return 0.0
+        extra = (factor - 1.0) * min(calls)
+        precise_wait(time.perf_counter() + extra)
+        self._link_seconds += extra
+        return extra
 
     def inject(self, factor: float) -> None:
         """Override the factor now (POST /inject); holds until the next scheduled event."""
@@ -197,22 +245,41 @@ class EmulatedClock:
         `started` is `time.perf_counter()` taken before the real math. If the math already
         overran the budget nothing is waited, the real duration is charged, and the overrun is
         counted (see `stats()`): emulation is then inaccurate and the base times are too small.
+        With `catch_up`, a wait that woke late (a loaded host's scheduler) is made up in the
+        next charges, so the emulated timeline keeps the budgets' sum, not every lateness.
         """
         budget = self.budget(kind, shards)
-        deadline = started + budget
+        target = started + budget  # where the emulated GPU's work ends
+        deadline = target - self._debt  # earlier wake-up lateness is made up here (catch_up)
         now = time.perf_counter()
         st = self._stats
         st.calls += 1
-        if now >= deadline:
+        if now >= target:
             charged = now - started
             st.overruns += 1
-            st.overrun_seconds += now - deadline
+            st.overrun_seconds += now - target
+        elif now >= deadline:  # partly made up
+            self._debt = now - deadline
+            charged = budget
         else:
             precise_wait(deadline)
-            st.late_seconds += time.perf_counter() - deadline
+            late = time.perf_counter() - deadline
+            self._debt = late if self.catch_up else 0.0
+            st.late_seconds += late
             charged = budget
         st.charged_seconds += charged
         return charged
+
+    def stretch(self, started: float) -> float:
+        """Work that is not a layer (the embedding, the head) and began at `started` takes
+        `factor` times its real duration, as on a slowed GPU: wait out the rest; returns the
+        seconds waited."""
+        if self._factor <= 1.0:
+            return 0.0
+        now = time.perf_counter()
+        extra = (self._factor - 1.0) * max(0.0, now - started)
+        precise_wait(now + extra)
+        return extra
 
     @contextmanager
     def charge(self, kind: Kind, shards: int = 1) -> Iterator[Charge]:
@@ -246,6 +313,7 @@ class EmulatedClock:
             "late_seconds": st.late_seconds,
             "charged_seconds": st.charged_seconds,
             "factor": self._factor,
+            "link_seconds": self._link_seconds,
         }
 
 
@@ -290,6 +358,7 @@ def clock_from_profile(
     tp: int = 1,
     *,
     scale: float = 1.0,
+    links: Sequence[tuple[int, int, float]] = (),
 ) -> EmulatedClock:
     """An EmulatedClock with a named profile's base times, multiplied by `scale` (stretch the
     times when the real math of a CPU run would otherwise overrun them)."""
@@ -299,4 +368,4 @@ def clock_from_profile(
         raise ValueError(
             f"unknown emulation profile {name!r}; known: {', '.join(sorted(GPU_PROFILES))}"
         ) from None
-    return EmulatedClock(rank, fwd * scale, bwd * scale, schedule, tp)
+    return EmulatedClock(rank, fwd * scale, bwd * scale, schedule, tp, links)

@@ -1,74 +1,56 @@
-"""Starting the trainer processes: from torchrun's environment in a pod, or spawned locally.
+"""Starting a trainer process: from torchrun's environment in a pod, or as a child of `spawn_local`.
 
 One process per GPU; NCCL on CUDA, gloo on CPU. Joining is bounded: a rank that cannot reach
 the master, or a job where some rank never shows up, fails within `init_timeout_s` with an
 error naming MASTER_ADDR:MASTER_PORT, instead of hanging until the collective timeout.
-Locally, the parent process hosts the rendezvous store on a port the OS picks, so concurrent
-runs (tests) never race for a "free" port; when a child dies it stops the rest and names the
-rank and what the job was doing (a note rank 0 leaves in that store, e.g. during a switch).
 
-Stopping: the launcher alone decides. On its first SIGINT (Ctrl-C) or SIGTERM it sends SIGTERM to
-every rank, gives them `STOP_S` seconds, kills what is left and raises `Interrupted`; a second
-signal meanwhile changes nothing. The ranks die of the signal itself (`quiet_signals`), with no
-Python handler and so no traceback, whatever collective they are blocked in.
+This module is one rank's side (its environment, `init_distributed`, the store's address, the
+note it leaves for the launcher); starting the processes locally and supervising them (the
+stop signals, a child's death, fault-tolerant waits) is trainer/spawn.py.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import sys
-import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 __all__ = [
     "EXTERNAL_STORE_ENV",
+    "FAULT_TOLERANT_ENV",
+    "STORE_ENV",
     "DistEnv",
-    "Interrupted",
     "LaunchError",
+    "fault_tolerant",
     "init_distributed",
     "note_writer",
     "quiet_signals",
-    "spawn_local",
 ]
 
 EXTERNAL_STORE_ENV = "MALLEUS_EXTERNAL_STORE"  # "1": the store is hosted outside rank 0
+STORE_ENV = "MALLEUS_STORE"
+"""`host:port` of a TCPStore no rank hosts (`python -m malleus.trainer store`, the runner's or
+the operator's): every rank meets there, and failures are survivable (trainer/recovery.py)."""
+FAULT_TOLERANT_ENV = "MALLEUS_FAULT_TOLERANT"
+"""Set to "1" by `spawn_local(..., fault_tolerant=True)`: the launcher's store outlives any rank,
+so survivors recover instead of the job failing."""
+DEAD_KEY = "rec/dead/"
+"""`rec/dead/GPU` in the job's store: a launcher saw that GPU's process exit (recovery need not
+wait out its join window for it)."""
 DEFAULT_INIT_TIMEOUT_S = 60.0
 DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
-GRACE_S = 5.0  # after one local rank fails, how long the others may take to fail on their own
-STOP_S = 5.0  # after SIGINT/SIGTERM, how long the ranks may take to exit before being killed
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 NOTE_PREFIX, NOTE_KEY = "malleus/note/", "doing"
 
 
 class LaunchError(RuntimeError):
     """The process group could not be formed."""
-
-
-class Interrupted(Exception):
-    """The launcher got SIGINT or SIGTERM and stopped every rank."""
-
-    def __init__(self, signum: int, stopped: int, killed: int) -> None:
-        self.signum, self.stopped, self.killed = signum, stopped, killed
-        late = f" ({killed} killed after {STOP_S:g} s)" if killed else ""
-        super().__init__(f"interrupted; stopped {stopped} ranks{late}")
-
-
-class _Stop(BaseException):
-    """Raised by the launcher's signal handler to leave the wait for the ranks."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
 
 
 def quiet_signals() -> None:
@@ -103,10 +85,19 @@ class DistEnv:
                 "which starts the processes itself)"
             )
         try:
+            rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+            local = int(env.get("LOCAL_RANK", "0"))
+            # In a pod (operator/workers.py) torchrun launches only that pod's ranks: with the
+            # job's store, the global identity is the pod's node index (node * gpus + local).
+            node, nodes, gpus = (
+                env.get(f"MALLEUS_{k}") for k in ("NODE_RANK", "NODES", "GPUS_PER_NODE")
+            )
+            if env.get(STORE_ENV) and node and nodes and gpus:
+                rank, world = int(node) * int(gpus) + local, int(nodes) * int(gpus)
             return cls(
-                rank=int(env["RANK"]),
-                world_size=int(env["WORLD_SIZE"]),
-                local_rank=int(env.get("LOCAL_RANK", "0")),
+                rank=rank,
+                world_size=world,
+                local_rank=local,
                 master_addr=env["MASTER_ADDR"],
                 master_port=int(env["MASTER_PORT"]),
             )
@@ -119,20 +110,26 @@ def init_distributed(
     *,
     init_timeout_s: float = DEFAULT_INIT_TIMEOUT_S,
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
-) -> torch.device:
-    """Join the job's process group; returns this rank's device. Fails within ~init_timeout_s."""
+    join: bool = False,
+) -> Any:
+    """Join the job's process group; returns this rank's device. Fails within ~init_timeout_s.
+
+    With fault tolerance (`fault_tolerant()`) the membership and the store client are installed
+    for recovery (trainer/membership.py). `join`: a replacement entering a running job: returns
+    (device, `recovery_join.Admission`) once the job admitted it (no process group is formed here)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    external = os.environ.get(EXTERNAL_STORE_ENV) == "1"
+    external = os.environ.get(EXTERNAL_STORE_ENV) == "1" or bool(os.environ.get(STORE_ENV))
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     is_master = env.rank == 0 and not external and not agent_store
     timeout = timedelta(seconds=init_timeout_s)
+    host, port = store_address(env)
     try:
         store: Any = dist.TCPStore(
-            env.master_addr,
-            env.master_port,
+            host,
+            port,
             env.world_size if is_master else None,
             is_master,
             timeout=timeout,
@@ -146,6 +143,10 @@ def init_distributed(
         ) from None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"malleus/{attempt}/", store)
+    if join:  # a replacement: admitted by the running job at a step boundary (recovery.py)
+        from .recovery_join import await_admission
+
+        return device, await_admission(store, env.rank, init_timeout_s)
     store.set(f"joined/{env.rank}", "1")
     try:
         store.wait([f"joined/{r}" for r in range(env.world_size)], timeout)
@@ -163,7 +164,29 @@ def init_distributed(
         timeout=timedelta(seconds=collective_timeout_s),
         device_id=device if cuda else None,
     )
+    from . import membership
+
+    membership.install(
+        membership.Membership.full(env.world_size), store if fault_tolerant() else None
+    )
     return device
+
+
+def fault_tolerant() -> bool:
+    """Failures are survivable: the rendezvous store is hosted by no rank (`$MALLEUS_STORE`, or
+    `spawn_local(..., fault_tolerant=True)`)."""
+    return bool(os.environ.get(STORE_ENV)) or os.environ.get(FAULT_TOLERANT_ENV) == "1"
+
+
+def store_address(env: DistEnv) -> tuple[str, int]:
+    """Where the job's TCPStore is: `$MALLEUS_STORE` (host:port), else MASTER_ADDR:MASTER_PORT."""
+    given = os.environ.get(STORE_ENV)
+    if not given:
+        return env.master_addr, env.master_port
+    host, sep, port = given.rpartition(":")
+    if not sep or not port.isdigit():
+        raise LaunchError(f"{STORE_ENV}={given!r}: expected host:port")
+    return host or "127.0.0.1", int(port)
 
 
 def _joined(store: Any, rank: int) -> bool:
@@ -182,140 +205,17 @@ def note_writer(env: DistEnv) -> Callable[[str], None] | None:
     "the switch to plan generation 2 at step 3"), quoted if a rank dies. None elsewhere."""
     if os.environ.get(EXTERNAL_STORE_ENV) != "1":
         return None
-    client = dist.TCPStore(
-        env.master_addr, env.master_port, None, False, timeout=timedelta(seconds=30)
-    )
+    host, port = store_address(env)
+    client = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=30))
     store = dist.PrefixStore(NOTE_PREFIX, client)
     return lambda text: store.set(NOTE_KEY, text)
 
 
-def spawn_local(
-    nprocs: int, fn: Callable[..., Any], args: tuple[Any, ...] = (), grace_s: float = GRACE_S
-) -> None:
-    """Run `fn(*args)` in `nprocs` fresh processes forming one job on 127.0.0.1.
+def __getattr__(name: str) -> Any:
+    """`spawn_local` and `Interrupted` moved to trainer/spawn.py; still importable from here
+    (bench/ imports them so), lazily, since trainer/spawn.py imports this module."""
+    if name in ("Interrupted", "spawn_local"):
+        from . import spawn
 
-    Each child gets torchrun's environment variables, so `fn` starts with
-    `init_distributed(DistEnv.from_env())` exactly as under torchrun. When a child fails (an
-    exception, or death by a signal), the others get `grace_s` seconds to fail on their own
-    (printing their errors) and are then terminated; the LaunchError raised names the rank and
-    what the job was doing (the ranks' last note). On SIGINT or SIGTERM (from the main thread
-    only, where Python delivers signals) every child is stopped and `Interrupted` raised.
-    """
-    host = "127.0.0.1"
-    store = dist.TCPStore(host, 0, None, True, wait_for_workers=False)  # lives while we wait
-    handle = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if handle else {}
-    got: list[int] = []
-    try:
-        if handle:  # inherited by the children until `_child` runs: no traceback from startup
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-        ctx = mp.start_processes(
-            _child,
-            args=(fn, args, nprocs, host, store.port),
-            nprocs=nprocs,
-            join=False,
-            start_method="spawn",
-        )
-
-        def on_signal(signum: int, frame: FrameType | None) -> None:
-            for sig in STOP_SIGNALS:  # the first signal decides; later ones change nothing
-                signal.signal(sig, signal.SIG_IGN)
-            got.append(signum)
-            raise _Stop(signum)
-
-        for sig in previous:
-            signal.signal(sig, on_signal)
-        try:
-            while not ctx.join(grace_period=grace_s):
-                pass
-        except _Stop as stop:
-            raise Interrupted(stop.signum, *_stop_all(ctx.processes)) from None
-        except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
-            if got:  # the ranks saw the Ctrl-C before the launcher did
-                raise Interrupted(got[0], *_stop_all(ctx.processes)) from None
-            codes = [p.exitcode for p in ctx.processes]
-            raise LaunchError(_failure(e, codes, dist.PrefixStore(NOTE_PREFIX, store))) from e
-    finally:
-        if not got:  # after a stop signal, later ones stay ignored while the command ends
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-        del store
-
-
-def _stop_all(processes: list[Any]) -> tuple[int, int]:
-    """SIGTERM every live process, wait up to `STOP_S` in all, SIGKILL the rest.
-
-    Returns (processes stopped, of which killed)."""
-    alive = [p for p in processes if p.is_alive()]
-    for p in alive:
-        p.terminate()
-    deadline = time.monotonic() + STOP_S
-    for p in alive:
-        p.join(max(0.0, deadline - time.monotonic()))
-    late = [p for p in alive if p.is_alive()]
-    for p in late:
-        p.kill()
-        p.join()
-    return len(processes), len(late)
-
-
-def _failure(
-    e: mp.ProcessExitedException | mp.ProcessRaisedException,
-    exitcodes: list[int | None],
-    notes: Any,
-) -> str:
-    """'rank 3 died (signal SIGKILL) during the switch to ...; the other ranks were stopped'.
-
-    A rank killed by a signal (not our SIGTERM) is the likely cause even when another rank's
-    error (its peer's "connection reset") reached the launcher first; both are named.
-    """
-    try:
-        doing = notes.get(NOTE_KEY).decode() if notes.check([NOTE_KEY]) else ""
-    except (RuntimeError, OSError):
-        doing = ""
-    during = f" during {doing}" if doing else ""
-    killed = [
-        (i, _signal_name(-c))
-        for i, c in enumerate(exitcodes)
-        if c is not None and c < 0 and -c != signal.SIGTERM and i != e.error_index
-    ]
-    if isinstance(e, mp.ProcessExitedException):
-        how = f"signal {e.signal_name}" if e.signal_name else f"exit code {e.exit_code}"
-        cause, detail = f"rank {e.error_index} died ({how})", ""
-    else:
-        cause, detail = f"rank {e.error_index} failed", f" Its error:{e}"
-    if killed:
-        i, name = killed[0]
-        cause, detail = (
-            f"rank {i} died (signal {name})",
-            f" Rank {e.error_index} failed too.{detail}",
-        )
-    return f"{cause}{during}; the other ranks were stopped.{detail}"
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-def _child(
-    index: int, fn: Callable[..., Any], args: tuple[Any, ...], world: int, host: str, port: int
-) -> None:
-    quiet_signals()  # also lets the launcher's death (PR_SET_PDEATHSIG: SIGINT) end this rank
-    os.environ.update(
-        {
-            "RANK": str(index),
-            "LOCAL_RANK": str(index),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": host,
-            "MASTER_PORT": str(port),
-            EXTERNAL_STORE_ENV: "1",
-        }
-    )
-    if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    code = fn(*args)
-    if code:
-        sys.exit(int(code))
+        return getattr(spawn, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,23 +8,29 @@ at a stop that asks for one, and the final full model.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from malleus.job import ResolvedJob
 from malleus.planner import Plan
 
+from . import membership, recovery, recovery_join, recovery_restore
 from .config import RunOptions
 from .hf import save_hf
 from .precision import Precision
+from .recovery import PeerFailure, as_failure
 from .report import RunLog
 from .services import Services
 from .state import gather_full, resume, save_atomic, save_checkpoint
 from .worker import StepReport, Trainer
+from .worker_figures import CALIBRATE_STEP
 
 __all__ = ["run_rank"]
 
-log = logging.getLogger(__name__)
+log = log_ = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 def _say(text: str) -> None:
@@ -41,9 +47,14 @@ def run_rank(
     device: torch.device,
     services: Services | None = None,
     log: RunLog | None = None,
+    trainer_hook: Callable[[Trainer], None] | None = None,
+    admission: recovery_join.Admission | None = None,
 ) -> list[StepReport]:
     """Train this rank from step 0 (or the latest checkpoint) to `opts.until` or the end;
-    `log` (rank 0, `--report`) records every step and switch."""
+    `log` (rank 0, `--report`) records every step and switch; `trainer_hook` sees the Trainer
+    once built (tests); `admission`: this rank is a replacement the running job admitted (it
+    starts at the job's step, holding nothing). A failed peer (`PeerFailure`, fault-tolerant jobs) is recovered from
+    (trainer/recovery.py) and the run goes on, from the failed step or a checkpoint."""
     steps = opts.total_steps(job)
     precision = Precision.of(job.spec.training.precision, float64=opts.float64)
     trainer = Trainer(
@@ -56,8 +67,12 @@ def run_rank(
         services=services,
         precision=precision,
     )
-    speak = rank == 0 and not opts.quiet
-    if opts.resume and opts.checkpoint_dir:
+    if trainer_hook is not None:
+        trainer_hook(trainer)
+    speak = _speaks(trainer, opts)
+    if admission is not None:
+        recovery_join.joined(trainer, admission)
+    elif opts.resume and opts.checkpoint_dir:
         path = resume(trainer, opts.checkpoint_dir)  # refuses a bad checkpoint on every rank
         if speak and path is not None:
             _say(f"[malleus] resumed from {path} at step {trainer.step}")
@@ -69,15 +84,64 @@ def run_rank(
     pinned = _pinned_switches(opts.switches, trainer.step, speak)
     if trainer.services.stop is not None:
         trainer.services.stop.can_checkpoint = opts.checkpoint_dir is not None
-    reports = []
-    saved = -1
-    while trainer.step < until:
+    reports: list[StepReport] = []
+    saved = [-1]  # the step last checkpointed
+    sized = job.spec.failure_policy.hang_timeout_seconds is not None
+    recovered = False
+    while True:
+        try:
+            if recovered:  # a checkpoint the failure interrupted is written again
+                _checkpoint_due(trainer, opts, saved)
+            _train(trainer, opts, until, steps, pinned, reports, log, saved, sized)
+            _finish(trainer, job, opts, saved)
+            return reports
+        except PeerFailure as failure:  # a peer died or hung: recover, then go on from there
+            recovery.recover(trainer, failure, opts.checkpoint_dir)
+            recovered = True
+            if saved[0] > trainer.step:  # rolled back behind it: save again when there
+                saved[0] = -1
+
+
+def _speaks(trainer: Trainer, opts: RunOptions) -> bool:
+    """The coordinator (rank 0, or the lowest survivor after a recovery) prints the job's lines."""
+    return not opts.quiet and trainer.rank == membership.coordinator()
+
+
+def _collective(trainer: Trainer, what: str, fn: Callable[[], _T]) -> _T:
+    try:
+        return fn()
+    except RuntimeError as e:
+        failure = as_failure(e, what)
+        if failure is e:
+            raise
+        raise failure from e
+
+
+def _train(
+    trainer: Trainer,
+    opts: RunOptions,
+    until: int,
+    steps: int,
+    pinned: dict[int, Plan],
+    reports: list[StepReport],
+    log: RunLog | None,
+    saved: list[int],
+    sized: bool,
+) -> None:
+    """Steps until `until` or a stop; `saved[0]`: the step last checkpointed (-1: none)."""
+    while trainer.step < until and not trainer.boundary.stopping:
         due = pinned.pop(trainer.step + 1, None)  # in force from the next step on
         if due is not None and trainer.coordinator is not None:
             code, answer = trainer.coordinator.inbox.offer(due.model_dump())
             if code != 202:  # only a newer plan posted over HTTP can get in the way
-                log.warning("--switch plan generation %d not applied: %s", due.generation, answer)
+                log_.warning("--switch plan generation %d not applied: %s", due.generation, answer)
         r = trainer.train_step()
+        recovery_restore.settled(trainer)
+        if not sized and trainer.step == CALIBRATE_STEP + 1 and membership.store() is not None:
+            seconds = membership.sized_hang_timeout(r.seconds)  # 10 measured steps, clamped
+            membership.set_collective_timeout(seconds, trainer.groups.groups())
+            log_.info("collectives bounded by %.0f s from now on", seconds)
+        speak = _speaks(trainer, opts)
         reports.append(r)
         m = trainer.last_migration
         if log is not None:
@@ -96,21 +160,34 @@ def run_rank(
                 f"norm {r.grad_norm:.3f} lr {r.lr:.2e} {r.seconds:.3f}s "
                 f"{r.tokens_per_second:,.0f} tok/s"
             )
-        every = opts.checkpoint_every
-        if opts.checkpoint_dir and every and trainer.step % every == 0:
-            save_checkpoint(trainer, opts.checkpoint_dir)
-            saved = trainer.step
-        if trainer.boundary.stopping:
-            if speak:
-                _say(f"[malleus] stop requested: stopping after step {trainer.step}")
-            break
+        _checkpoint_due(trainer, opts, saved)
+        if trainer.boundary.stopping and speak:
+            _say(f"[malleus] stop requested: stopping after step {trainer.step}")
+
+
+def _checkpoint_due(trainer: Trainer, opts: RunOptions, saved: list[int]) -> None:
+    every, directory = opts.checkpoint_every, opts.checkpoint_dir
+    due = bool(directory and every and trainer.step and trainer.step % every == 0)
+    if due and saved[0] != trainer.step:
+        assert directory is not None
+        where = f"the checkpoint of step {trainer.step}"
+        _collective(trainer, where, lambda: save_checkpoint(trainer, directory))
+        saved[0] = trainer.step
+
+
+def _finish(trainer: Trainer, job: ResolvedJob, opts: RunOptions, saved: list[int]) -> None:
+    """The last checkpoint and the final model (collectives: a failure here is recovered)."""
+    speak = _speaks(trainer, opts)
     stop = trainer.boundary
-    if opts.checkpoint_dir and saved != trainer.step and (not stop.stopping or stop.checkpoint):
-        path = save_checkpoint(trainer, opts.checkpoint_dir)
+    if opts.checkpoint_dir and saved[0] != trainer.step and (not stop.stopping or stop.checkpoint):
+        where, directory = f"the checkpoint of step {trainer.step}", opts.checkpoint_dir
+        path = _collective(trainer, where, lambda: save_checkpoint(trainer, directory))
+        saved[0] = trainer.step
         if speak and stop.stopping:
             _say(f"[malleus] saved checkpoint {path}")
     if opts.save_model or opts.save_hf:
-        full = gather_full(trainer, 0)
+        lead = membership.coordinator()
+        full = _collective(trainer, "gathering the model", lambda: gather_full(trainer, lead))
         if full is not None and opts.save_model:
             save_atomic(full, opts.save_model)
             if speak:
@@ -119,7 +196,6 @@ def run_rank(
             save_hf(job, full, opts.save_hf)
             if speak:
                 _say(f"[malleus] saved Hugging Face model to {opts.save_hf}")
-    return reports
 
 
 def _pinned_switches(

@@ -7,11 +7,19 @@ holding several ranks and the controller scrapes one endpoint. Torch-free.
 Prometheus conventions: what a dashboard wants as a rate is a counter (`malleus_steps_total`,
 `malleus_tokens_total`, `malleus_migrations_total`, `malleus_migrated_bytes_total`) or a
 histogram (`malleus_step_duration_seconds`, `malleus_migration_duration_seconds`), so no sample
-is lost between two scrapes; the last-step gauges stay for the operator's own reader (the step,
-the step time and the generation in force). The job's label is `malleus_job`, not `job`, which
+is lost between two scrapes; the only gauges are states (the step, the generation in force, the
+loss, the rates) and the last step's time, which the operator's trainer scrape reads from one
+page (a histogram's mean needs two). The job's label is `malleus_job`, not `job`, which
 Prometheus gives every target; a rate carries the rank, its node's index (`node_rank`), its GPU
 index in that node (`gpu`, DCGM's label) and, for this pod's own ranks, the Kubernetes node
 (`node_name`, from the downward API's `NODE_NAME`) an admin cordons.
+
+The cost model's calibration (trainer/calibration.py), in base units: `malleus_layer_seconds`
+(one layer-time unit), `malleus_cost_seconds{term}` (per micro-batch: `embedding`, `head`, `p2p`
+per stage boundary, `tp_comm` per layer with a `group_size` label; `fixed` per step) and
+`malleus_cost_seconds_per_mebibyte{term}` (`grad_sync_intra`, `grad_sync_inter`, `optimizer`);
+`malleus_link_rate{node_rank}`, a node's links' slowdown (1.0 = healthy). The controller reads
+them back into the planner's shape (`malleus.controller.sources.calibration_from_metrics`).
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ JOB_LABEL = "malleus_job"
 STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 MIGRATION_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 RATE_LABELS = (JOB_LABEL, "rank", "node_rank", "gpu", "node_name")
+PER_MB_TERMS = ("grad_sync_intra", "grad_sync_inter", "optimizer")
+PER_MB_SCALARS = ("embedding", "head", "p2p", "fixed")
 
 
 class TrainerMetrics:
@@ -69,17 +79,8 @@ class TrainerMetrics:
         self._step_seconds = Gauge(
             "malleus_step_seconds", "Wall seconds of the last training step.", j, registry=r
         )
-        self._tps = Gauge(
-            "malleus_tokens_per_second", "Tokens per second of the last step.", j, registry=r
-        )
         self._generation = Gauge(
             "malleus_plan_generation", "Generation of the plan in force.", j, registry=r
-        )
-        self._mig_seconds = Gauge(
-            "malleus_migration_seconds", "Wall seconds of the last migration.", j, registry=r
-        )
-        self._mig_bytes = Gauge(
-            "malleus_migration_bytes", "Bytes moved by the last migration.", j, registry=r
         )
         self._step = Gauge("malleus_step", "Last completed training step.", j, registry=r)
         self._loss = Gauge("malleus_loss", "Training loss of the last step.", j, registry=r)
@@ -103,19 +104,40 @@ class TrainerMetrics:
             buckets=MIGRATION_BUCKETS,
             registry=r,
         )
-        for g in (
-            self._step_seconds,
-            self._tps,
-            self._generation,
-            self._mig_seconds,
-            self._mig_bytes,
-            self._step,
-        ):
+        for g in (self._step_seconds, self._generation, self._step):
             g.labels(job).set(0)
         for c in (self._steps, self._tokens, self._step_hist):
             c.labels(job)
         for c in (self._migrations, self._migrated, self._mig_hist):
             c.labels(job)
+        self._layer_seconds = Gauge(
+            "malleus_layer_seconds",
+            "Seconds of one layer-time unit: a layer's forward+backward, one micro-batch, a "
+            "healthy full TP group (calibration).",
+            j,
+            registry=r,
+        )
+        self._cost = Gauge(
+            "malleus_cost_seconds",
+            "Measured cost besides layer compute: per micro-batch (embedding, head, p2p per "
+            "stage boundary, tp_comm per layer by group_size) or per step (fixed).",
+            [JOB_LABEL, "term", "group_size"],
+            registry=r,
+        )
+        self._cost_per_mib = Gauge(
+            "malleus_cost_seconds_per_mebibyte",
+            "Measured seconds per MiB: gradient sync inside / across nodes, optimizer per MiB "
+            "of master parameters held.",
+            [JOB_LABEL, "term"],
+            registry=r,
+        )
+        self._link_rate = Gauge(
+            "malleus_link_rate",
+            "A node's links' slowdown: its collectives' time over a healthy node's (1.0 = "
+            "healthy).",
+            [JOB_LABEL, "node_rank"],
+            registry=r,
+        )
         self._compute.labels(job, str(rank)).set(0)
         self._lock = threading.Lock()
         self._rate_labels: dict[int, tuple[str, ...]] = {}
@@ -134,7 +156,6 @@ class TrainerMetrics:
         j = self.job
         self._step.labels(j).set(step)
         self._step_seconds.labels(j).set(step_seconds)
-        self._tps.labels(j).set(tokens_per_second)
         self._steps.labels(j).inc()
         if math.isfinite(step_seconds) and step_seconds >= 0:
             self._step_hist.labels(j).observe(step_seconds)
@@ -177,13 +198,29 @@ class TrainerMetrics:
         self._rate.labels(*labels).set(rate)  # NaN: the rank is failed / unusable
         self._rate_labels[rank] = labels
 
+    def observe_calibration(
+        self, calibration: Mapping[str, object], link_rates: Mapping[int, float]
+    ) -> None:
+        """The cost model's measured terms (layer-time units; `layer_seconds` in seconds),
+        published in seconds, and every node's link rate."""
+        j = self.job
+        unit = float(calibration["layer_seconds"])  # type: ignore[arg-type]
+        self._layer_seconds.labels(j).set(unit)
+        for term in PER_MB_SCALARS:
+            self._cost.labels(j, term, "").set(float(calibration[term]) * unit)  # type: ignore[arg-type]
+        tp_comm = calibration.get("tp_comm") or {}
+        for g, v in tp_comm.items():  # type: ignore[attr-defined]
+            self._cost.labels(j, "tp_comm", str(g)).set(float(v) * unit)
+        for term in PER_MB_TERMS:
+            self._cost_per_mib.labels(j, term).set(float(calibration[term]) * unit)  # type: ignore[arg-type]
+        for node, rate in link_rates.items():
+            self._link_rate.labels(j, str(node)).set(rate)
+
     def observe_plan(self, generation: int) -> None:
         self._generation.labels(self.job).set(generation)
 
     def observe_migration(self, seconds: float, bytes_: int) -> None:
         j = self.job
-        self._mig_seconds.labels(j).set(seconds)
-        self._mig_bytes.labels(j).set(bytes_)
         self._migrations.labels(j).inc()
         self._migrated.labels(j).inc(max(0, bytes_))
         self._mig_hist.labels(j).observe(max(0.0, seconds))

@@ -140,6 +140,12 @@ class PlanInbox:
             problem = problem.model_copy(update={"rates": {**problem.rates, **unplaced}})
         return validate_plan(problem, plan)
 
+    def replan(self, problem: PlanningProblem) -> None:
+        """After a recovery: judge later plans against this problem (the failed GPUs unusable);
+        a pending plan for the old membership is dropped by the recovery's `applied`."""
+        with self._lock:
+            self._problem = problem
+
     # ---- the training loop's side --------------------------------------------------------------
     def take(self) -> Plan | None:
         """At a step boundary: the pending plan (now 'being applied'), or None."""

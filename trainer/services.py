@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from malleus.job.control import ControlStatus, MigrationRecord
+from malleus.job.control import ControlStatus, MigrationRecord, RecoveryRecord
 
 from .plan_inbox import PlanInbox
 from .profiling import RateProfiler
@@ -59,6 +59,15 @@ class LoopState:
     rates: Mapping[int, float | None] = field(default_factory=dict)
     """The job's rates of the last step (every rank; None = no figure)."""
     migration: MigrationRecord | None = None
+    plan: Any = None
+    """The plan in force (`GET /plan`); None before the loop took up its first."""
+    out: Mapping[int, str] = field(default_factory=dict)
+    """GPUs out of the job since they failed (recovery), with why."""
+    recovery: RecoveryRecord | None = None
+    calibration: Mapping[str, Any] | None = None
+    """The cost model's terms as the trainers measured them (trainer/calibration.py)."""
+    link_rates: Mapping[int, float] = field(default_factory=dict)
+    """Per node: its links' slowdown as measured (1.0 = healthy)."""
 
 
 class WorkerState:
@@ -92,6 +101,9 @@ class Services:
     inbox: PlanInbox | None = None  # the coordinator's (rank 0) plan inbox
     stop: StopControl | None = None  # the coordinator's stop request
     note: Callable[[str], None] | None = None  # tells the local launcher what the job is doing
+    job: Any = None  # the ResolvedJob (what a rank promoted to coordinator needs)
+    control_port: int | None = None  # served while this rank is the coordinator
+    host: str | None = None
 
     @property
     def emulated(self) -> bool:
@@ -107,10 +119,15 @@ class Services:
             from .emulation import EmulatedClock, SlowdownEvent
 
             schedule = [SlowdownEvent(s, r, f) for s, r, f in job.schedule]
-            clock = EmulatedClock(rank, *seconds, schedule, job.tp)
+            clock = EmulatedClock(
+                rank, *seconds, schedule, job.tp, job.link_schedule, catch_up=True
+            )
         state = WorkerState(job.name, job.world, steps if steps is not None else job.steps)
         svc = cls(state, clock, RateProfiler(clock.reference_s))
-        if rank == 0:  # the coordinator: plans and stop requests enter the job here
+        svc.job = job
+        from . import membership
+
+        if rank == membership.coordinator():  # plans and stop requests enter the job here
             svc.inbox, svc.stop = PlanInbox(job.problem(), 0), StopControl()
         return svc
 
@@ -123,36 +140,70 @@ class Services:
         control_port: int | None,
         steps: int | None = None,
         host: str | None = None,
+        serve_when_coordinator: bool = False,
     ) -> Services:
         """Everything, with a control endpoint on `control_port` when it is not None.
 
         The endpoint listens on `host`, by default where `credentials.control_host` says (the
         pod IP, else 127.0.0.1), and serves HTTPS when the environment names a certificate.
+        `serve_when_coordinator`: listen only while this rank is the coordinator (rank 0 at the
+        start; `promote` after a recovery moved the role here).
         """
         from .metrics import TrainerMetrics
 
         svc = cls.null(job, rank, steps=steps)
         gpn = job.gpus_per_node
         svc.metrics = TrainerMetrics(job.name, rank, rank // gpn, gpu=rank % gpn)
-        if control_port is not None:
-            from .control import ControlServer
-            from .credentials import control_host, load_tls, load_token
-            from .emulation import InjectionQueue
+        svc.control_port, svc.host = control_port, host
+        from . import membership
 
-            if svc.emulated:
-                svc.injections = InjectionQueue()
-            svc.server = ControlServer(
-                host if host is not None else control_host(),
-                control_port,
-                load_token(),
-                status=svc.status,
-                inbox=svc.inbox,
-                metrics=svc.metrics,
-                inject=svc.injections.put if svc.injections is not None else None,
-                stop=svc.stop.request if svc.stop is not None else None,
-                tls=load_tls(),
-            ).start()
+        lead = not serve_when_coordinator or rank == membership.coordinator()
+        if control_port is not None and lead:
+            svc._serve()
         return svc
+
+    def _serve(self) -> None:
+        from .control import ControlServer
+        from .credentials import control_host, load_tls, load_token
+        from .emulation import InjectionQueue
+
+        if self.emulated and self.injections is None:
+            self.injections = InjectionQueue()
+        assert self.control_port is not None
+        self.server = ControlServer(
+            self.host if self.host is not None else control_host(),
+            self.control_port,
+            load_token(),
+            status=self.status,
+            inbox=self.inbox,
+            metrics=self.metrics,
+            inject=self.injections.put if self.injections is not None else None,
+            stop=self.stop.request if self.stop is not None else None,
+            tls=load_tls(),
+            plan=self._plan_json,
+        ).start()
+
+    def _plan_json(self) -> dict[str, Any] | None:
+        plan = self.state.snapshot().plan
+        return None if plan is None else plan.model_dump(mode="json")
+
+    def promote(self, generation: int) -> None:
+        """This rank became the coordinator (a recovery moved the role): take the plan inbox
+        and the stop request, and serve the control endpoint on this rank's port, if any."""
+        if self.inbox is None:
+            self.inbox = PlanInbox(self.job.problem(), generation)
+        if self.stop is None:
+            self.stop = StopControl()
+        if self.control_port is not None:
+            if self.server is not None:
+                self.server.stop()
+                self.server = None
+            try:
+                self._serve()
+            except OSError as e:  # the port still held (a hung predecessor's, say)
+                log.warning("coordinator now, but port %d: %s", self.control_port, e)
+            else:
+                log.info("coordinator now: control endpoint on port %d", self.control_port)
 
     def status(self) -> ControlStatus:
         """GET /status: this rank's loop, and on the coordinator its inbox and stop request."""
@@ -171,6 +222,10 @@ class Services:
             tokens_per_second=st.tokens_per_second,
             last_migration=st.migration,
             last_failure=inbox.last_failure if inbox is not None else None,
+            out=dict(st.out),
+            last_recovery=st.recovery,
+            calibration=dict(st.calibration) if st.calibration is not None else None,
+            link_rates=dict(st.link_rates),
         )
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import checkpoint
+from . import checkpoint, membership
 from .model import join_pieces, pieces
 from .worker import Trainer
 
@@ -52,14 +52,14 @@ def resume(trainer: Trainer, directory: str | Path) -> Path | None:
             _check_fit(trainer, path, loaded)
     except checkpoint.CheckpointError as e:
         fault = str(e)
-    verdicts: list[tuple[str | None, str | None]] = [(None, None)] * trainer.world
-    dist.all_gather_object(verdicts, (fault, None if path is None else path.name))
-    faults = [(rank, f) for rank, (f, _) in enumerate(verdicts) if f is not None]
+    verdicts: list[tuple[int, str | None, str | None]] = [(0, None, None)] * dist.get_world_size()
+    dist.all_gather_object(verdicts, (trainer.rank, fault, None if path is None else path.name))
+    faults = [(rank, f) for rank, f, _ in verdicts if f is not None]
     if faults:
         rank, first = faults[0]
         more = f" (and {len(faults) - 1} more ranks refused)" if len(faults) > 1 else ""
         raise checkpoint.CheckpointError(f"rank {rank}: {first}{more}")
-    seen = {name for _, name in verdicts}
+    seen = {name for _, _, name in verdicts}
     if len(seen) > 1:  # DIR is not one shared volume
         raise checkpoint.CheckpointError(
             f"the ranks see different checkpoints in {directory}: {seen}"
@@ -116,10 +116,10 @@ def gather_full(trainer: Trainer, dst: int = 0) -> dict[str, Tensor] | None:
                 buf = torch.empty(
                     piece.shape(tp), dtype=trainer.precision.master, device=trainer.device
                 )
-                dist.recv(buf, src=owner)
+                dist.recv(buf, src=membership.pg(owner))
                 parts[piece.name] = buf.cpu()
         elif rank == owner:
-            dist.send(trainer.params[piece.name].detach().contiguous(), dst=dst)
+            dist.send(trainer.params[piece.name].detach().contiguous(), dst=membership.pg(dst))
     return join_pieces(model, tp, parts) if rank == dst else None
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import membership
 from .plan_inbox import PlanInbox
 
 __all__ = [
@@ -42,13 +42,15 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CONTROL_WORDS = 2  # [plan JSON length in bytes, stop code]
+CONTROL_WORDS = 3  # [plan JSON length in bytes, stop code, replacements joining now]
 STOP_NONE, STOP, STOP_CHECKPOINT = 0, 1, 2
 MIGRATION_TIMEOUT_S = 300.0
 """Bound on any wait inside a switch: a rank that dies mid-migration fails the job this fast
 even where no launcher watches the processes."""
 FAULT_ENV = "MALLEUS_FAULT"
-"""Test hook: `migration:RANK` makes RANK kill itself (SIGKILL) in the middle of a migration."""
+"""Test hook: `POINT:RANK` (or `POINT:RANK:STEP`) makes GPU RANK kill itself (SIGKILL) at POINT:
+`migration` (in the middle of a migration), `checkpoint` (its checkpoint file written, the
+manifest not yet), `step` (mid-step, after its first layer forward; trainer/faults.py)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class Boundary:
 
     plan_bytes: int = 0  # length of the plan JSON that follows; 0: no switch
     stop: int = STOP_NONE
+    joins: int = 0  # replacement processes admitted at this boundary (trainer/recovery.py)
 
     @property
     def stopping(self) -> bool:
@@ -67,12 +70,12 @@ class Boundary:
         return self.stop == STOP_CHECKPOINT
 
     def words(self) -> list[float]:
-        return [float(self.plan_bytes), float(self.stop)]
+        return [float(self.plan_bytes), float(self.stop), float(self.joins)]
 
     @classmethod
     def decode(cls, words: Sequence[float]) -> Boundary:
-        """From the all-reduced words (only rank 0 contributes; exact in float64)."""
-        return cls(int(words[0]), int(words[1]))
+        """From the all-reduced words (only the coordinator contributes; exact in float64)."""
+        return cls(int(words[0]), int(words[1]), int(words[2]) if len(words) > 2 else 0)
 
 
 class StopControl:
@@ -128,12 +131,14 @@ class Coordinator:
 
 
 def broadcast_payload(payload: bytes, length: int, rank: int, device: torch.device) -> bytes:
-    """Collective: rank 0's `payload` of `length` bytes on every rank."""
+    """Collective: the coordinator's `payload` of `length` bytes on every rank (`rank`: this
+    rank's GPU id; the coordinator is the lowest member, GPU 0 until a recovery)."""
     buf = torch.empty(length, dtype=torch.uint8, device=device)
-    if rank == 0:
+    source = membership.coordinator()
+    if rank == source:
         buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    dist.broadcast(buf, src=0)
-    return buf.cpu().numpy().tobytes() if rank else payload
+    dist.broadcast(buf, src=membership.pg(source))
+    return buf.cpu().numpy().tobytes() if rank != source else payload
 
 
 def settle(timeout_s: float) -> None:
@@ -164,8 +169,11 @@ class MigrationError(RuntimeError):
     """A switch failed; the message names the rank, the plan generation and the step."""
 
 
-def fault_point(name: str, rank: int) -> None:
-    """Die here (SIGKILL, no cleanup) when `$MALLEUS_FAULT` is `name:rank`: failure tests."""
-    if os.environ.get(FAULT_ENV) == f"{name}:{rank}":
-        log.error("fault injection: rank %d dies at %s", rank, name)
-        os.kill(os.getpid(), signal.SIGKILL)
+def fault_point(name: str, rank: int, step: int | None = None) -> None:
+    """Die here (SIGKILL, no cleanup) when `$MALLEUS_FAULT` is `name:rank` (or
+    `name:rank:step` at that step): failure tests."""
+    want = os.environ.get(FAULT_ENV)
+    if want == f"{name}:{rank}" or (step is not None and want == f"{name}:{rank}:{step}"):
+        from .faults import die
+
+        die(rank, "kill", name)

@@ -6,7 +6,9 @@ gradient norm, the loss, every rank's compute figures and the coordinator's cont
 AdamW, report; then, at the step boundary, switch to a new plan or stop if rank 0 said so
 (trainer/switch.py). Every rank, excluded ones included, takes part in the world collectives, in
 the same order. Its state in and out (checkpoints, the full model) is trainer/state.py, the run
-around the steps (resume, logs, checkpoints, the final model) trainer/loop.py.
+around the steps (resume, logs, checkpoints, the final model) trainer/loop.py; an excluded
+rank's benchmark step and the step's figures (rates, what is published, injected slowdowns)
+trainer/worker_figures.py.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,9 +27,11 @@ from malleus.job import ResolvedJob
 from malleus.job.control import MigrationRecord
 from malleus.planner import Plan, check_plan
 
+from . import membership
+from .calibration import Calibrator
 from .data import make_source, micro_batch
+from .faults import Faults
 from .hf import initial_pieces
-from .model import init_piece, pieces
 from .parallel import migrate
 from .parallel.grad_sync import owned_square_norm, sync_gradients
 from .parallel.groups import GroupCache
@@ -36,7 +41,8 @@ from .parallel.pipeline import LayerTimer, PipelineStage
 from .parallel.stage import StageModel
 from .parallel.tensor import CommMeter, TPGroup
 from .precision import ComputeCopies, Precision
-from .profiling import healthy_reference
+from .recovery import as_failure
+from .recovery_join import admit, joiners
 from .services import Services
 from .switch import (
     CONTROL_WORDS,
@@ -49,14 +55,11 @@ from .switch import (
     fault_point,
     settle,
 )
+from .worker_figures import benchmark, exchange_injections, publish, rates_of
 
-__all__ = ["CALIBRATE_STEP", "StepReport", "Trainer"]
+__all__ = ["StepReport", "Trainer"]
 
 log = logging.getLogger(__name__)
-
-CALIBRATE_STEP = 2
-"""With real timings, the healthy reference is fixed from the ranks' timings of this step
-(the first steps pay one-off allocation and warm-up costs)."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,8 @@ class Trainer:
             raise ValueError(
                 f"world size {world} != nodes({job.nodes}) * gpusPerNode({job.gpus_per_node})"
             )
-        check_plan(job.problem(), plan)
+        placed = set(plan.active_ranks()) | set(plan.excluded)  # a GPU out of the job: unusable
+        check_plan(job.problem({g: None for g in range(job.world) if g not in placed}), plan)
         self.job, self.plan, self.rank, self.world, self.device = job, plan, rank, world, device
         self.model, self.training = job.model, job.spec.training
         self.steps = steps if steps is not None else job.steps  # the LR schedule's length
@@ -102,8 +106,16 @@ class Trainer:
             services = Services.null(job, rank, steps=self.steps)
         self.services = services
         self.groups = groups if groups is not None else GroupCache()
-        self.meter = CommMeter(cuda=device.type == "cuda")
-        self.timer = LayerTimer(self.services.clock, self.services.profiler, self.meter, device)
+        self.meter = CommMeter(  # an emulated clock charges slow links (`link_wait`)
+            cuda=device.type == "cuda",
+            gpus_per_node=job.gpus_per_node,
+            link=getattr(self.services.clock, "link_wait", None),
+        )
+        self.calibrator = Calibrator()  # the cost model's terms, measured (trainer/calibration.py)
+        self.optimizer_seconds = 0.0  # the last step's optimizer update
+        self.faults = Faults(job.failures, rank)  # emulated kill / hang (trainer/faults.py)
+        clock = self.faults.clock(self.services.clock)
+        self.timer = LayerTimer(clock, self.services.profiler, self.meter, device)
         tr = self.training
         self.source = make_source(tr.dataset, job.model.sequence, job.model.vocab, tr.seed, tr.data)
         self.step = 0
@@ -125,15 +137,21 @@ class Trainer:
         self.migration_timeout_s = migration_timeout_s
         self.boundary = Boundary()  # what the last step boundary announced
         self.last_migration: Migration | None = None
+        self.last_vec: tuple[int, list[float]] | None = None  # (step, its world vector)
+        self.out: dict[int, str] = {}  # GPUs out of the job (failed), with why: recovery.py
+        self.recovering: Any = None  # a recovery whose first committed step is still to run
+        self.recoveries: list[dict[str, Any]] = []  # completed recoveries' records
+        self.spurious: dict[int, int] = {}  # step -> recoveries in which nobody had failed
+        self.admitted: dict[int, int] = {}  # GPU -> the replacements of it admitted so far
         svc = self.services
         self.coordinator = (
             Coordinator(svc.inbox, svc.stop)
-            if rank == 0 and svc.inbox is not None and svc.stop is not None
+            if rank == membership.coordinator() and svc.inbox is not None and svc.stop is not None
             else None
         )
         if svc.inbox is not None:
             svc.inbox.applied(plan.generation)
-        svc.state.update(generation=plan.generation)
+        svc.state.update(generation=plan.generation, plan=plan)
         if svc.metrics is not None:
             svc.metrics.observe_plan(plan.generation)
 
@@ -169,14 +187,26 @@ class Trainer:
 
     # ---- the step ---------------------------------------------------------------------------
     def train_step(self) -> StepReport:
-        tr, svc = self.training, self.services
+        """One step; a failed collective raises `PeerFailure` when failures are survivable
+        (trainer/recovery.py), and the step then commits or is redone after recovery."""
+        try:
+            return self._train_step()
+        except RuntimeError as e:
+            failure = as_failure(e, f"step {self.step}")
+            if failure is e:
+                raise
+            raise failure from e
+
+    def _train_step(self) -> StepReport:
+        svc = self.services
         t0 = time.perf_counter()
         svc.clock.set_step(self.step)
+        self.faults.arm(self.step)
         if svc.emulated:
-            self._exchange_injections()
+            exchange_injections(self)
         self.optim.zero_grad()
         self.timer.reset()
-        loss_sum = self.pipeline.run() if self.pipeline is not None else self._benchmark()
+        loss_sum = self.pipeline.run() if self.pipeline is not None else benchmark(self)
         svc.profiler.end_step()
         sync_gradients(self.layout, self.params, self.groups, self.meter)
 
@@ -194,14 +224,27 @@ class Trainer:
         payload = b""
         if self.coordinator is not None:  # a plan posted after this line waits a step
             announce, payload = self.coordinator.take()
+            announce = replace(announce, joins=joiners(self))
             vec[2 + 2 * W :] = torch.tensor(announce.words(), dtype=torch.float64)
         with self.meter.timed():
             dist.all_reduce(vec)
         stats = vec.tolist()
+        self.last_vec = (self.step, stats)  # the step commits: recovery may hand it to others
+        report = self.commit(stats, t0)
+        self.calibrator.end_step(self, report.step, t0, report.seconds, self.optimizer_seconds)
+        self._at_boundary(Boundary.decode(stats[2 + 2 * self.world :]), payload)
+        return report
+
+    def commit(self, stats: list[float], t0: float) -> StepReport:
+        """Apply the optimizer update of the step whose world vector is `stats` (never before
+        that all-reduce completed on some rank: trainer/recovery.py's commit rule)."""
+        tr, W = self.training, self.world
         norm = math.sqrt(stats[0])
         lr = lr_at(self.step, tr.learning_rate, tr.warmup_steps, self.steps)
+        t_opt = time.perf_counter()
         self.optim.step(lr, clip_coefficient(norm, tr.grad_clip))
         self.compute.refresh()
+        self.optimizer_seconds = time.perf_counter() - t_opt
 
         seconds = time.perf_counter() - t0
         report = StepReport(
@@ -212,26 +255,26 @@ class Trainer:
             seconds=seconds,
             tokens_per_second=self.job.tokens_per_step / seconds,
             compute_seconds=self.timer.seconds,
-            rates=self._rates(stats[2 : 2 + W]),
+            rates=rates_of(self, stats[2 : 2 + W]),
         )
         self.step += 1
-        self._publish(report, stats[2 + W : 2 + 2 * W])
-        self._at_boundary(Boundary.decode(stats[2 + 2 * W :]), payload)
+        publish(self, report, stats[2 + W : 2 + 2 * W])
         return report
 
     # ---- the step boundary: switch, stop ----------------------------------------------------
     def _at_boundary(self, boundary: Boundary, payload: bytes) -> None:
         self.boundary = boundary
-        if not boundary.plan_bytes:
-            return
-        data = broadcast_payload(payload, boundary.plan_bytes, self.rank, self.device)
-        plan = Plan.from_json(data)  # validated by rank 0's inbox before it was taken
-        try:
-            self.switch(plan)
-        except Exception as e:
-            if self.services.inbox is not None:
-                self.services.inbox.failed(plan.generation, str(e))
-            raise
+        if boundary.plan_bytes:
+            data = broadcast_payload(payload, boundary.plan_bytes, self.rank, self.device)
+            plan = Plan.from_json(data)  # validated by the coordinator's inbox when it came in
+            try:
+                self.switch(plan)
+            except Exception as e:
+                if self.services.inbox is not None:
+                    self.services.inbox.failed(plan.generation, str(e))
+                raise
+        if boundary.joins:  # replacements enter now, under the plan in force
+            admit(self)
 
     def switch(self, plan: Plan) -> Migration:
         """Collective: put `plan` in force now, moving every piece and its Adam state to its
@@ -299,6 +342,7 @@ class Trainer:
         self.optim.rebind(params, {p.name: p.spec.decay for p in new.held()}, state)
         self.plan, self.layout = plan, new
         self.pipeline = self._pipeline(new.place) if new.place else None
+        self.services.state.update(plan=plan)
 
     def _record(self, m: Migration) -> None:
         svc = self.services
@@ -322,90 +366,3 @@ class Trainer:
             f"{m.minimal_bytes:,}",
             m.seconds,
         )
-
-    def _benchmark(self) -> float:
-        """An excluded rank's step: one layer-shard forward and backward of its own, timed like
-        any layer (and charged to its emulated clock), so it keeps a rate to be re-admitted."""
-        if self._bench is None:
-            place = Place(-1, 0, 1, 0, (self.rank,), range(1), range(1), 1, 0)
-            tp, seed = self.job.tp, self.training.seed
-            dtype = self.precision.compute  # benchmarked in the dtype it would serve in
-            params = {
-                p.name: init_piece(p, tp, seed).to(self.device, dtype).requires_grad_()
-                for p in pieces(self.model, tp)
-                if p.spec.layer == 0 and p.shard in (None, 0)
-            }
-            self._bench = StageModel(
-                self.model,
-                tp,
-                place,
-                params,
-                TPGroup(None, (self.rank,), 0, self.meter),
-                self.device,
-                dtype,
-            )
-        bench = self._bench
-        x = torch.ones(
-            self.act_shape, dtype=self.precision.compute, device=self.device, requires_grad=True
-        )
-        y = self.timer("forward", 1, lambda: bench.layer(0, x))
-        self.timer("backward", 1, lambda: _backward_ones(y, x))
-        for p in bench.params.values():
-            p.grad = None
-        return 0.0
-
-    def _rates(self, per_unit: list[float]) -> dict[int, float | None]:
-        prof = self.services.profiler
-        if prof.reference_s is None and self.step >= CALIBRATE_STEP:
-            prof.calibrate(healthy_reference([s for s in per_unit if s > 0]))
-        ref = prof.reference_s
-        if ref is None:
-            return {r: None for r in range(self.world)}
-        return {r: (max(1.0, s / ref) if s > 0 else None) for r, s in enumerate(per_unit)}
-
-    def _exchange_injections(self) -> None:
-        """Slowdowns posted to any control endpoint reach their rank at the step boundary."""
-        vec = torch.zeros(self.world, dtype=torch.float64, device=self.device)
-        if self.services.injections is not None:
-            for rank, factor in self.services.injections.drain().items():
-                if 0 <= rank < self.world:
-                    vec[rank] = factor
-        with self.meter.timed():
-            dist.all_reduce(vec, op=dist.ReduceOp.MAX)
-        factor = float(vec[self.rank])
-        if factor > 0:
-            self.services.clock.inject(factor)
-
-    def _publish(self, report: StepReport, compute: list[float]) -> None:
-        svc = self.services
-        svc.state.update(
-            step=self.step,
-            step_seconds=report.seconds,
-            tokens_per_second=report.tokens_per_second,
-            rates=report.rates,
-        )
-        if svc.metrics is not None:
-            rates: dict[int, float | None] = dict(report.rates)
-            if svc.profiler.reference_s is not None:  # calibrated: a rank without a figure
-                rates = {r: math.nan if v is None else v for r, v in rates.items()}  # failed
-            svc.metrics.observe_step(
-                self.step,
-                report.seconds,
-                report.tokens_per_second,
-                rates.get(self.rank),
-                report.compute_seconds,
-                loss=report.loss,
-            )
-            if svc.server is not None:  # an endpoint publishes every rank's figures
-                gpn = self.job.gpus_per_node
-                svc.metrics.observe_rates(
-                    rates,
-                    {r: r // gpn for r in range(self.world)},
-                    dict(enumerate(compute)),
-                )
-
-
-def _backward_ones(y: Tensor, x: Tensor) -> Tensor:
-    y.backward(torch.ones_like(y))
-    assert x.grad is not None
-    return x.grad

@@ -12,14 +12,22 @@ the planning that produced it, *and* the relative gain is at least `min_gain` (s
 saves 1 % is not worth disturbing a healthy run for, however long the horizon). Counting the
 planning time is conservative: a planner that took long must have found a proportionally
 better plan.
+
+Calibrated: the trainers measure what a step costs besides layer compute (TP collectives,
+embedding and head, pipeline transfers, gradient sync, optimizer, the rest) and each node's link
+rate; `calibrated` puts them into the problem, so every prediction here (the gain, the Replanned
+event's estimate) is the calibrated cost model's, and a unit's seconds are measured too.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from malleus.errors import BadInput
 from malleus.job.memory import MIB
 from malleus.job.spec import StragglerPolicy
 from malleus.planner.cost import (
@@ -30,9 +38,46 @@ from malleus.planner.cost import (
     uniform_step_time,
 )
 from malleus.planner.plan import Estimate, Plan
-from malleus.planner.problem import PlanningProblem
+from malleus.planner.problem import MAX_RATE, PlanningProblem
 
-__all__ = ["MIB", "Decision", "MigrationModel", "decide", "same_layout", "with_estimate"]
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "MIB",
+    "Decision",
+    "MigrationModel",
+    "calibrated",
+    "decide",
+    "same_layout",
+    "with_estimate",
+]
+
+
+def calibrated(
+    problem: PlanningProblem,
+    calibration: Mapping[str, Any] | None,
+    link_rates: Mapping[int, float] | None = None,
+) -> PlanningProblem:
+    """`problem` with the trainers' measured cost terms and per-node link rates (as
+    `ResolvedJob.problem(..., calibration, link_rates)` builds it); unchanged without them.
+    Link rates are kept for the job's nodes, finite, 1.0 to MAX_RATE; a calibration the
+    problem refuses (a term out of bounds) is logged and left out."""
+    if calibration is None and not link_rates:
+        return problem
+    links = {
+        int(n): min(MAX_RATE, max(1.0, float(v)))
+        for n, v in (link_rates or {}).items()
+        if 0 <= int(n) < problem.nodes and math.isfinite(float(v))
+    }
+    data = {name: getattr(problem, name) for name in PlanningProblem.model_fields}
+    data.update(link_rates=links or dict(problem.link_rates))
+    if calibration is not None:
+        data["calibration"] = dict(calibration)
+    try:
+        return PlanningProblem.load(data)
+    except BadInput as e:  # a figure out of bounds must not stop every re-plan
+        log.warning("the trainers' calibration is not usable, planning without it: %s", e)
+        return problem
 
 
 class MigrationModel:
@@ -119,6 +164,8 @@ def decide(
     mb = migration_mb(problem, current, new)
     mig_s = migration.predict_seconds(mb)
     spu = seconds_per_unit
+    if spu is None and problem.calibration is not None:  # measured by the trainers
+        spu = problem.calibration.layer_seconds
     old_s = t_old * spu if spu is not None else None
     new_s = t_new * spu if spu is not None else None
 

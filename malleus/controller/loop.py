@@ -7,8 +7,8 @@ ReplanFailed event and leaves the plan in force alone: the loop itself never die
 a job that trains on a stale plan is better than one whose controller crashed.
 
 State is small and explicit: the plan in force, the detector's believed rates, the time of the
-last applied plan (cooldown) and of the last failure (retry), a calibration of the cost model in
-seconds, and the migration bandwidth learned so far.
+last applied plan (cooldown) and of the last failure (retry), the trainers' latest calibration
+(cost terms, link rates: every problem carries it, `calibrated`), the migration bandwidth.
 
 Generations: the trainers own the counter and this loop follows it (`generations`). A 409
 (`GenerationConflict`) is adopted and the loop re-plans from there at the next step; trainers
@@ -41,7 +41,7 @@ from malleus.planner.plan import Plan
 from malleus.planner.problem import PlanningProblem
 from malleus.planner.validate import validate_plan
 
-from .decision import MIB, Decision, MigrationModel, decide, with_estimate
+from .decision import MIB, Decision, MigrationModel, calibrated, decide, with_estimate
 from .detector import Shift, ShiftDetector
 from .events import (
     DecisionEvent,
@@ -109,16 +109,15 @@ class Controller:
         self.world = problem_builder({}, None).world
         self.guard = ExclusionGuard(self.policy, self.world)
         self._history: deque[DecisionEvent] = deque(maxlen=history_limit)
-        self.last_step = -1
-        """The last step observed."""
-        self._plan_first_step: int | None = None
-        """The first step observed under the plan in force (None: none yet)."""
+        self.last_step = -1  # the last step observed
+        self._plan_first_step: int | None = None  # first step seen under the plan in force
 
         self._applied_at: float | None = None
         self._retry_at: float | None = None
         self._deferral_reported = False
         self._step_seconds: deque[float] = deque(maxlen=self.policy.window_steps)
         self._seconds_per_unit: float | None = None
+        self._calibration: tuple[Mapping[str, Any] | None, dict[int, float]] = (None, {})
         self._evidence: dict[int, str] = {}
         # Its own pool, not asyncio's default: a planner thread that ignores its time limit
         # must not hang asyncio.run's shutdown. Daemon-free threads still end with the planner.
@@ -186,6 +185,8 @@ class Controller:
         ):
             self._step_seconds.append(obs.step_seconds)
         self._evidence = dict(obs.evidence)  # only current evidence: a past throttle is no reason
+        if obs.calibration is not None:  # the trainers' latest measurement of the cost model
+            self._calibration = (obs.calibration, dict(obs.link_rates))
         shift = self.detector.observe(obs.step, bounded_rates(obs.rates, self.world), now)
         self.guard.track(obs.step, self.detector.smoothed())
         if shift is None:
@@ -232,7 +233,7 @@ class Controller:
         evidence = {r: self._evidence[r] for r in shift.ranks if r in self._evidence}
         await self._emit(shift.reason, StragglerDetected(shift, rates, evidence))
         try:
-            problem = self.problem_builder(rates, self.plan)
+            problem = calibrated(self.problem_builder(rates, self.plan), *self._calibration)
         except Exception as e:
             await self._fail(f"cannot build the planning problem: {e}")
             return

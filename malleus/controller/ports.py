@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from malleus.planner.plan import Plan
 
@@ -38,6 +38,11 @@ class Observation:
     """Generation of the plan in force when the step ran."""
     evidence: Mapping[int, str] = field(default_factory=dict)
     """Corroboration per rank from outside the trainer (e.g. DCGM: 'SM clock 45% of peak')."""
+    calibration: Mapping[str, Any] | None = None
+    """The cost model's terms as the trainers measured them (the planner's `calibration` shape:
+    `layer_seconds` in seconds, the rest in layer-time units); None: not measured (yet)."""
+    link_rates: Mapping[int, float] = field(default_factory=dict)
+    """Per node: its links' slowdown as measured (1.0 = healthy; absent: no figure)."""
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .ports import Observation
+from .sources import CALIBRATION_METRICS, calibration_from_samples
 
 __all__ = [
     "CLOCK_EVENT_REASONS",
@@ -101,6 +102,8 @@ class PromQueries:
     generation: str
     sm_clock: str | None = None
     clock_reasons: str | None = None
+    calibration: str | None = None
+    """The coordinator's calibration series (the cost model's measured terms, link rates)."""
 
 
 def default_queries(
@@ -147,6 +150,7 @@ def default_queries(
         generation=f"max(malleus_plan_generation{owner})",
         sm_clock=dcgm(sm_clock_metric),
         clock_reasons=dcgm(clock_reasons_metric),
+        calibration="{" + f'__name__=~"{"|".join(CALIBRATION_METRICS)}",' + owner[1:],
     )
 
 
@@ -244,12 +248,17 @@ def observation_from_results(
     generation: list[Sample],
     evidence: Mapping[int, str] | None = None,
     keep: Callable[[Mapping[str, str]], bool] | None = None,
+    calibration: list[Sample] | None = None,
 ) -> Observation | None:
     """An Observation from the answers of the queries; None when no step has been reported.
-    `keep` (e.g. `own_rank_series`) drops the rate series it refuses."""
+    `keep` (e.g. `own_rank_series`) drops the rate series it refuses; `calibration`: the
+    answer of the calibration query."""
     if not step or not math.isfinite(step[0][1]):
         return None
     seconds = step_seconds[0][1] if step_seconds else math.nan
+    cal, links = calibration_from_samples(
+        (labels.get("__name__", ""), labels, value) for labels, value in calibration or ()
+    )
     out: dict[int, float | None] = {}
     for labels, value in rates:
         if labels.get("rank", "").isdigit() and (keep is None or keep(labels)):
@@ -260,6 +269,8 @@ def observation_from_results(
         rates=out,
         generation=int(generation[0][1]) if generation else 0,
         evidence=dict(evidence or {}),
+        calibration=cal,
+        link_rates=links,
     )
 
 
@@ -318,7 +329,8 @@ class PrometheusSource:
         if refused and not self._warned:
             self._warned = True
             log.warning("rate series from pods that do not hold their rank dropped: %s", refused)
-        return observation_from_results(rates, step, seconds, generation, evidence, self.keep)
+        cal = await self._query(q.calibration) if q.calibration else None
+        return observation_from_results(rates, step, seconds, generation, evidence, self.keep, cal)
 
     async def read(self) -> Observation | None:
         while True:

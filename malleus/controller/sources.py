@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from malleus.errors import BadInput
 from malleus.job.control import (
@@ -34,10 +34,21 @@ __all__ = [
     "HttpPlanSink",
     "TrainerScrapeSource",
     "ack_from_status",
+    "calibration_from_metrics",
+    "calibration_from_samples",
     "observation_from_metrics",
 ]
 
 RATE_METRIC = "malleus_gpu_straggling_rate"
+PER_MB_SCALARS = ("embedding", "head", "p2p", "fixed")  # malleus_cost_seconds{term}
+PER_MB_TERMS = ("grad_sync_intra", "grad_sync_inter", "optimizer")  # ..._per_mebibyte{term}
+CALIBRATION_METRICS = (
+    "malleus_layer_seconds",
+    "malleus_cost_seconds",
+    "malleus_cost_seconds_per_mebibyte",
+    "malleus_link_rate",
+)
+"""The trainers' calibration series (trainer/metrics.py)."""
 JOB_LABEL = "malleus_job"  # the trainers' label naming the job (`job` is Prometheus' own)
 
 
@@ -90,12 +101,67 @@ def observation_from_metrics(
     if "malleus_step" not in scalars:
         return None
     seconds = scalars.get("malleus_step_seconds")
+    calibration, links = calibration_from_metrics(text, job)
+    if world is not None and gpus_per_node:
+        links = {n: v for n, v in links.items() if n < world // gpus_per_node}
     return Observation(
         step=int(scalars["malleus_step"]),
         step_seconds=seconds if seconds and math.isfinite(seconds) and seconds > 0 else None,
         rates=rates,
         generation=int(scalars.get("malleus_plan_generation", 0)),
+        calibration=calibration,
+        link_rates=links,
     )
+
+
+def calibration_from_metrics(
+    text: str, job: str | None = None
+) -> tuple[dict[str, object] | None, dict[int, float]]:
+    """The calibration (the planner's shape, layer-time units) and per-node link rates from a
+    /metrics page (trainer/metrics.py writes them in seconds); None for the calibration when
+    the page has none (not measured yet). Negative or non-finite figures are dropped."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return calibration_from_samples(
+        (sample.name, sample.labels, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in CALIBRATION_METRICS
+        and (job is None or sample.labels.get(JOB_LABEL) == job)
+    )
+
+
+def calibration_from_samples(
+    samples: Iterable[tuple[str, Mapping[str, str], float]],
+) -> tuple[dict[str, object] | None, dict[int, float]]:
+    """The same from (metric name, labels, value) samples (a scrape, or a PromQL answer)."""
+    unit: float | None = None
+    scalars: dict[str, float] = {}
+    tp_comm: dict[int, float] = {}
+    links: dict[int, float] = {}
+    for name, labels, value in samples:
+        v = float(value)
+        if not math.isfinite(v) or v < 0:
+            continue
+        if name == "malleus_layer_seconds":
+            unit = v
+        elif name == "malleus_cost_seconds":
+            term = labels.get("term", "")
+            if term == "tp_comm" and labels.get("group_size", "").isdigit():
+                tp_comm[int(labels["group_size"])] = v
+            elif term in PER_MB_SCALARS:
+                scalars[term] = v
+        elif name == "malleus_cost_seconds_per_mebibyte" and labels.get("term") in PER_MB_TERMS:
+            scalars[labels["term"]] = v
+        elif name == "malleus_link_rate" and labels.get("node_rank", "").isdigit():
+            links[int(labels["node_rank"])] = max(1.0, v)
+    if not unit or unit <= 0:
+        return None, links
+    calibration: dict[str, object] = {"layer_seconds": unit}
+    for term in (*PER_MB_SCALARS, *PER_MB_TERMS):
+        calibration[term] = scalars.get(term, 0.0) / unit
+    calibration["tp_comm"] = {g: v / unit for g, v in sorted(tp_comm.items())}
+    return calibration, links
 
 
 def ack_from_status(status: ControlStatus, generation: int) -> Ack | None:

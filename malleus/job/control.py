@@ -16,6 +16,10 @@ Over HTTPS (a trainer in a pod serves the job's certificate) a client trusts onl
 
 Torch-free and in `malleus.job` so that the trainer (which may import job and planner only)
 serves the very model its readers parse.
+
+Layout: this module holds the clients, their exceptions and `ControlTLS`; the models of the
+``/status`` body (`ControlStatus` and its records) are `malleus.job.control_status`'s, and
+importable from here too.
 """
 
 from __future__ import annotations
@@ -25,13 +29,15 @@ import os
 import ssl
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Literal, Self
+from typing import Any, Self
 
 import httpx
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from malleus.errors import BadInput, Fault
 from malleus.planner.plan import Plan
+
+from .control_status import ControlStatus, MigrationRecord, PlanFailure, RecoveryRecord
 
 __all__ = [
     "AsyncControlClient",
@@ -44,86 +50,6 @@ __all__ = [
     "PlanFailure",
     "RecoveryRecord",
 ]
-
-
-class _Model(BaseModel):
-    # NaN is not JSON: the server must say None for "no figure", and a reader must never see NaN.
-    model_config = ConfigDict(frozen=True, allow_inf_nan=False)
-
-
-class MigrationRecord(_Model):
-    """One completed live switch, as the coordinator measured it."""
-
-    generation: int
-    """The plan generation switched to."""
-    step: int
-    """The first step that ran under that plan (the switch happened just before it)."""
-    seconds: float
-    """Wall seconds of the switch on the slowest rank."""
-    bytes: int
-    """Bytes moved over the wire, summed over ranks."""
-
-
-class PlanFailure(_Model):
-    """A plan accepted by ``POST /plan`` that could not be applied; the old plan stays."""
-
-    generation: int
-    reason: str
-
-
-class RecoveryRecord(_Model):
-    """One completed recovery from failed ranks, as the new coordinator measured it."""
-
-    epoch: int
-    """Recoveries so far in this run (1 = the first); the process group's incarnation."""
-    failed: dict[int, str]
-    """The GPUs that left the job in this recovery, with why (``killed``, ``hung``, ...)."""
-    step: int
-    """The first step trained after the recovery."""
-    steps_lost: int
-    """Committed steps undone (0 when every shard had a surviving holder; a rollback to the
-    last checkpoint loses the steps since it)."""
-    seconds: float
-    """Wall seconds from the failure's detection to the first committed step after it."""
-    bytes_restored: int
-    """Bytes copied from surviving holders (or read from the checkpoint) to the new layout."""
-    mode: Literal["replicas", "checkpoint"]
-    """Where the lost shards came from: surviving data-parallel replicas, or the checkpoint."""
-    generation: int
-    """The plan generation the survivors went on with."""
-
-
-class ControlStatus(_Model):
-    """The ``GET /status`` body served by a trainer's control endpoint (rank 0 speaks for all)."""
-
-    job: str
-    world: int
-    generation: int
-    """The plan generation in force."""
-    pending_generation: int | None
-    """Accepted by ``POST /plan``, not yet applied (taken at the next step boundary)."""
-    step: int
-    """Steps completed."""
-    steps: int
-    """Steps the run will train."""
-    done: bool
-    """Every step trained (``step >= steps``); the processes exit next."""
-    stopping: bool
-    """``POST /stop`` was accepted: the run ends at the next step boundary."""
-    rates: dict[int, float | None]
-    """Straggling rate per global rank (1.0 = healthy); None = no figure yet, or failed."""
-    step_seconds: float | None
-    """Wall seconds of the last step; None before the first."""
-    tokens_per_second: float | None
-    last_migration: MigrationRecord | None
-    """The latest live switch; None while the first plan is still in force."""
-    last_failure: PlanFailure | None
-    """The latest plan that failed to apply, cleared when a later plan is applied."""
-    out: dict[int, str] = {}
-    """GPUs out of the job because they failed, with why (``killed``, ``hung``, ``left``);
-    a replacement that joined removes its GPU from here."""
-    last_recovery: RecoveryRecord | None = None
-    """The latest recovery from failed ranks; None while none has failed."""
 
 
 class ControlError(RuntimeError):

@@ -17,7 +17,7 @@ from typing import Any
 
 from malleus.errors import BadInput, Fault
 from malleus.planner.plan import Plan
-from malleus.planner.problem import MAX_RATE, MemorySpec, ModelSpec, PlanningProblem
+from malleus.planner.problem import MAX_RATE, Calibration, MemorySpec, ModelSpec, PlanningProblem
 from malleus.planner.validate import validate_plan
 
 from .data import data_faults, data_file_faults
@@ -318,11 +318,20 @@ class ResolvedJob:
         self,
         rates: Mapping[int, float | None] | None = None,
         previous_plan: Plan | None = None,
+        calibration: Calibration | Mapping[str, Any] | None = None,
+        link_rates: Mapping[int, float] | None = None,
     ) -> PlanningProblem:
         """The PlanningProblem of the job under ``rates`` (default: every GPU healthy), with the
-        plan in force as ``previous_plan``. Rates are cleaned first (`clean_rates`)."""
+        plan in force as ``previous_plan``. Rates are cleaned first (`clean_rates`).
+
+        ``calibration``: the cost model's terms as the trainers measured them (absent: layer
+        compute only); ``link_rates``: per node, its links' slowdown as measured."""
+        if isinstance(calibration, Calibration):
+            calibration = calibration.model_dump()
         return PlanningProblem.load(  # `load`: faults (every GPU failed, say) as BadInput
             {
+                "calibration": calibration,
+                "link_rates": _clean_links(link_rates or {}, self.nodes),
                 "nodes": self.nodes,
                 "gpus_per_node": self.gpus_per_node,
                 "rates": clean_rates(rates or {}, self.world),
@@ -371,3 +380,14 @@ class ResolvedJob:
                 self.source,
             )
         return plan.model_copy(update={"generation": INITIAL_GENERATION})
+
+
+def _clean_links(links: Mapping[int, float], nodes: int) -> dict[int, float]:
+    """Measured link rates as the planner takes them: nodes of the job only, finite figures,
+    1.0 to `MAX_RATE` (a NaN or a figure below 1.0 is no slowdown)."""
+    out: dict[int, float] = {}
+    for node, rate in links.items():
+        n, v = int(node), float(rate)
+        if 0 <= n < nodes and v == v:
+            out[n] = min(MAX_RATE, max(1.0, v))
+    return out

@@ -5,16 +5,36 @@ Malleus reads once it passed (a test keeps every field here equal to the schema'
 in the CRD alone: the loader fills them in before the models see the manifest, so a default
 written here too would be one concept declared twice. The models' own defaults below only
 matter for objects built in code (tests), and a test keeps them equal to the CRD's.
+
+Layout: this module holds the training, model, control-loop and emulation sections and
+`MalleusJobSpec` itself; the cluster sections (pod template, run policy, scheduling) are
+`malleus.job.spec_cluster`'s and the models' base `malleus.job.spec_base`'s. Every name of
+those is importable from here too.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from .presets import GPU_PROFILES, GpuProfile, Preset
+from .spec_base import _Model
+from .spec_cluster import (
+    ContainerOverride,
+    EnvVar,
+    LocalObjectReference,
+    PodGroupApi,
+    PodGroupSpec,
+    PodSpecOverride,
+    PodTemplate,
+    PodTemplateMetadata,
+    ResourceOverride,
+    RunPolicy,
+    SchedulingSpec,
+    VolumeMount,
+)
 
 __all__ = [
     "CheckpointSpec",
@@ -34,6 +54,8 @@ __all__ = [
     "MetricsSpec",
     "ModelSpec",
     "ParallelismSpec",
+    "PodGroupApi",
+    "PodGroupSpec",
     "PodSpecOverride",
     "PodTemplate",
     "PodTemplateMetadata",
@@ -43,6 +65,7 @@ __all__ = [
     "ResourcesSpec",
     "RunPolicy",
     "ScheduleEntry",
+    "SchedulingSpec",
     "StragglerPolicy",
     "TokenDtype",
     "TrainingSpec",
@@ -54,12 +77,6 @@ DataFormat = Literal["tokens", "hf-dataset", "text"]
 TokenDtype = Literal["uint16", "uint32"]
 MetricsSource = Literal["trainer", "prometheus"]
 Precision = Literal["fp32", "bf16"]
-
-
-class _Model(BaseModel):
-    """Base: camelCase aliases, construction by either name, unknown fields rejected."""
-
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
 
 class JobMetadata(BaseModel):
@@ -307,109 +324,6 @@ class EmulationSpec(_Model):
         if self.gpu_profile:
             return GPU_PROFILES[self.gpu_profile]
         return self.layer_forward_ms / 1000.0, self.layer_backward_ms / 1000.0
-
-
-class PodTemplateMetadata(_Model):
-    """Labels and annotations added to every worker pod (the operator's own keys win)."""
-
-    labels: dict[str, str] = Field(default_factory=dict)
-    annotations: dict[str, str] = Field(default_factory=dict)
-
-
-class EnvVar(_Model):
-    """A core/v1 EnvVar for the trainer container; ``value_from`` is kept as Kubernetes reads it."""
-
-    name: str
-    value: str | None = None
-    value_from: dict[str, Any] | None = None
-
-
-class VolumeMount(_Model):
-    """A core/v1 VolumeMount of one of the override's volumes."""
-
-    name: str
-    mount_path: str
-    sub_path: str | None = None
-    read_only: bool | None = None
-
-
-class ResourceOverride(_Model):
-    """Extra requests/limits (``rdma/hca``, hugepages): device plugins' resources the operator
-    does not know; cpu, memory and ``nvidia.com/gpu`` stay the operator's."""
-
-    requests: dict[str, int | str] = Field(default_factory=dict)
-    limits: dict[str, int | str] = Field(default_factory=dict)
-
-
-class ContainerOverride(_Model):
-    """Additions to the trainer container (the pod's only container)."""
-
-    name: Literal["trainer"]
-    env: list[EnvVar] = Field(default_factory=list)
-    volume_mounts: list[VolumeMount] = Field(default_factory=list)
-    resources: ResourceOverride = Field(default_factory=ResourceOverride)
-
-
-class LocalObjectReference(_Model):
-    """A Secret in the job's namespace, by name (an image pull secret)."""
-
-    name: str
-
-
-class PodSpecOverride(_Model):
-    """The pod spec fields a job may set; deep Kubernetes types (affinity, tolerations,
-    volumes) are kept as given, for the API server to judge when the pod is created."""
-
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    affinity: dict[str, Any] | None = None
-    tolerations: list[dict[str, Any]] = Field(default_factory=list)
-    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list)
-    service_account_name: str | None = None
-    priority_class_name: str | None = None
-    scheduler_name: str | None = None
-    volumes: list[dict[str, Any]] = Field(default_factory=list)
-    containers: list[ContainerOverride] = Field(default_factory=list)
-
-
-class PodTemplate(_Model):
-    """A PodTemplateSpec-shaped override merged into every worker pod (`operator/workers.py`
-    says which of the operator's fields win)."""
-
-    metadata: PodTemplateMetadata = Field(default_factory=PodTemplateMetadata)
-    spec: PodSpecOverride = Field(default_factory=PodSpecOverride)
-
-    def trainer(self) -> ContainerOverride:
-        """The trainer container's override (empty when none is given)."""
-        return (
-            self.spec.containers[0] if self.spec.containers else ContainerOverride(name="trainer")
-        )
-
-
-class RunPolicy(_Model):
-    """How long a job may run, and how long its objects outlive it (unset: no limit)."""
-
-    active_deadline_seconds: int | None = None
-    """Fail the job once it has run this long since its pods were created."""
-    ttl_seconds_after_finished: int | None = None
-    """Delete the job's children this long after it Succeeded or Failed (the job stays)."""
-
-
-class PodGroupSpec(_Model):
-    """The pod group a coscheduler admits as one gang (Volcano, scheduler-plugins): the operator
-    labels and annotates every worker with ``name``; the PodGroup object itself is the
-    installer's (or the scheduler's) to create, with ``minMember`` = ``spec.nodes``."""
-
-    name: str
-
-
-class SchedulingSpec(_Model):
-    """How the job's pods get (or fail to get) places on nodes."""
-
-    schedule_timeout_seconds: int = 600
-    """Fail the job (reason ``ScheduleTimeout``) when its pods are not all running this long
-    after they were created: a gang that got half its GPUs must not hold them forever."""
-    pod_group: PodGroupSpec | None = None
-    """Label every worker for a coscheduler's PodGroup (unset: none)."""
 
 
 class MalleusJobSpec(_Model):

@@ -18,9 +18,13 @@ from .spec import JobMetadata, MalleusJobSpec, _Model
 __all__ = [
     "Condition",
     "ConditionStatus",
+    "FailureState",
+    "GpuOut",
+    "LastRecovery",
     "LastReplan",
     "MalleusJob",
     "MalleusJobStatus",
+    "NodeFailure",
     "Phase",
     "PlanStatus",
     "StragglerStatus",
@@ -43,7 +47,8 @@ class Phase(StrEnum):
     SUCCEEDED = "Succeeded"
     """Every step trained."""
     FAILED = "Failed"
-    """Stopped for good: an invalid spec or a failed pod (the conditions say which)."""
+    """Stopped for good: an invalid spec, no valid plan on the GPUs left, no worker left, a
+    deadline (the conditions say which). A failed pod alone is a recovery, not this."""
 
 
 class Condition(_Model):
@@ -90,6 +95,57 @@ class LastReplan(_Model):
     generation: int | None = None
 
 
+FailureState = Literal["Waiting", "Replaced", "Out"]
+"""A failed node's state: ``Waiting`` out its backoff for a replacement pod, ``Replaced`` (the
+replacement was created), ``Out`` (past ``spec.failurePolicy.maxRestarts``: not replaced)."""
+
+
+class NodeFailure(_Model):
+    """A node whose worker pod failed, and what the operator did about it (one per node)."""
+
+    node: int
+    pod: str
+    failures: int
+    """Failures of this node's pod so far (each pod counted once, by its uid)."""
+    restarts: int = 0
+    """Replacement pods created for this node so far."""
+    state: FailureState
+    reason: str
+    """Why the last pod failed: ``Error``, ``OOMKilled``, ``Evicted``, ``Deleted``, ``LeftOut``..."""
+    message: str = ""
+    time: dt.datetime
+    """When the last failure was seen."""
+    pod_uid: str | None = None
+    """The uid of the pod whose failure is recorded (a pod fails once, however often it is seen)."""
+    replace_at: dt.datetime | None = None
+    """When the replacement is due (state ``Waiting``)."""
+
+
+class GpuOut(_Model):
+    """A GPU out of the job, and why."""
+
+    gpu: int
+    node: int | None = None
+    reason: str
+    source: Literal["trainers", "pod"] = "trainers"
+    """Who says so: the trainers' coordinator (``/status`` ``out``), or the operator from a
+    failed pod not yet back."""
+
+
+class LastRecovery(_Model):
+    """The latest recovery from failed GPUs, as the trainers' coordinator measured it."""
+
+    epoch: int
+    time: dt.datetime | None = None
+    failed: list[int] = Field(default_factory=list)
+    step: int | None = None
+    steps_lost: int | None = None
+    seconds: float | None = None
+    bytes_restored: int | None = None
+    mode: Literal["replicas", "checkpoint"] | None = None
+    generation: int | None = None
+
+
 class MalleusJobStatus(_Model):
     """``status`` of a MalleusJob, written by the operator."""
 
@@ -103,6 +159,11 @@ class MalleusJobStatus(_Model):
     step: int | None = None
     tokens_per_second: float | None = None
     last_replan: LastReplan | None = None
+    failures: list[NodeFailure] | None = None
+    """Nodes whose pod failed: restarts, the last reason, the replacement's state."""
+    gpus_out: list[GpuOut] | None = None
+    """GPUs out of the job, and why (the trainers' word and the failed pods not yet back)."""
+    last_recovery: LastRecovery | None = None
     pods: list[str] = Field(default_factory=list)
     start_time: dt.datetime | None = None
     """When the pods were created: ``spec.runPolicy.activeDeadlineSeconds`` counts from it."""

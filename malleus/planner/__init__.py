@@ -5,19 +5,21 @@ No torch and no Kubernetes here: the operator, the local runner and the trainer 
 
 from .cost import (
     ideal_step_time,
-    migration_mb,
     plan_step_time,
     reference_step_time,
+    step_time_terms,
     uniform_plan,
     uniform_step_time,
 )
+from .memory import migration_mb
 from .plan import Estimate, Pipeline, Plan, Stage
-from .problem import MemorySpec, ModelSpec, PlanningProblem, ProblemError
+from .problem import Calibration, MemorySpec, ModelSpec, PlanningProblem, ProblemError
 from .search import MIGRATION_SLACK, default_budget, plan
 from .validate import PlanError, check_plan, validate_plan
 
 __all__ = [
     "MIGRATION_SLACK",
+    "Calibration",
     "Estimate",
     "MemorySpec",
     "ModelSpec",
@@ -34,6 +36,7 @@ __all__ = [
     "plan",
     "plan_step_time",
     "reference_step_time",
+    "step_time_terms",
     "uniform_plan",
     "uniform_step_time",
     "validate_plan",

@@ -13,7 +13,8 @@ from typing import Any, TextIO
 
 from malleus.errors import BadInput
 
-from .cost import group_rate, uniform_plan
+from .cost import stage_costs, step_time_terms, uniform_plan
+from .pace import group_pace
 from .plan import Plan
 from .problem import PlanningProblem
 
@@ -66,12 +67,13 @@ def summary(problem: PlanningProblem, result: Plan) -> str:
         f"{'rate':>6} {'time/mb':>8}",
     ]
     for i, p in enumerate(result.pipelines[:_MAX_PIPELINES]):
+        costs = stage_costs(problem, p)
         for j, s in enumerate(p.stages):
-            y = group_rate(problem, s.ranks)
+            y = group_pace(problem, s.ranks)
             lead = f"{i:>8} {p.micro_batches:>7}" if j == 0 else " " * 16
             lines.append(
                 f"{lead} {j:>5}  {format_ranks(s.ranks):<24} "
-                f"{f'{s.layers[0]}-{s.layers[1]}':<9} {y:>6.2f} {y * s.num_layers:>8.1f}"
+                f"{f'{s.layers[0]}-{s.layers[1]}':<9} {y:>6.2f} {costs[j]:>8.1f}"
             )
     if result.dp > _MAX_PIPELINES:
         lines.append(f"{'':>8} ... and {result.dp - _MAX_PIPELINES} more pipelines")
@@ -79,6 +81,7 @@ def summary(problem: PlanningProblem, result: Plan) -> str:
     lines.append(f"excluded ranks: {format_ranks(result.excluded) if result.excluded else 'none'}")
     if e is not None:
         lines.append(f"predicted step time: {e.step_time:.1f} (layer-time units, DESIGN §4.3)")
+        lines.extend(_terms(problem, result))
         if e.uniform_step_time is not None and math.isfinite(e.uniform_step_time):
             lines.append(
                 f"uniform layout: {e.uniform_step_time:.1f} -> speedup "
@@ -101,6 +104,29 @@ def summary(problem: PlanningProblem, result: Plan) -> str:
         if e.planning_seconds is not None:
             lines.append(f"planning: {e.planning_seconds:.2f} s")
     return "\n".join(lines)
+
+
+def _terms(problem: PlanningProblem, result: Plan) -> list[str]:
+    """The calibrated model's terms of the step time, in seconds when the unit is known."""
+    cal = problem.calibration
+    if cal is None:
+        return []
+    t = step_time_terms(problem, result)
+    sec = cal.layer_seconds
+
+    def show(v: float) -> str:
+        return f"{v:.1f} ({v * sec:.3f} s)"
+
+    per = ", ".join(f"{k} {v:.2f}" for k, v in t.stages.items() if v)
+    lines = [
+        f"  step time {show(t.total)} = pipeline {show(t.pipeline)} + gradient sync "
+        f"{show(t.grad_sync)} + optimizer {show(t.optimizer)} + fixed {show(t.fixed)}",
+        f"  slowest pipeline {t.critical}, per micro-batch through its stages: {per or 'none'}",
+    ]
+    slow = {n: v for n, v in sorted(problem.link_rates.items()) if v != 1.0}
+    if slow:
+        lines.append("  slow links: " + ", ".join(f"node {n} x{v:g}" for n, v in slow.items()))
+    return lines
 
 
 def parse_rates(text: str) -> dict[int, float | None]:

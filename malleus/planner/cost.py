@@ -1,84 +1,234 @@
-"""The cost model of DESIGN §4.3: the planner's objective and every benchmark's yardstick.
+"""The cost model (DESIGN §4.3, calibrated: docs/architecture.md "Cost model"): the planner's
+objective and every benchmark's yardstick.
 
 Times are in *layer-time* units: one layer, forward+backward, one micro-batch, on a healthy full
-TP group. All functions are pure and cheap; the search calls the stage/pipeline formulas in its
-inner loop, so they take plain numbers as well as Plan objects.
+TP group; `Calibration.layer_seconds` converts them to seconds. Without a calibration a stage
+costs its layer compute only (the model before calibration); with one it also pays its TP
+collectives, the embedding or head at the pipeline's ends, the activation transfer to the next
+stage, and the step pays gradient sync, the optimizer and a fixed part. A pipeline's time is the
+exact makespan of the 1F1B schedule over its stage costs (`pipeline_time`). All functions are
+pure; the search calls the numeric ones (`pace`, `position_extras`, `pipeline_time`) in its inner
+loop.
+
+The model lives in four modules: schedule.py (the 1F1B makespan from stage costs), pace.py (a
+group's pace and a position's extras), memory.py (per-GPU memory, held state and migration),
+and this one: a plan's stage costs and step-time terms (gradient sync, optimizer, fixed), and
+the yardsticks (uniform, ideal and reference step times). This module also exports the others'
+public names, the cost model's one import path for the controller, runner, trainer and benches.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass, field
 
+from .memory import held_mb, holdings, migration_mb, stage_memory_mb, unit_mb
+from .pace import (
+    group_link,
+    group_pace,
+    group_rate,
+    healthy_pace,
+    pace,
+    position_extras,
+    shard_exponent,
+)
 from .plan import Pipeline, Plan, Stage
 from .problem import PlanningProblem
+from .schedule import (
+    EXACT_MICRO_BATCHES,
+    INF,
+    pipeline_time,
+    pipeline_time_lower,
+    pipeline_time_upto,
+)
 
 __all__ = [
+    "EXACT_MICRO_BATCHES",
     "INF",
+    "StepTerms",
+    "group_pace",
     "group_rate",
+    "healthy_pace",
     "holdings",
     "ideal_step_time",
     "migration_mb",
+    "pace",
     "pipeline_time",
+    "pipeline_time_lower",
+    "pipeline_time_upto",
     "plan_step_time",
+    "position_extras",
     "reference_step_time",
     "shard_exponent",
+    "stage_costs",
     "stage_memory_mb",
+    "step_time_terms",
     "uniform_plan",
     "uniform_step_time",
+    "unit_mb",
 ]
 
-INF = math.inf
+
+@dataclass(frozen=True)
+class _StageParts:
+    layers: float
+    tp_comm: float
+    embedding: float
+    head: float
+    p2p: float
+
+    @property
+    def total(self) -> float:
+        return self.layers + self.tp_comm + self.embedding + self.head + self.p2p
 
 
-def shard_exponent(tp: int, group_size: int) -> int:
-    """k such that group_size == tp / 2^k."""
-    return (tp // group_size).bit_length() - 1
+def _stage_parts(problem: PlanningProblem, p: Pipeline) -> list[_StageParts]:
+    cal = problem.calibration
+    S = len(p.stages)
+    ys = [group_rate(problem, s.ranks) for s in p.stages]
+    if cal is None:
+        return [
+            _StageParts(y * s.num_layers, 0.0, 0.0, 0.0, 0.0)
+            for y, s in zip(ys, p.stages, strict=True)
+        ]
+    links = [group_link(problem, s.ranks) for s in p.stages]
+    comms = [cal.tp_comm_at(len(s.ranks)) * lk for s, lk in zip(p.stages, links, strict=True)]
+    paces = [y + c for y, c in zip(ys, comms, strict=True)]
+    y0 = healthy_pace(problem)
+    out = []
+    for j, s in enumerate(p.stages):
+        out.append(
+            _StageParts(
+                ys[j] * s.num_layers,
+                comms[j] * s.num_layers,
+                cal.embedding * paces[j] / y0 if j == 0 else 0.0,
+                cal.head * paces[j] / y0 if j == S - 1 else 0.0,
+                cal.p2p * max(links[j], links[j + 1]) if j < S - 1 else 0.0,
+            )
+        )
+    return out
 
 
-def group_rate(problem: PlanningProblem, ranks: Sequence[int]) -> float:
-    """y = alpha[k] * slowest member's rate: a TP group runs at its slowest GPU's pace."""
-    worst = 1.0
-    for r in ranks:
-        rate = problem.rate(r)
-        if rate is None:
-            return INF
-        worst = max(worst, rate)
-    return problem.model.alpha_at(shard_exponent(problem.tp, len(ranks))) * worst
-
-
-def pipeline_time(micro_batches: int, stage_costs: Iterable[float]) -> float:
-    """1F1B step time of one pipeline: (m - 1) * bottleneck + fill/drain (sum of stages)."""
-    costs = list(stage_costs)
-    if not costs:
-        return INF
-    return (micro_batches - 1) * max(costs) + sum(costs)
+def stage_costs(problem: PlanningProblem, p: Pipeline) -> list[float]:
+    """c_j: time per micro-batch (forward+backward) of every stage of a pipeline."""
+    return [x.total for x in _stage_parts(problem, p)]
 
 
 def _pipeline_step_time(problem: PlanningProblem, p: Pipeline) -> float:
-    return pipeline_time(
-        p.micro_batches, (group_rate(problem, s.ranks) * s.num_layers for s in p.stages)
+    return pipeline_time(p.micro_batches, stage_costs(problem, p))
+
+
+def _grad_sync(problem: PlanningProblem, plan: Plan) -> float:
+    """Data-parallel gradient sync: every (layer, shard) is all-reduced among the GPUs that hold
+    it (one per pipeline), at the intra- or inter-node figure, times the slowest link among
+    their nodes; a GPU's sync is the sum over what it holds, the step waits for the slowest."""
+    cal = problem.calibration
+    if cal is None or plan.dp < 2 or not (cal.grad_sync_intra or cal.grad_sync_inter):
+        return 0.0
+    unit, emb = unit_mb(problem)
+    tp = plan.tp
+    cuts = sorted({0, problem.layers, *(x for _, _, s in plan.stages() for x in s.layers)})
+    tally: dict[int, float] = defaultdict(float)
+
+    def charge(members: list[int], mb: float) -> None:
+        if mb <= 0 or len(members) < 2:
+            return
+        nodes = {problem.node_of(r) for r in members}
+        per = cal.grad_sync_intra if len(nodes) == 1 else cal.grad_sync_inter
+        cost = mb * per * max(problem.link_rate(n) for n in nodes)
+        for r in members:
+            tally[r] += cost
+
+    def holder(stage: Stage, shard: int) -> int:
+        return stage.ranks[shard // stage.shards_per_gpu(tp)]
+
+    where = []  # per pipeline: the stage holding each layer segment
+    for p in plan.pipelines:
+        row, j = [], 0
+        for a in cuts[:-1]:
+            while j < len(p.stages) - 1 and p.stages[j].layers[1] <= a:
+                j += 1
+            row.append(p.stages[j])
+        where.append(row)
+    for seg, (a, b) in enumerate(itertools.pairwise(cuts)):
+        for shard in range(tp):
+            charge([holder(row[seg], shard) for row in where], (b - a) * unit)
+    if emb > 0:
+        for shard in range(tp):
+            charge([holder(p.stages[0], shard) for p in plan.pipelines], emb)
+            charge([holder(p.stages[-1], shard) for p in plan.pipelines], emb)
+    return max(tally.values(), default=0.0)
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """The terms of a plan's step time (layer-time units; `seconds()` converts).
+
+    total = pipeline + grad_sync + optimizer + fixed. `pipeline` is the slowest pipeline's 1F1B
+    makespan (bubble included); `stages` splits that pipeline's sum of stage costs per
+    micro-batch into layers, tp_comm, embedding, head and p2p.
+    """
+
+    pipeline: float
+    grad_sync: float = 0.0
+    optimizer: float = 0.0
+    fixed: float = 0.0
+    critical: int = 0
+    stages: dict[str, float] = field(default_factory=dict)
+    layer_seconds: float | None = None
+
+    @property
+    def total(self) -> float:
+        return self.pipeline + self.grad_sync + self.optimizer + self.fixed
+
+    def as_dict(self) -> dict[str, float]:
+        """Every term by name (layer-time units), total last."""
+        out = {"pipeline": self.pipeline}
+        out.update({f"per_micro_batch.{k}": v for k, v in self.stages.items()})
+        out.update(grad_sync=self.grad_sync, optimizer=self.optimizer, fixed=self.fixed)
+        out["total"] = self.total
+        return out
+
+    def seconds(self) -> dict[str, float] | None:
+        """The same in seconds, when the calibration says what a layer-time unit is."""
+        if self.layer_seconds is None:
+            return None
+        return {k: v * self.layer_seconds for k, v in self.as_dict().items()}
+
+
+def step_time_terms(problem: PlanningProblem, plan: Plan) -> StepTerms:
+    """Each term of the step time of `plan` (docs/architecture.md, "Cost model")."""
+    times = [_pipeline_step_time(problem, p) for p in plan.pipelines]
+    if not times:
+        return StepTerms(INF)
+    crit = max(range(len(times)), key=lambda i: times[i])
+    cal = problem.calibration
+    if cal is None:
+        return StepTerms(times[crit], critical=crit)
+    parts = _stage_parts(problem, plan.pipelines[crit])
+    stages = {
+        name: sum(getattr(x, name) for x in parts)
+        for name in ("layers", "tp_comm", "embedding", "head", "p2p")
+    }
+    held = held_mb(problem, plan)
+    return StepTerms(
+        pipeline=times[crit],
+        grad_sync=_grad_sync(problem, plan),
+        optimizer=cal.optimizer * max(held.values(), default=0.0),
+        fixed=cal.fixed,
+        critical=crit,
+        stages=stages,
+        layer_seconds=cal.layer_seconds,
     )
 
 
 def plan_step_time(problem: PlanningProblem, plan: Plan) -> float:
-    """T = max over pipelines of the 1F1B time (DP synchronisation is not modelled in v1)."""
-    return max((_pipeline_step_time(problem, p) for p in plan.pipelines), default=INF)
-
-
-def stage_memory_mb(
-    problem: PlanningProblem, shards: int, layers: int, stages: int, index: int, micro_batches: int
-) -> float:
-    """Memory of one GPU of stage `index` (of `stages`), holding `shards` = 2^k logical shards."""
-    mem = problem.memory
-    if mem is None:
-        return 0.0
-    in_flight = min(stages - index, micro_batches)
-    ends = int(index == 0) + int(index == stages - 1)  # embedding and head: both if S == 1
-    per_shard = (
-        mem.layer_mb * layers + mem.activation_mb * layers * in_flight + mem.embedding_mb * ends
-    )
-    return shards * per_shard + mem.fixed_mb
+    """T = max over pipelines of the 1F1B time, plus (calibrated) gradient sync, optimizer and
+    the fixed part of a step."""
+    if problem.calibration is None:
+        return max((_pipeline_step_time(problem, p) for p in plan.pipelines), default=INF)
+    return step_time_terms(problem, plan).total
 
 
 def _uniform_pp(problem: PlanningProblem) -> int | None:
@@ -130,53 +280,20 @@ def uniform_step_time(problem: PlanningProblem) -> float:
 
 
 def ideal_step_time(problem: PlanningProblem) -> float:
-    """Physical limit: every usable GPU busy, no bubble, at its own speed."""
+    """Physical limit: every usable GPU busy, no bubble, at its own speed (calibrated: each
+    micro-batch also pays a healthy full group's TP collectives, embedding and head, and the
+    step its fixed part)."""
     speed = sum(1.0 / (problem.tp * r) for x in problem.usable_ranks() if (r := problem.rate(x)))
-    return problem.micro_batches * problem.layers / speed
+    cal = problem.calibration
+    if cal is None:
+        return problem.micro_batches * problem.layers / speed
+    work = problem.layers * healthy_pace(problem) / problem.model.alpha_at(0)
+    return problem.micro_batches * (work + cal.embedding + cal.head) / speed + cal.fixed
 
 
 def reference_step_time(problem: PlanningProblem) -> float:
     """Healthy uniform step time scaled by the capacity the stragglers took (DESIGN §4.3)."""
-    healthy = problem.model_copy(update={"rates": {}})
+    healthy = problem.model_copy(update={"rates": {}, "link_rates": {}})
     base = uniform_step_time(healthy)
     capacity = sum(1.0 / r for x in problem.usable_ranks() if (r := problem.rate(x)))
     return base * problem.world / capacity
-
-
-Unit = tuple[str, int, int]  # (kind: "layer" | "emb" | "head", layer index or 0, logical shard)
-
-
-def holdings(plan: Plan) -> dict[int, set[Unit]]:
-    """The state units each rank holds under a plan: (layer, shard) plus embedding/head shards."""
-    held: dict[int, set[Unit]] = {}
-    for p in plan.pipelines:
-        last = len(p.stages) - 1
-        for j, s in enumerate(p.stages):
-            for idx, rank in enumerate(s.ranks):
-                units = held.setdefault(rank, set())
-                for shard in s.shards_of(idx, plan.tp):
-                    units.update(("layer", layer, shard) for layer in range(*s.layers))
-                    if j == 0:
-                        units.add(("emb", 0, shard))
-                    if j == last:
-                        units.add(("head", 0, shard))
-    return held
-
-
-def migration_mb(problem: PlanningProblem, old: Plan | None, new: Plan) -> float:
-    """State that must move to go from `old` to `new`: every unit a rank needs and lacks.
-
-    In MB when the problem has a memory model, else in layer-shard units. A unit a rank already
-    holds moves nothing; a unit needed by two new holders is sent twice.
-    """
-    if old is None:
-        return 0.0
-    mem = problem.memory
-    layer_mb = mem.layer_mb if mem else 1.0
-    emb_mb = mem.embedding_mb if mem else 0.0
-    before = holdings(old)
-    total = 0.0
-    for rank, units in holdings(new).items():
-        for kind, _, _ in units - before.get(rank, set()):
-            total += layer_mb if kind == "layer" else emb_mb
-    return total

@@ -4,6 +4,12 @@ A layout never names ranks: groups of equal (y, k) are interchangeable for the c
 pipeline is a sorted tuple of classes and identical pipelines are one entry with a count. Every
 solved pipeline is cached for the whole plan() call, so the search pays for each distinct
 pipeline once however many layouts contain it.
+
+A calibrated problem adds the step's tail to every layout's time (`Evaluator.tail`): the fixed
+part, the optimizer (the largest per-GPU master-parameter share) and the gradient sync (that
+share again, at the inter-node figure when the cluster has several nodes, times the link rate of
+the class's node), since classes do not name their GPUs' replicas. The exact figure of a plan
+with ranks is `cost.step_time_terms`.
 """
 
 from __future__ import annotations
@@ -12,7 +18,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .layers import Cls, PipeSolution, best_order, layer_caps, solve_pipeline
+from .layers import Cls, PipeSolution, best_order, layer_caps, link_of, solve_pipeline
+from .memory import unit_mb
 from .microbatch import ClassSplit, greedy_split, split_linear
 from .problem import PlanningProblem
 
@@ -39,6 +46,7 @@ class Scored:
     layout: Layout
     splits: tuple[ClassSplit, ...]
     refined: bool  # per-m pipeline solutions (else the any-m ones)
+    tail: float = 0.0  # calibrated gradient sync + optimizer + fixed, included in `time`
 
     @property
     def dp(self) -> int:
@@ -90,8 +98,39 @@ class Evaluator:
         sols = [s for s in (self.pipe(key, None), self.pipe(key, m)) if s is not None]
         return min(sols, key=lambda s: s.time(m))
 
+    def tail(self, layout: Layout) -> float:
+        """Calibrated step tail of a layout (module docstring); 0 without a calibration."""
+        cal = self.problem.calibration
+        if cal is None:
+            return 0.0
+        dp = sum(n for _, n in layout)
+        sync = 0.0
+        if dp >= 2:
+            sync = cal.grad_sync_inter if self.problem.nodes > 1 else cal.grad_sync_intra
+        if not (sync or cal.optimizer):
+            return cal.fixed
+        unit, emb = unit_mb(self.problem)
+        held = synced = 0.0
+        for key, _ in layout:
+            sol = self.pipe(key) or self.pipe(key, 1)
+            if sol is None:
+                continue
+            S = len(sol.order)
+            for j, (c, n) in enumerate(zip(sol.order, sol.layers, strict=True)):
+                mb = (1 << c[1]) * (n * unit + (int(j == 0) + int(j == S - 1)) * emb)
+                held = max(held, mb)
+                synced = max(synced, mb * link_of(c))
+        return cal.fixed + cal.optimizer * held + sync * synced
+
     def score(self, layout: Layout, refine: bool = True) -> Scored | None:
         """Step time of a layout: linear micro-batch split, then exact per-m refinement."""
+        sc = self._score(layout, refine)
+        if sc is None or self.problem.calibration is None:
+            return sc
+        tail = self.tail(layout)
+        return Scored(sc.time + tail, sc.layout, sc.splits, sc.refined, tail)
+
+    def _score(self, layout: Layout, refine: bool) -> Scored | None:
         self.evaluations += 1
         B = self.problem.micro_batches
         keys = [k for k, _ in layout]

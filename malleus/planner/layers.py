@@ -1,24 +1,34 @@
-"""One pipeline, solved exactly: stage order under memory, and the layer split.
+"""One pipeline, solved: stage order under memory, and the layer split.
 
-A pipeline's time does not depend on its stage order (T = (m-1) * max c + sum c); only the
-memory bound does, because stage j keeps min(S-j, m) micro-batches of activations in flight and
-the ends hold the embedding and head. So the order is chosen for memory room, then layers are
-split by an exact in-process method: a greedy fill gives the least bottleneck b* (the
-min-bottleneck solution), trimming the slowest stages gives the least fill/drain sum at b*, and
-a walk over the next breakpoints b > b* trades a slightly larger bottleneck for a smaller sum
-when few micro-batches make the bubble term matter.
+Stage j costs c_j = y_j * l_j + e_j per micro-batch: its pace times its layers, plus its
+position's extras (calibrated: the embedding on the first stage, the head on the last, the
+activation transfer to the next; `cost.position_extras`). The layer split minimises the 1F1B
+bound (m-1) * max c + sum c, which is the exact time when the bottleneck is the last stage and
+an upper bound otherwise: a greedy fill gives the least bottleneck b* (the min-bottleneck
+solution), trimming the slowest stages gives the least fill/drain sum at b*, and a walk over the
+next breakpoints b > b* trades a slightly larger bottleneck for a smaller sum when few
+micro-batches make the bubble term matter. The solved pipeline is then timed exactly
+(`cost.pipeline_time`, the 1F1B makespan). The order is chosen for memory room (stage j keeps
+min(S-j, m) micro-batches of activations in flight and the ends hold the embedding and head)
+and, when extras make positions differ, for the bound too.
+
+The split itself (given an order and per-position caps) lives in layersplit.py, pure numbers;
+this module holds the pipeline vocabulary (classes `Cls`, `PipeSolution`), the memory caps, the
+stage order, and `solve_pipeline`, which ties them together.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .cost import stage_memory_mb
+from .layersplit import exact_micro_batches, fill_at, min_bottleneck, polish_split, split_layers
+from .memory import stage_memory_mb
+from .pace import position_extras
 from .problem import PlanningProblem
+from .schedule import pipeline_time, pipeline_time_lower, pipeline_time_upto
 
 __all__ = [
     "CapsFn",
@@ -27,24 +37,41 @@ __all__ = [
     "layer_caps",
     "order_stages",
     "solve_pipeline",
-    "split_layers",
 ]
 
-Cls = tuple[float, int]  # (y, k): a group's pace and shard exponent
+Cls = tuple[float, ...]  # (y, k) or (y, k, link): pace, shard exponent, node link rate (if > 1)
 CapsFn = Callable[[tuple[int, ...], "int | None"], list[int]]  # (ks, m) -> caps
+
+
+def link_of(c: Cls) -> float:
+    """Link rate of a class's node (1.0 unless the class says otherwise)."""
+    return float(c[2]) if len(c) > 2 else 1.0
+
+
+def order_extras(problem: PlanningProblem, order: Sequence[Cls]) -> list[float]:
+    """Each position's extra cost per micro-batch (`cost.position_extras`) for a stage order."""
+    if problem.calibration is None:
+        return [0.0] * len(order)
+    return position_extras(problem, [c[0] for c in order], [link_of(c) for c in order])
 
 
 @dataclass(frozen=True)
 class PipeSolution:
-    """A solved pipeline: stage classes in order, layers per stage, bottleneck and fill sum."""
+    """A solved pipeline: stage classes in order, layers per stage, bottleneck and fill sum
+    (the 1F1B bound's line: (m-1) * bottleneck + fill >= time(m)), and the stage costs."""
 
     order: tuple[Cls, ...]
     layers: tuple[int, ...]
     bottleneck: float
     fill: float
+    costs: tuple[float, ...] = ()
 
     def time(self, micro_batches: int) -> float:
-        return (micro_batches - 1) * self.bottleneck + self.fill
+        """1F1B time with this many micro-batches: exact up to `exact_micro_batches(S)`, then
+        growing by the bottleneck (an upper bound; `cost.pipeline_time_upto`)."""
+        if not self.costs:
+            return (micro_batches - 1) * self.bottleneck + self.fill
+        return pipeline_time_upto(micro_batches, self.costs, exact_micro_batches(len(self.costs)))
 
 
 def layer_caps(problem: PlanningProblem, ks: Sequence[int], m: int | None) -> list[int]:
@@ -71,97 +98,6 @@ def layer_caps(problem: PlanningProblem, ks: Sequence[int], m: int | None) -> li
     return out
 
 
-def _min_bottleneck(ys: Sequence[float], caps: Sequence[int], L: int) -> list[int] | None:
-    """Least max_j y_j*l_j with 1 <= l_j <= cap_j, sum l_j = L (greedy fill is exact)."""
-    S = len(ys)
-    if S > L or min(caps) < 1 or sum(caps) < L:
-        return None
-    b0 = L / sum(1.0 / y for y in ys)
-    ls = [max(1, min(c, int(b0 / y))) for y, c in zip(ys, caps, strict=True)]
-    if sum(ls) > L:
-        ls = [1] * S
-    heap = [(ys[j] * (ls[j] + 1), j) for j in range(S) if ls[j] < caps[j]]
-    heapq.heapify(heap)
-    left = L - sum(ls)
-    while left > 0:
-        _, j = heapq.heappop(heap)
-        ls[j] += 1
-        left -= 1
-        if ls[j] < caps[j]:
-            heapq.heappush(heap, (ys[j] * (ls[j] + 1), j))
-    return ls
-
-
-def _fill_at(ys: Sequence[float], caps: Sequence[int], L: int, b: float) -> list[int] | None:
-    """Least-sum split with every stage cost <= b: fill to b, then trim the slowest stages."""
-    ls = [min(c, int(b / y + 1e-9)) for y, c in zip(ys, caps, strict=True)]
-    if min(ls) < 1 or sum(ls) < L:
-        return None
-    excess = sum(ls) - L
-    for j in sorted(range(len(ys)), key=lambda j: -ys[j]):
-        if excess == 0:
-            break
-        cut = min(excess, ls[j] - 1)
-        ls[j] -= cut
-        excess -= cut
-    return ls
-
-
-def split_layers(
-    ys: Sequence[float], caps: Sequence[int], L: int, m: int | None
-) -> tuple[list[int], float, float] | None:
-    """Layers per stage minimising (m-1)*max c + sum c (m None: bottleneck, then sum)."""
-    first = _min_bottleneck(ys, caps, L)
-    if first is None:
-        return None
-    b_star = max(y * n for y, n in zip(ys, first, strict=True))
-    ls = _fill_at(ys, caps, L, b_star) or first
-
-    def cost(split: list[int]) -> tuple[float, float]:
-        return max(y * n for y, n in zip(ys, split, strict=True)), sum(
-            y * n for y, n in zip(ys, split, strict=True)
-        )
-
-    b, s = cost(ls)
-    if m is None or len(set(ys)) == 1:
-        return ls, b, s
-    # Bubble trade: a larger bottleneck lets fast stages take layers from slow ones.
-    floor_sum = _least_sum(ys, caps, L)
-    best = ((m - 1) * b + s, ls, b, s)
-    heap = [(y * (n + 1), j) for j, (y, n, c) in enumerate(zip(ys, ls, caps, strict=True)) if n < c]
-    heapq.heapify(heap)
-    seen = 0
-    # few micro-batches: walk every breakpoint; many: the first few are all that can pay
-    limit = 4 * L if m <= len(ys) else len(ys) + 2
-    while heap and seen < limit:
-        nb, j = heapq.heappop(heap)
-        if (m - 1) * nb + floor_sum >= best[0] - 1e-12:
-            break  # no larger bottleneck can pay for itself any more
-        seen += 1
-        split = _fill_at(ys, caps, L, nb)
-        if split is not None:
-            cb, cs = cost(split)
-            if (m - 1) * cb + cs < best[0] - 1e-12:
-                best = ((m - 1) * cb + cs, split, cb, cs)
-        n_next = int(nb / ys[j] + 1e-9) + 1
-        if n_next <= caps[j]:
-            heapq.heappush(heap, (ys[j] * n_next, j))
-    return best[1], best[2], best[3]
-
-
-def _least_sum(ys: Sequence[float], caps: Sequence[int], L: int) -> float:
-    """Lower bound on sum c: one layer everywhere, the rest on the fastest stages first."""
-    total = sum(ys)
-    left = L - len(ys)
-    for j in sorted(range(len(ys)), key=lambda j: ys[j]):
-        take = min(left, caps[j] - 1)
-        total += take * ys[j]
-        left -= take
-        if left == 0:
-            break
-    return total
-
-
 def order_stages(
     problem: PlanningProblem, classes: Sequence[Cls], m: int | None, caps_fn: CapsFn | None = None
 ) -> list[Cls]:
@@ -175,7 +111,7 @@ def order_stages(
     items = sorted(classes, key=lambda c: (-c[0], c[1]))
     if problem.memory is None or S == 1:
         return items
-    b0 = problem.layers / sum(1.0 / y for y, _ in classes)
+    b0 = problem.layers / sum(1.0 / c[0] for c in classes)
     loads = sorted(items, key=lambda c: -(1 << c[1]) * b0 / c[0])
     get_caps = caps_fn or (lambda ks, mm: layer_caps(problem, ks, mm))
     caps_by_k = {k: get_caps((k,) * S, m) for k in {c[1] for c in classes}}
@@ -218,7 +154,9 @@ def _distinct_orders(classes: Sequence[Cls], limit: int) -> list[tuple[Cls, ...]
 def best_order(
     problem: PlanningProblem, classes: Sequence[Cls], m: int | None, caps_fn: CapsFn | None = None
 ) -> tuple[Cls, ...] | None:
-    """Stage order with the most memory room: least bottleneck, then least fill sum.
+    """Stage order with the most memory room: the order whose layer split (under its memory
+    caps) has the least bottleneck, then the least exact 1F1B time at m micro-batches (beyond
+    2S+2 or None: at 2S+2), then the least fill sum.
 
     Small pipelines try every distinct order; larger ones start from the load heuristic and
     its variants and improve by swapping two positions. None if no order holds the model.
@@ -226,7 +164,11 @@ def best_order(
     L = problem.layers
     if len(classes) > L or not classes:
         return None
-    if problem.memory is None or len(set(classes)) == 1:
+    if len(set(classes)) == 1 or (
+        problem.memory is None
+        and problem.calibration is None
+        and _distinct_orders(classes, 24) is None
+    ):
         return tuple(order_stages(problem, classes, m, caps_fn))
     get_caps = caps_fn or (lambda ks, mm: layer_caps(problem, ks, mm))
     S = len(classes)
@@ -234,15 +176,39 @@ def best_order(
     if sum(room[c[1]] for c in classes) < L:
         return None  # even the roomiest position for every group cannot hold the model
 
-    def score(order: Sequence[Cls]) -> tuple[int, float, float]:
+    mm = m if m is not None and m <= exact_micro_batches(S) else exact_micro_batches(S)
+
+    Scored = tuple[int, float, float, tuple[float, ...]]
+
+    def score(order: Sequence[Cls]) -> Scored:
+        """(infeasible, bottleneck, fill sum, stage costs) of the order's bound split."""
         caps = get_caps(tuple(c[1] for c in order), m)
         ys = [c[0] for c in order]
-        first = _min_bottleneck(ys, caps, L)
+        es = order_extras(problem, order)
+        first = min_bottleneck(ys, caps, L, es)
         if first is None:  # rank infeasible orders by how far they are from holding the model
-            return (1, float(L - sum(caps) + L * sum(1 for c in caps if c < 1)), 0.0)
-        b = max(y * n for y, n in zip(ys, first, strict=True))
-        ls = _fill_at(ys, caps, L, b) or first
-        return (0, b, sum(y * n for y, n in zip(ys, ls, strict=True)))
+            return (1, float(L - sum(caps) + L * sum(1 for c in caps if c < 1)), 0.0, ())
+        b = max(y * n + e for y, n, e in zip(ys, first, es, strict=True))
+        ls = fill_at(ys, caps, L, b, es) or first
+        costs = tuple(y * n + e for y, n, e in zip(ys, ls, es, strict=True))
+        return (0, b, sum(costs), costs)
+
+    def better(x: Scored, y: Scored) -> bool:
+        """x before y: feasible, then less bottleneck; at an equal bottleneck, less exact
+        1F1B time at mm (an early bottleneck hides the later stages), then less fill."""
+        if x[0] != y[0]:
+            return x[0] < y[0]
+        if abs(x[1] - y[1]) > 1e-12 * max(1.0, y[1]):
+            return x[1] < y[1]
+        if x[0]:
+            return False
+        ty = pipeline_time(mm, y[3])
+        if pipeline_time_lower(mm, x[3]) > ty * (1 + 1e-12):
+            return False
+        tx = pipeline_time(mm, x[3])
+        if abs(tx - ty) > 1e-12 * max(1.0, ty):
+            return tx < ty
+        return x[2] < y[2] - 1e-12
 
     starts = _distinct_orders(classes, 24)
     exhaustive = starts is not None
@@ -250,9 +216,11 @@ def best_order(
         base = order_stages(problem, classes, m, get_caps)
         light_first = sorted(classes, key=lambda c: ((1 << c[1]) / c[0], c[1]))
         starts = [tuple(base), tuple(light_first), tuple(reversed(light_first))]
-    scored = [(score(o), o) for o in starts]
-    best_score, best = min(scored, key=lambda t: t[0])
-    order = list(best)
+    best_score, order = score(starts[0]), list(starts[0])
+    for o in starts[1:]:
+        sc = score(o)
+        if better(sc, best_score):
+            best_score, order = sc, list(o)
     # Positions rank alike for every shard count, so the load heuristic is nearly right: a pass
     # of neighbour swaps polishes it (two when no order fits yet).
     passes = 0 if exhaustive else (2 if best_score[0] else 1)
@@ -265,10 +233,7 @@ def best_order(
             cand = list(order)
             cand[i], cand[i + 1] = cand[i + 1], cand[i]
             sc = score(cand)
-            if sc[0] < best_score[0] or (
-                sc[0] == best_score[0]
-                and (sc[1], sc[2]) < (best_score[1] - 1e-12, best_score[2] - 1e-12)
-            ):
+            if better(sc, best_score):
                 best_score, order, improved = sc, cand, True
         if not improved:
             break
@@ -289,8 +254,11 @@ def solve_pipeline(
             return None
     ks = tuple(c[1] for c in order)
     caps = caps_fn(ks, m) if caps_fn else layer_caps(problem, ks, m)
-    res = split_layers([c[0] for c in order], caps, problem.layers, m)
+    es = order_extras(problem, order)
+    ys = [c[0] for c in order]
+    res = split_layers(ys, caps, problem.layers, m, es)
     if res is None:
         return None
-    ls, b, s = res
-    return PipeSolution(tuple(order), tuple(ls), b, s)
+    ls = polish_split(ys, es, caps, res[0], m)
+    costs = tuple(y * n + e for y, n, e in zip(ys, ls, es, strict=True))
+    return PipeSolution(tuple(order), tuple(ls), max(costs), sum(costs), costs)

@@ -28,7 +28,7 @@ def critical(ev: Evaluator, sc: Scored) -> int:
         if not sc.refined:
             sol = ev.pipe(key)
             top = sol.time(m + (1 if up else 0)) if sol else top
-        if top >= sc.time - 1e-9:
+        if top >= sc.time - sc.tail - 1e-9:
             n += up if up else count
     return n
 
@@ -113,8 +113,11 @@ def improve(
     dp: int | None,
     refine: bool,
 ) -> Scored:
-    """First-improvement hill climb from `start` until no move helps or `stop()`."""
+    """First-improvement hill climb from `start` until no move helps or `stop()` (asked
+    before any work, and before every neighbour scored)."""
     best = start
+    if stop():
+        return best
     best_crit = critical(ev, best)
     improved = True
     while improved and not stop():

@@ -13,8 +13,9 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 
 from .evaluate import Evaluator, Scored
-from .grouping import Group, Grouping
+from .grouping import Grouping
 from .layers import Cls, PipeSolution
+from .nodegroups import Group
 from .plan import Pipeline, Plan, Stage
 from .problem import PlanningProblem
 
@@ -81,7 +82,7 @@ def _ordered(group: Group, prev: dict[int, Holding]) -> Group:
     if not prev:
         return group
     ranks = tuple(sorted(group.ranks, key=lambda r: (prev[r].lo if r in prev else 1 << 30, r)))
-    return Group(ranks, group.node, group.k, group.y)
+    return Group(ranks, group.node, group.k, group.y, group.link)
 
 
 def _cost(problem: PlanningProblem, g: Group, slot: _Slot, prev: dict[int, Holding]) -> float:

@@ -60,6 +60,15 @@ class Estimate(_Model):
     )
     migration_mb: float = 0.0
     planning_seconds: float | None = None
+    terms: dict[str, float] | None = Field(
+        default=None,
+        description="Calibrated problems: each term of step_time (cost.StepTerms.as_dict), in "
+        "layer-time units; null without a calibration (step_time is then the pipeline term).",
+    )
+    step_seconds: float | None = Field(
+        default=None,
+        description="step_time in seconds (calibration.layer_seconds known); else null.",
+    )
 
 
 class Plan(_Model):

@@ -7,12 +7,16 @@ the layers that cross a boundary. When the rates shift a little, one of these is
 
 from __future__ import annotations
 
-from .cost import group_rate, stage_memory_mb
+from .cost import stage_costs
 from .evaluate import Evaluator
-from .layers import layer_caps, split_layers
+from .layers import layer_caps
+from .layersplit import split_layers
+from .memory import stage_memory_mb
 from .microbatch import greedy_split
+from .pace import group_pace, position_extras
 from .plan import Pipeline, Plan, Stage
 from .problem import PlanningProblem
+from .schedule import pipeline_time
 
 __all__ = ["previous_variants"]
 
@@ -33,7 +37,7 @@ def _with_micro_batches(problem: PlanningProblem, pipes: list[list[Stage]]) -> P
     cap = problem.memory.capacity_mb if problem.memory else None
 
     def time_of(stages: list[Stage]):
-        ys = [group_rate(problem, s.ranks) * s.num_layers for s in stages]
+        cs = stage_costs(problem, Pipeline(micro_batches=1, stages=stages))
         S = len(stages)
 
         def t(m: int) -> float:
@@ -44,7 +48,7 @@ def _with_micro_batches(problem: PlanningProblem, pipes: list[list[Stage]]) -> P
                     )
                     if need > cap + 1e-9:
                         return float("inf")
-            return (m - 1) * max(ys) + sum(ys)
+            return pipeline_time(m, cs)
 
         return t
 
@@ -62,8 +66,10 @@ def _with_micro_batches(problem: PlanningProblem, pipes: list[list[Stage]]) -> P
 
 def _resplit(problem: PlanningProblem, stages: list[Stage]) -> list[Stage] | None:
     ks = [(problem.tp // len(s.ranks)).bit_length() - 1 for s in stages]
-    ys = [group_rate(problem, s.ranks) for s in stages]
-    res = split_layers(ys, layer_caps(problem, ks, None), problem.layers, None)
+    ys = [group_pace(problem, s.ranks) for s in stages]
+    links = [max(problem.link_rate(problem.node_of(r)) for r in s.ranks) for s in stages]
+    es = position_extras(problem, ys, links)
+    res = split_layers(ys, layer_caps(problem, ks, None), problem.layers, None, es)
     if res is None:
         return None
     out, start = [], 0

@@ -18,6 +18,7 @@ __all__ = [
     "MAX_LAYERS",
     "MAX_MICRO_BATCHES",
     "MAX_RATE",
+    "Calibration",
     "MemorySpec",
     "ModelSpec",
     "PlanningProblem",
@@ -98,6 +99,64 @@ class MemorySpec(_Strict):
     fixed_mb: float = Field(default=0.0, description="Per-GPU overhead (CUDA context, buffers).")
 
 
+class Calibration(_Strict):
+    """Measured cost terms beyond layer compute, in layer-time units (one layer, forward+backward,
+    one micro-batch, a healthy full TP group). Absent: layer compute only (the model before).
+
+    docs/architecture.md ("Cost model") states how each term enters the step time.
+    """
+
+    layer_seconds: float = Field(
+        description="Seconds of one layer-time unit (converts the estimate to seconds); > 0."
+    )
+    embedding: float = Field(
+        default=0.0,
+        description="The first stage's extra work per micro-batch (embedding forward+backward), "
+        "at a healthy full group's pace.",
+    )
+    head: float = Field(
+        default=0.0,
+        description="The last stage's extra work per micro-batch (head and loss "
+        "forward+backward), at a healthy full group's pace.",
+    )
+    tp_comm: dict[int, float] = Field(
+        default_factory=dict,
+        description="TP collectives per layer per micro-batch, by TP group size (2, 4, 8, ...); "
+        "size 1 costs 0; a size not listed takes the nearest listed one, scaled by the ring "
+        "all-reduce volume (s-1)/s.",
+    )
+    p2p: float = Field(
+        default=0.0,
+        description="One stage boundary's activation and gradient transfer per micro-batch.",
+    )
+    grad_sync_intra: float = Field(
+        default=0.0,
+        description="Data-parallel gradient all-reduce per MB of gradient held by one GPU, when "
+        "every member of the shard group is in one node.",
+    )
+    grad_sync_inter: float = Field(
+        default=0.0,
+        description="The same when the shard group spans nodes.",
+    )
+    optimizer: float = Field(
+        default=0.0,
+        description="Optimizer step per MB of master parameters held by one GPU.",
+    )
+    fixed: float = Field(default=0.0, description="The rest of a step (once per step).")
+
+    def tp_comm_at(self, size: int) -> float:
+        """TP collectives per layer per micro-batch of a group of `size` GPUs."""
+        if size <= 1 or not self.tp_comm:
+            return 0.0
+        if size in self.tp_comm:
+            return float(self.tp_comm[size])
+        listed = [s for s in self.tp_comm if s > 1]
+        if not listed:
+            return 0.0
+        near = min(listed, key=lambda s: (abs(math.log2(s / size)), s))
+        return float(self.tp_comm[near]) * ((size - 1) / size) / ((near - 1) / near)
+
+
 class PlanningProblem(_Strict):
     """A cluster with per-GPU straggling rates and a model to lay out (DESIGN §4.1)."""
 
@@ -117,6 +176,16 @@ class PlanningProblem(_Strict):
     )
     previous_plan: Any | None = Field(
         default=None, description="The plan in force (a Plan), to prefer layouts that move less."
+    )
+    calibration: Calibration | None = Field(
+        default=None,
+        description="Measured cost terms beyond layer compute (embedding, head, TP and pipeline "
+        "transfers, gradient sync, optimizer, fixed); null = layer compute only.",
+    )
+    link_rates: dict[int, float] = Field(
+        default_factory=dict,
+        description="Link slowdown per node (absent = 1.0 healthy; 1.0 to MAX_RATE): a "
+        "collective whose group touches a node with link rate L takes L times as long.",
     )
 
     @model_validator(mode="after")
@@ -156,6 +225,10 @@ class PlanningProblem(_Strict):
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node
+
+    def link_rate(self, node: int) -> float:
+        """Link slowdown of a node: 1.0 when unreported."""
+        return float(self.link_rates.get(node, 1.0))
 
     @classmethod
     def load(cls, data: str | bytes | dict[str, Any]) -> PlanningProblem:
@@ -222,8 +295,63 @@ def problem_faults(p: PlanningProblem) -> list[str]:
             v = getattr(p.memory, name)
             if not (math.isfinite(v) and v >= 0):
                 faults.append(f"memory.{name}: {v} is not allowed; need a finite number >= 0")
+    for node, rate in sorted(p.link_rates.items()):
+        if not 0 <= node < p.nodes:
+            faults.append(
+                f"link_rates[{node}]: node {node} is out of range; nodes are 0..{p.nodes - 1}"
+            )
+        if not (math.isfinite(rate) and 1.0 <= rate <= MAX_RATE):
+            faults.append(
+                f"link_rates[{node}]: {rate} is not allowed; a link rate is a number from 1.0 "
+                f"(healthy) to {MAX_RATE:g}"
+            )
+    if p.calibration is not None:
+        faults.extend(calibration_faults(p.calibration))
     if not faults and all(p.rates.get(r, 1.0) is None for r in range(world)):
         faults.append("rates: every GPU is unusable (null); at least one must be usable")
+    return faults
+
+
+_CALIBRATION_TERMS = (
+    "embedding",
+    "head",
+    "p2p",
+    "grad_sync_intra",
+    "grad_sync_inter",
+    "optimizer",
+    "fixed",
+)
+MAX_TERM = 1e6
+"""Largest calibrated term in layer-time units (a million layers' time): beyond it a figure is a
+unit mistake, and unbounded ones overflow the cost model."""
+
+
+def calibration_faults(c: Calibration) -> list[str]:
+    """Every fault of a calibration section, each naming its field."""
+    faults: list[str] = []
+    if not (math.isfinite(c.layer_seconds) and 0 < c.layer_seconds <= 1e6):
+        faults.append(
+            f"calibration.layer_seconds: {c.layer_seconds} is not allowed; need seconds > 0 "
+            "(at most 1e6)"
+        )
+    for name in _CALIBRATION_TERMS:
+        v = getattr(c, name)
+        if not (math.isfinite(v) and 0 <= v <= MAX_TERM):
+            faults.append(
+                f"calibration.{name}: {v} is not allowed; need a finite number from 0 to "
+                f"{MAX_TERM:g} (layer-time units)"
+            )
+    for size, v in sorted(c.tp_comm.items()):
+        if size < 1 or size & (size - 1):
+            faults.append(
+                f"calibration.tp_comm[{size}]: {size} is not a TP group size (a power of two: "
+                "1, 2, 4, 8, ...)"
+            )
+        if not (math.isfinite(v) and 0 <= v <= MAX_TERM):
+            faults.append(
+                f"calibration.tp_comm[{size}]: {v} is not allowed; need a finite number from 0 "
+                f"to {MAX_TERM:g} (layer-time units per layer)"
+            )
     return faults
 
 

@@ -1,203 +1,162 @@
 """`plan()`: Malleus's planner search (DESIGN §5), exact inner solvers, no solver processes.
 
 1. Group every straggler node's GPUs (grouping.py): per node, the fastest grouping for each
-   group count; globally, either every combination (small clusters) or one price per extra
-   group (`lam`) that each node trades against speed.
+   group count (any node may be split, a uniformly slow one included); globally, either every
+   combination (small clusters) or one price per extra group (`lam`) that each node trades
+   against speed. With many distinct straggling rates the search plans on rates rounded up to
+   a 4% geometric grid (`_bucketed`), so 800 stragglers are a few dozen classes.
 2. For each grouping, score a family of template layouts (templates.py): healthy groups in the
    fewest stages memory allows, odd groups in special pipelines topped up with healthy ones;
    for the best few groupings with few odd groups, also every split of the odd groups over
-   the best template's pipeline count (healthy groups to the slowest). Every pipeline is solved exactly (layers.py) and micro-batches are split exactly
-   (microbatch.py); symmetric pipelines are counted, not enumerated.
-3. Hill-climb the best layouts (localsearch.py), then materialise a few into ranks
-   (materialize.py), keeping groups where the previous plan had them.
+   the best template's pipeline count (healthy groups to the slowest). Every pipeline is
+   solved exactly (layers.py) and micro-batches are split exactly (microbatch.py); symmetric
+   pipelines are counted, not enumerated.
+3. Hill-climb the best layouts (localsearch.py), then materialise the best few into ranks
+   (materialize.py), keeping groups where the previous plan had them; plans found on bucketed
+   rates are re-split (layers, micro-batches) under the true rates (`_polish`).
 4. Add the uniform plan and the previous plan (re-split) as candidates, and return the fastest,
    or among those within 1% of it the one that moves the least state.
+
+The budget is one `Deadline` (deadline.py) that every phase consults before each unit of work
+(a node grouped, a pipeline solved, a layout scored, a neighbour tried): grouping ends by 35%
+of it, templates by 50%, partitions by 55%, the climbs share the rest. The default budget is
+CPU time of the planning thread (`default_budget`); `time_limit` is wall time.
+
+Steps 1-3 up to materialising (the phases and their shares of the budget) live in phases.py;
+this module holds `plan()` and what surrounds the phases: the budget, rate bucketing, choosing
+which layouts to materialise, polishing under the true rates, the final choice and estimate,
+and the errors for problems no layout fits.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-import os
-import sys
 import time
-from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
 
 from .cost import (
     ideal_step_time,
-    migration_mb,
     plan_step_time,
     reference_step_time,
-    stage_memory_mb,
+    step_time_terms,
     uniform_plan,
 )
-from .evaluate import Evaluator, Scored
-from .grouping import Grouping, candidate_groupings
-from .layers import Cls
-from .localsearch import explore, improve
+from .deadline import Deadline, cpu_clock, wall_clock
+from .evaluate import Evaluator
+from .layers import Cls, PipeSolution, solve_pipeline
 from .materialize import materialize
-from .plan import Estimate, Plan
+from .memory import migration_mb, stage_memory_mb
+from .microbatch import split_linear
+from .nodegroups import Group
+from .pace import group_pace, shard_exponent
+from .phases import Candidate, search_layouts
+from .plan import Estimate, Pipeline, Plan, Stage
 from .previous import previous_variants
-from .problem import PlanningProblem, ProblemError
-from .templates import partition_layouts, template_layouts
+from .problem import MAX_RATE, PlanningProblem, ProblemError
 from .validate import validate_plan
 
-__all__ = ["MIGRATION_SLACK", "default_budget", "plan"]
+__all__ = ["MIGRATION_SLACK", "Deadline", "default_budget", "plan"]
 
 MIGRATION_SLACK = 0.01
 """Plans within this fraction of the best step time compete on migrated state instead."""
 
-_KEEP = 6  # best distinct template layouts that get a hill climb
-# Without a time limit, at least this many layouts are scored before a deadline can cut the
-# templates (resp. each hill climb) short: the answer does not depend on the machine's load.
-_FLOOR_TEMPLATES, _FLOOR_CLIMB = 1500, 400
-# Partition layouts (templates.partition_layouts): for the best few groupings with at most this
-# many odd groups, every split of them over as many pipelines as their best template has.
-_PART_GROUPINGS, _PART_MAX_ODD, _PART_MAX = 3, 10, 1500
+# Rate buckets: with more distinct straggling rates than this, the search plans with every
+# rate rounded up to a geometric grid of this step (so that 800 stragglers are a few dozen
+# classes, and nodes with equal rounded rates share their grouping options); the plans it
+# finds are then re-split (layers and micro-batches) under the true rates.
+_BUCKET_ABOVE, _BUCKET_STEP = 48, 0.04
+_MATERIALIZE = 2  # without a previous plan, the best few layouts become plans (and polished)
 
 
-@dataclass
-class _Candidate:
-    scored: Scored
-    grouping: Grouping
-
-
-def _available(g: Grouping) -> Counter[Cls]:
-    return Counter(x.cls for x in (*g.healthy, *g.odd))
-
-
-@dataclass
-class _Clock:
-    """When to stop: at deadlines, but without an explicit time limit only after a floor of
-    work, so that a busy machine slows the planner down instead of changing its answer."""
-
-    ev: Evaluator
-    strict: bool
-
-    def stopper(self, deadline: float, floor: int) -> Callable[[], bool]:
-        least = self.ev.evaluations + floor
-
-        def stop() -> bool:
-            if time.perf_counter() < deadline:
-                return False
-            return self.strict or self.ev.evaluations >= least
-
-        return stop
-
-
-def _search(
-    problem: PlanningProblem, ev: Evaluator, t0: float, budget: float, strict: bool
-) -> list[_Candidate]:
-    """Templates for every grouping (interleaved, half the budget), then hill climbing."""
-    clock = _Clock(ev, strict)
-    groupings = candidate_groupings(problem)
-    small = problem.world <= 64
-    hc: Cls = (problem.model.alpha_at(0), 0)
-    gens = []
-    for g in groupings:
-        nodes = len({x.node for x in g.odd})
-        odd = [x.cls for x in g.odd]
-        gens.append((g, template_layouts(ev, hc, len(g.healthy), odd, nodes, problem.dp)))
-    found: list[_Candidate] = []
-    templates_done = clock.stopper(t0 + 0.5 * budget, _FLOOR_TEMPLATES)
-    while gens and (not templates_done() or not found):
-        active = []
-        for g, gen in gens:
-            batch = list(itertools.islice(gen, 4))
-            for lay in batch:
-                sc = ev.score(lay, refine=small or len(lay) <= 8)
-                if sc is not None:
-                    found.append(_Candidate(sc, g))
-            if len(batch) == 4:
-                active.append((g, gen))
-        gens = active
-    found.sort(key=lambda c: c.scored.time)
-    _debug(f"templates: {len(groupings)} groupings, {ev.evaluations} layouts")
-    found.extend(_partition_candidates(problem, ev, found, hc, small, clock, t0 + 0.6 * budget))
-    found.sort(key=lambda c: c.scored.time)
-    top: list[_Candidate] = []
+def _worth_materializing(problem: PlanningProblem, found: list[Candidate]) -> list[Candidate]:
+    """Distinct layouts that can win: with a previous plan, every one within the migration
+    slack of the best (they compete on moved state); without, the best `_MATERIALIZE` and any
+    that tie with the best (they compete on GPUs left idle)."""
+    found = sorted(found, key=lambda c: c.scored.time)
+    out: list[Candidate] = []
     for c in found:
-        if all(c.scored.layout != t.scored.layout for t in top):
-            top.append(c)
-        if len(top) >= _KEEP:
-            break
-    out = []
-    deadline = t0 + budget
-    for i, c in enumerate(top):
-        # the best start gets half of what is left, the others share the rest
-        left = deadline - time.perf_counter()
-        share = 0.5 if i == 0 else 1.0 / (len(top) - i)
-        refine = small or len(c.scored.layout) <= 8
-        sc = c.scored
-        if refine and not sc.refined:
-            sc = ev.score(sc.layout, refine=True) or sc
-        stop = clock.stopper(time.perf_counter() + max(0.0, left) * share, _FLOOR_CLIMB)
-        better = improve(ev, sc, _available(c.grouping), stop, problem.dp, refine=refine)
-        if not better.refined:
-            better = ev.score(better.layout, refine=True) or better
-        out.append(_Candidate(better, c.grouping))
-        _debug(f"improve: {sc.time:.2f} -> {better.time:.2f}, {ev.evaluations} layouts")
-    if out:
-        # time left: kick-and-climb from the best layout found
-        out.sort(key=lambda c: c.scored.time)
-        c = out[0]
-        refine = small or len(c.scored.layout) <= 8
-        stop = clock.stopper(deadline, _FLOOR_CLIMB)
-        found_ils = explore(ev, c.scored, _available(c.grouping), stop, problem.dp, refine)
-        if not found_ils.refined:
-            found_ils = ev.score(found_ils.layout, refine=True) or found_ils
-        if found_ils.time < c.scored.time - 1e-9:
-            out.insert(0, _Candidate(found_ils, c.grouping))
-        _debug(f"explore: {c.scored.time:.2f} -> {found_ils.time:.2f}, {ev.evaluations} layouts")
-    return out
-
-
-def _partition_candidates(
-    problem: PlanningProblem,
-    ev: Evaluator,
-    found: list[_Candidate],
-    hc: Cls,
-    small: bool,
-    clock: _Clock,
-    deadline: float,
-) -> list[_Candidate]:
-    """Partition layouts for the best few groupings (found sorted by time) with few odd groups."""
-    picked: list[_Candidate] = []
-    for c in found:
-        if len(picked) >= _PART_GROUPINGS:
-            break
-        if all(c.grouping.key != p.grouping.key for p in picked):
-            picked.append(c)
-    # without a time limit every partition is scored (at most the cap): load-independent
-    stop = clock.stopper(deadline, _PART_GROUPINGS * _PART_MAX)
-    out: list[_Candidate] = []
-    for c in picked:
-        g = c.grouping
-        P = problem.dp if problem.dp is not None else c.scored.dp
-        if not 2 <= P <= min(len(g.odd), problem.micro_batches) or len(g.odd) > _PART_MAX_ODD:
+        if any(c.scored.layout == o.scored.layout for o in out):
             continue
-        odd = [x.cls for x in g.odd]
-        lays = partition_layouts(hc, len(g.healthy), odd, P, problem.layers)
-        for lay in itertools.islice(lays, _PART_MAX):
-            if stop():
-                return out
-            sc = ev.score(lay, refine=small or len(lay) <= 8)
-            if sc is not None:
-                out.append(_Candidate(sc, g))
-    _debug(f"partitions: {len(picked)} groupings, {ev.evaluations} layouts")
+        tie = c.scored.time <= found[0].scored.time + 1e-9  # ties compete on idle GPUs
+        if problem.previous_plan is None and len(out) >= _MATERIALIZE and not tie:
+            continue
+        if out and c.scored.time > found[0].scored.time * (1 + 2 * MIGRATION_SLACK) + 1e-9:
+            break
+        out.append(c)
     return out
 
 
 def default_budget(world: int) -> float:
-    """Search seconds when no time_limit is given: ~0.6 s at 64 GPUs, ~25 s at 4096."""
-    return 0.6 + 0.006 * max(0, world - 64)
+    """Search CPU seconds when no time_limit is given: 0.6 s up to 64 GPUs, 0.7 s at 1024,
+    ~3.9 s at 4096, ~8.2 s at 8192, so that the whole plan() call (the search, then
+    materialising, validating and scoring a few plans) stays within 1 s at 1024 GPUs and 10 s
+    at 8192 whatever the spread of the stragglers (docs/benchmarks.md, "Planner spread")."""
+    if world <= 1024:
+        return 0.6 + 0.0001 * max(0, world - 64)
+    return 0.696 + 0.00105 * (world - 1024)
 
 
-def _debug(msg: str) -> None:
-    if os.environ.get("MALLEUS_PLANNER_DEBUG"):
-        print(f"[planner {time.perf_counter():.2f}] {msg}", file=sys.stderr)
+def _bucketed(problem: PlanningProblem) -> PlanningProblem:
+    """The problem the search plans on: rates rounded up to a geometric grid when many differ."""
+    distinct = {v for v in problem.rates.values() if v is not None and v != 1.0}
+    if len(distinct) <= _BUCKET_ABOVE:
+        return problem
+    step = math.log1p(_BUCKET_STEP)
+
+    def up(v: float) -> float:
+        q = math.exp(math.ceil(math.log(v) / step - 1e-9) * step)
+        return max(v, min(q, MAX_RATE))
+
+    rates = {
+        r: (None if v is None else (1.0 if v == 1.0 else up(v))) for r, v in problem.rates.items()
+    }
+    return problem.model_copy(update={"rates": rates})
+
+
+def _true_cls(problem: PlanningProblem, ranks: list[int]) -> Cls:
+    """A group's class under the problem's own rates (as grouping.Group.cls builds it)."""
+    node = problem.node_of(ranks[0])
+    k = shard_exponent(problem.tp, len(ranks))
+    return Group(tuple(ranks), node, k, group_pace(problem, ranks), problem.link_rate(node)).cls
+
+
+def _polish(problem: PlanningProblem, plan: Plan) -> list[Plan]:
+    """The plan's stages kept, layers re-split under the true rates: at each pipeline's own
+    micro-batch count, and (when every pipeline fits with any count) with the micro-batches
+    re-split too. The caller scores both with the cost model."""
+    kept: list[Pipeline] = []
+    lines: list[tuple[float, float, int]] = []
+    any_sols: list[PipeSolution] = []
+    for p in plan.pipelines:
+        ranks = [list(s.ranks) for s in p.stages]
+        order = [_true_cls(problem, r) for r in ranks]
+        if any(not math.isfinite(c[0]) for c in order):
+            return []
+        at_m = solve_pipeline(problem, order, p.micro_batches, order)
+        if at_m is None:
+            return []
+        kept.append(Pipeline(micro_batches=p.micro_batches, stages=_stages(ranks, at_m)))
+        any_m = solve_pipeline(problem, order, None, order)
+        if any_m is not None:
+            any_sols.append(any_m)
+            lines.append((any_m.bottleneck, any_m.fill, 1))
+    out = [Plan(tp=plan.tp, pipelines=kept, excluded=list(plan.excluded))]
+    if len(any_sols) == len(kept):
+        res = split_linear(lines, problem.micro_batches)
+        if res is not None:
+            resplit = [
+                Pipeline(micro_batches=m + up, stages=_stages([s.ranks for s in p.stages], sol))
+                for p, sol, (m, up) in zip(kept, any_sols, res[1], strict=True)
+            ]
+            out.append(Plan(tp=plan.tp, pipelines=resplit, excluded=list(plan.excluded)))
+    return out
+
+
+def _stages(ranks: list[list[int]], sol: PipeSolution) -> list[Stage]:
+    stages, start = [], 0
+    for r, n in zip(ranks, sol.layers, strict=True):
+        stages.append(Stage(ranks=list(r), layers=(start, start + n)))
+        start += n
+    return stages
 
 
 def _least_peak(problem: PlanningProblem, S: int, m: int) -> float:
@@ -261,8 +220,12 @@ def _finish(problem: PlanningProblem, plan: Plan, t0: float, uni: float | None) 
     prev = problem.previous_plan
     plan.generation = prev.generation + 1 if prev is not None else 0
     ref = reference_step_time(problem)  # inf when no static layout fits even when healthy
+    cal = problem.calibration
+    terms = step_time_terms(problem, plan) if cal is not None else None
     plan.estimate = Estimate(
-        step_time=plan_step_time(problem, plan),
+        step_time=terms.total if terms is not None else plan_step_time(problem, plan),
+        terms=terms.as_dict() if terms is not None else None,
+        step_seconds=terms.total * cal.layer_seconds if terms is not None and cal else None,
         uniform_step_time=uni,
         ideal_step_time=ideal_step_time(problem),
         reference_step_time=ref if math.isfinite(ref) else None,
@@ -272,23 +235,40 @@ def _finish(problem: PlanningProblem, plan: Plan, t0: float, uni: float | None) 
     return plan
 
 
-def plan(problem: PlanningProblem, *, time_limit: float | None = None) -> Plan:
+def plan(
+    problem: PlanningProblem,
+    *,
+    time_limit: float | None = None,
+    deadline: Deadline | None = None,
+) -> Plan:
     """The fastest layout the search finds (never slower than uniform), with its estimate.
 
-    `time_limit` bounds the search (seconds) strictly; it returns the best plan found so far.
-    Without it the search gets `default_budget(world)` seconds, but never less than a fixed
-    amount of work, so the same problem gets the same plan on a busy machine.
+    `time_limit` bounds the search (wall seconds) strictly; it returns the best plan found so
+    far. Without it the search gets `default_budget(world)` seconds of the planning thread's
+    CPU time, so a busy machine slows the planner down rather than changing its answer much
+    (callers that need a wall-time bound, like the controller, pass `time_limit`). `deadline` (tests, callers with their
+    own clock or a work budget) replaces both. Every phase honours the deadline; what runs
+    after it (materialising a few plans, scoring the uniform and previous plans) is bounded.
     Raises ProblemError when no layout fits in memory.
     """
     t0 = time.perf_counter()
     faults = _shape_faults(problem)
     if faults:
         raise ProblemError(faults)
-    budget = time_limit if time_limit is not None else default_budget(problem.world)
-    ev = Evaluator(problem)
+    if deadline is not None:
+        dl = deadline
+    elif time_limit is not None:
+        dl = Deadline(time_limit, clock=wall_clock)
+    else:
+        dl = Deadline(default_budget(problem.world), clock=cpu_clock)
+    sp = _bucketed(problem)
+    ev = Evaluator(sp)
     cands: list[Plan] = []
-    for c in _search(problem, ev, t0, budget, strict=time_limit is not None):
-        cands.append(materialize(problem, ev, c.scored, c.grouping))
+    for c in _worth_materializing(problem, search_layouts(sp, ev, dl)):
+        found = materialize(sp, ev, c.scored, c.grouping)
+        cands.append(found)
+        if sp is not problem:
+            cands.extend(_polish(problem, found))
     uni_plan = uniform_plan(problem)
     uni_time: float | None = None
     if uni_plan is not None and not validate_plan(problem, uni_plan):

@@ -17,10 +17,23 @@ import heapq
 import math
 from collections.abc import Iterator
 
+from .deadline import Deadline
 from .evaluate import Evaluator, Layout, PipeKey, merge
 from .layers import Cls
 
-__all__ = ["healthy_depths", "lpt", "partition_layouts", "special_counts", "template_layouts"]
+__all__ = [
+    "TopupMemo",
+    "healthy_depths",
+    "lpt",
+    "partition_layouts",
+    "special_counts",
+    "template_layouts",
+]
+
+TopupMemo = dict[tuple[object, ...], "int | None"]
+"""Fewest healthy groups per (odd groups, healthy count): shared by every grouping's templates."""
+_TOPUP_LINEAR = 3  # counts tried one by one before doubling
+_DEPTH_PROBE = 16  # full groups assumed when probing pipeline depths with few healthy ones
 
 
 def healthy_depths(ev: Evaluator, hc: Cls, H: int) -> tuple[int, int] | None:
@@ -69,13 +82,66 @@ def special_counts(n_odd: int, nodes: int, cap: int) -> list[int]:
     return sorted((x for x in vals if x >= 1), key=lambda x: (abs(math.log(x / guess)), x))
 
 
-def _topup(ev: Evaluator, group: list[Cls], hc: Cls, H: int) -> int | None:
-    """Fewest healthy groups that let this set of groups hold the model."""
+def _topup(
+    ev: Evaluator,
+    group: list[Cls],
+    hc: Cls,
+    H: int,
+    dl: Deadline | None = None,
+    memo: TopupMemo | None = None,
+) -> int | None:
+    """Fewest healthy groups that let this set of groups hold the model (None: none do, or
+    the deadline passed). A few counts one by one, then doubling and bisection: memory room
+    grows with every healthy group added, so feasibility is monotone in practice."""
     L = ev.problem.layers
-    for h in range(0, min(H, L - len(group)) + 1):
-        if ev.pipe(tuple(sorted(group + [hc] * h))) is not None:
-            return h
-    return None
+    key = (tuple(sorted(group)), H)
+    if memo is not None and key in memo:
+        return memo[key]
+    top = min(H, L - len(group))
+
+    def fits(h: int) -> bool | None:
+        if dl is not None:
+            if dl.expired():
+                return None
+            dl.spend()
+        return ev.pipe(tuple(sorted(group + [hc] * h))) is not None
+
+    found: int | None = None
+    h = 0
+    while h <= min(top, _TOPUP_LINEAR):
+        ok = fits(h)
+        if ok is None:
+            return None
+        if ok:
+            found = h
+            break
+        h += 1
+    if found is None and h <= top:
+        lo, step = h - 1, 1  # lo: known not to fit
+        hi = None
+        while hi is None:
+            step *= 2
+            cand = min(top, lo + step)
+            ok = fits(cand)
+            if ok is None:
+                return None
+            if ok:
+                hi = cand
+            elif cand == top:
+                break
+            else:
+                lo = cand
+        if hi is not None:
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                ok = fits(mid)
+                if ok is None:
+                    return None
+                lo, hi = (lo, mid) if ok else (mid, hi)
+            found = hi
+    if memo is not None:
+        memo[key] = found
+    return found
 
 
 def _spread(pipes: list[list[Cls]], hc: Cls, P: int, L: int) -> None:
@@ -100,16 +166,29 @@ def _pool(P: int, q: int, hc: Cls, L: int) -> list[tuple[PipeKey, int]]:
 
 
 def template_layouts(
-    ev: Evaluator, hc: Cls, H: int, odd: list[Cls], n_nodes: int, dp: int | None
+    ev: Evaluator,
+    hc: Cls,
+    H: int,
+    odd: list[Cls],
+    n_nodes: int,
+    dp: int | None,
+    deadline: Deadline | None = None,
+    memo: TopupMemo | None = None,
 ) -> Iterator[Layout]:
-    """Every template layout for a grouping with H healthy full groups and these odd groups."""
+    """Every template layout for a grouping with H healthy full groups and these odd groups.
+
+    Ends early (a generator that stops) once `deadline` has passed, even between layouts."""
     B, L = ev.problem.micro_batches, ev.problem.layers
-    depths = healthy_depths(ev, hc, H) if H else None
+    # depths of full-group pipelines, as if healthy groups were plenty (with stragglers on
+    # almost every node there are few or none, and the odd groups still need that memory)
+    depths = healthy_depths(ev, hc, max(H, min(_DEPTH_PROBE, L)))
     if depths is None:
-        s_lo, s_hi = 1, 1
+        s_lo, s_hi, m_hi = 1, 1, 1
     else:
-        s_lo, s_hi = depths[0], min(depths[1] + 2, max(1, H))
+        s_lo, m_hi = depths[0], depths[1] + 2
+        s_hi = max(s_lo, min(m_hi, max(1, H)))
     depth_range = range(s_lo, s_hi + 1)
+    mem_range = range(s_lo, max(s_hi, m_hi) + 1)
     seen: set[Layout] = set()
 
     def emit(pipes: list[tuple[PipeKey, int]]) -> Iterator[Layout]:
@@ -124,13 +203,20 @@ def template_layouts(
             if q:
                 yield from emit(_pool(H, q, hc, L))
         return
-    for lay in _balanced(hc, H, odd, depth_range, B, L, dp):
+    for lay in _balanced(hc, H, odd, depth_range, B, L, dp, mem_range):
         yield from emit(lay)
     cap = min(B, dp) if dp is not None else B
     for p in special_counts(len(odd), n_nodes, cap):
         bins = lpt(odd, p)
-        mins = [_topup(ev, b, hc, H) for b in bins]
-        if any(h is None for h in mins):
+        mins = []
+        for b in bins:
+            h = _topup(ev, b, hc, H, deadline, memo)
+            if h is None:
+                break
+            mins.append(h)
+        if deadline is not None and deadline.expired():
+            return
+        if len(mins) < len(bins):
             continue
         targets: list[int | None] = [None, *depth_range]
         for target in targets:
@@ -156,7 +242,14 @@ def template_layouts(
 
 
 def _balanced(
-    hc: Cls, H: int, odd: list[Cls], depths: range, B: int, L: int, dp: int | None
+    hc: Cls,
+    H: int,
+    odd: list[Cls],
+    depths: range,
+    B: int,
+    L: int,
+    dp: int | None,
+    mem_depths: range | None = None,
 ) -> Iterator[list[tuple[PipeKey, int]]]:
     """All groups dealt into d pipelines by LPT: full groups first (they carry the memory)."""
     G = H + len(odd)
@@ -166,6 +259,11 @@ def _balanced(
         ds = set(range(1, G + 1))
     else:
         ds = {G // S for S in depths} | {-(-G // S) for S in depths}
+        # many small groups: a pipeline needs about S full groups' worth of memory, and a
+        # group of tp/2^k GPUs brings 1/2^k of it
+        units = H + sum(1.0 / (1 << c[1]) for c in odd)
+        md = mem_depths or depths
+        ds |= {int(units // S) for S in md} | {math.ceil(units / S) for S in md}
     groups = [hc] * H + odd
     orders = (
         sorted(groups, key=lambda c: (c[1], c[0])),  # full groups first, fastest first

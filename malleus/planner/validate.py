@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from malleus.errors import BadInput
 
-from .cost import stage_memory_mb
+from .memory import stage_memory_mb
 from .plan import Plan
 from .problem import PlanningProblem, _as_fault
 

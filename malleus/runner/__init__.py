@@ -1,8 +1,11 @@
 """`malleus run`: a MalleusJob on one machine, no cluster, with the operator's decision loop.
 
-prepare (manifest, resources, first plan: exit 2 before anything starts) -> processes (one
-`python -m malleus.trainer` per GPU, torchrun-style) -> session (the shared Controller on rank
-0's /metrics, switching plans live, or by restart, or never) -> record -> report, plot, summary.
+prepare (manifest, resources, first plan, or the checkpoint `--resume` continues from: exit 2
+before anything starts) -> processes (the rendezvous store, then one `python -m malleus.trainer`
+per GPU, torchrun-style) -> session (the shared Controller on the coordinator's /metrics,
+switching plans live, or by restart, or never; supervise: failed ranks replaced under
+spec.failurePolicy) -> record -> report, plot, summary (failures: what failed and how the job
+recovered).
 
 Torch-free: the trainers run in their own processes; only they import torch.
 """

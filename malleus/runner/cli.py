@@ -1,7 +1,9 @@
 """`malleus run JOB.yaml`: a straggler-resilient training job on this machine, end to end.
 
-Exit codes: 0 done; 1 the run failed (a trainer died, a switch failed); 2 bad input (manifest,
-resources, no plan), refused before anything started; 130 interrupted (Ctrl-C).
+Exit codes: 0 done; 1 the run failed (no member of the job left, no valid plan on the GPUs
+left, a switch failed); 2 bad input (manifest, resources, no plan, nothing to resume), refused
+before anything started; 130 interrupted (Ctrl-C or SIGTERM; with a checkpoint configured the
+trainers save one first and the message gives the `malleus run --resume WORKDIR` command).
 """
 
 from __future__ import annotations
@@ -18,23 +20,33 @@ from malleus.job import BadInput
 from malleus.job.report import write_json
 from malleus.job.resources import Machine
 
+from .failures import summary_lines
 from .prepare import MODES, LocalRunOptions, Prepared, ideal_step_seconds, prepare
 from .progress import Progress
 from .report import RunFacts, build_report, summary_text
+from .resume import REPORT_FILE, append_report, previous_report
 from .session import Outcome, Session
 
 __all__ = ["add_arguments", "main", "make_report", "run", "write_json"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("job", help="MalleusJob manifest (YAML)")
+    parser.add_argument(
+        "job", nargs="?", help="MalleusJob manifest (YAML); with --resume, the run's own"
+    )
+    parser.add_argument(
+        "--resume",
+        metavar="WORKDIR",
+        help="continue the interrupted run in WORKDIR from its latest checkpoint "
+        "(its job and options; report and plot are appended)",
+    )
     parser.add_argument("--report", metavar="REPORT.json", help="write the JSON run report here")
     parser.add_argument("--plot", metavar="PLOT.png", help="write throughput and rate plots here")
     parser.add_argument("--steps", type=int, help="total steps (overrides spec.training.steps)")
     parser.add_argument(
         "--mode",
         choices=MODES,
-        default="live",
+        default=None,
         help="live: re-plan and migrate in place (default); static: never re-plan; "
         "restart: re-plan by checkpoint, stop and relaunch",
     )
@@ -57,10 +69,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+_RESUMED = ("job", "mode", "steps", "report", "plot", "save_model", "save_hf")
+"""What `--resume` takes from the run's `run.json` unless given again on the command line."""
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.job is None and args.resume is None:
+        print("malleus run: give a job file (JOB.yaml) or --resume WORKDIR", file=sys.stderr)
+        return 2
     options = LocalRunOptions(
-        job=args.job,
-        mode=args.mode,
+        job=args.job or "",
+        mode=args.mode or "live",
         steps=args.steps,
         report=args.report,
         plot=args.plot,
@@ -73,6 +92,15 @@ def main(args: argparse.Namespace) -> int:
         init_timeout=args.init_timeout,
         check_resources=not args.no_resource_check,
     )
+    if args.resume is not None:
+        from .resume import resume_options
+
+        explicit = {n for n in _RESUMED if getattr(args, n, None) is not None}
+        try:
+            options = resume_options(args.resume, options, explicit, _RESUMED)
+        except BadInput as e:
+            print(e, file=sys.stderr)
+            return 2
     return run(options, command=shlex.join(["malleus", "run", *sys.argv[2:]]))
 
 
@@ -105,6 +133,7 @@ def make_report(
         outcome.history,
         initial_plan=json.loads(prepared.plan.to_json()),
         ideal_step_seconds=ideal_step_seconds(prepared),
+        problem_of=prepared.job.problem,
     )
 
 
@@ -136,13 +165,19 @@ def run(
         session.procs.terminate(grace=1.0)
         outcome = Outcome(130, "interrupted: trainers stopped")
     report = make_report(prepared, session, outcome, started, command)
+    report.update(session.supervisor.log.to_report())  # failures, replacements, recoveries
+    if prepared.resume_step is not None:
+        previous = previous_report(prepared.workdir)
+        if previous is not None:
+            report = append_report(previous, report, prepared.resume_step)
+    write_json(report, str(prepared.workdir / REPORT_FILE))  # what a --resume appends to
     if options.report:
         write_json(report, options.report)
     if options.plot and report["per_step"]:
         from .plot import plot_report
 
         plot_report(report, options.plot)
-    print(summary_text(report), file=out)
+    print("\n".join([summary_text(report), *summary_lines(report)]), file=out)
     if outcome.code:
         print(f"malleus run: {outcome.reason}", file=err)
     return outcome.code

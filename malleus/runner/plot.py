@@ -1,8 +1,13 @@
-"""The run's picture: throughput over steps with straggler onsets and re-plans marked, above a
-heatmap of every GPU's straggling rate over the same steps.
+"""The run's picture: throughput over steps beside the static baseline, straggler onsets and
+re-plans marked with what each changed, above a heatmap of every GPU's straggling rate.
 
 Drawn from the report alone (so a saved report can be re-plotted), with matplotlib's Agg
 backend: no display needed, nothing global touched (a Figure object, not pyplot).
+
+Only events inside the run's steps are drawn: a scheduled slowdown after the last step (a short
+`--steps` run of a longer job) would otherwise stretch the layout until it collapses. Warm-up
+steps (the first of the launch and the first under each new plan, which pay one-off costs) are
+hatched and left out of the colour scale.
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_report", "rate_matrix"]
+__all__ = ["plot_report", "rate_matrix", "replan_label", "warmup_steps"]
+
+_SLOW, _HEAL, _REPLAN, _STATIC = "#d62728", "#2ca02c", "#9467bd", "#7f7f7f"
 
 
 def rate_matrix(rows: list[Mapping[str, Any]], world: int) -> tuple[list[int], list[list[float]]]:
@@ -27,13 +34,37 @@ def rate_matrix(rows: list[Mapping[str, Any]], world: int) -> tuple[list[int], l
     return steps, matrix
 
 
+def warmup_steps(report: Mapping[str, Any]) -> list[int]:
+    """The first step of the run and the first under each applied plan."""
+    rows = report.get("per_step") or []
+    first = [int(rows[0]["step"])] if rows else []
+    applied = [
+        int(c["step_applied"])
+        for c in report.get("plan_changes", [])
+        if c.get("step_applied") is not None
+    ]
+    return sorted(set(first + applied))
+
+
+def replan_label(change: Mapping[str, Any], sep: str = ", ") -> str:
+    """`gen 2: rank 1 out, TP regrouped, layers moved, 2.6 MiB`: the change's description
+    (`malleus.runner.changes`, stored in the report) in short; `sep="\\n"`: one per line."""
+    head = f"gen {change['generation']}"
+    labels = (change.get("changed") or {}).get("labels") or []
+    if not labels:
+        return head
+    return f"{head}{sep}{sep.join(labels)}" if sep == "\n" else f"{head}: {sep.join(labels)}"
+
+
 def plot_report(report: Mapping[str, Any], path: str | Path) -> Path:
     """Write the PNG to `path`; returns it."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
     rows = [r for r in report["per_step"] if r.get("tokens_per_second") is not None]
+    all_rows = list(report["per_step"])
     layout = report["layout"]
     world = layout["nodes"] * layout["gpus_per_node"]
     fig = Figure(figsize=(11, 7), constrained_layout=True)
@@ -43,21 +74,85 @@ def plot_report(report: Mapping[str, Any], path: str | Path) -> Path:
     bottom = fig.add_subplot(grid[1, 0], sharex=top)
     scale = fig.add_subplot(grid[1, 1])
 
-    steps = [r["step"] for r in rows]
-    top.plot(steps, [r["tokens_per_second"] for r in rows], color="#1f77b4", lw=1.2)
+    all_steps = [int(r["step"]) for r in all_rows]
+    lo, hi = (min(all_steps), max(all_steps)) if all_steps else (0, 0)
+
+    def inside(step: Any) -> bool:
+        return step is not None and lo <= step <= hi
+
+    warm = set(warmup_steps(report))
+    timed = [r for r in rows if r["step"] not in warm]
+    top.plot(
+        [r["step"] for r in timed],
+        [r["tokens_per_second"] for r in timed],
+        color="#1f77b4",
+        lw=1.2,
+        label="measured tokens/s",
+    )
+    cold = [r for r in rows if r["step"] in warm]
+    if cold:
+        top.plot(
+            [r["step"] for r in cold],
+            [r["tokens_per_second"] for r in cold],
+            ls="none",
+            marker="x",
+            ms=5,
+            color="#4c9be8",
+            label="warm-up step (measured)",
+        )
+    base = report.get("static_baseline")
+    tokens = report.get("tokens_per_step")
+    if base and tokens and report.get("mode") != "static":
+        pts = [
+            (p["step"], tokens / p["predicted_seconds"])
+            for p in base.get("per_step", [])
+            if p.get("predicted_seconds")
+        ]
+        if pts:
+            top.plot(
+                [s for s, _ in pts],
+                [v for _, v in pts],
+                color=_STATIC,
+                ls="--",
+                lw=1.2,
+                label="static baseline: first plan all run (predicted)",
+            )
     top.set_ylabel("tokens / s")
-    top.set_title(f"{report['job']} ({report['mode']}): throughput, straggler onsets, re-plans")
+    fig.suptitle(f"{report['job']} ({report['mode']}): throughput, straggler onsets, re-plans")
     top.grid(alpha=0.3)
     top.tick_params(labelbottom=False)
+    shown: set[str] = set()
+
+    def once(label: str) -> str:
+        if label in shown:
+            return "_nolegend_"
+        shown.add(label)
+        return label
+
+    # One line and label per step and kind: GPUs that heal together are one event.
+    events: dict[tuple[int, bool], list[str]] = {}
     for s in report.get("schedule", []):
-        healthy = s["factor"] <= 1.0
-        top.axvline(s["step"], color="#2ca02c" if healthy else "#d62728", ls="--", lw=1)
-        change = "recovers" if healthy else "x{:g}".format(s["factor"])
-        label = f"rank {s['rank']} {change}"
+        if inside(s["step"]):
+            healthy = s["factor"] <= 1.0
+            change = "" if healthy else " x{:g}".format(s["factor"])
+            events.setdefault((s["step"], healthy), []).append(f"{s['rank']}{change}")
+    for (step, healthy), ranks in sorted(events.items()):
+        top.axvline(
+            step,
+            color=_HEAL if healthy else _SLOW,
+            ls="--",
+            lw=1,
+            label=once("GPU recovers (emulated)" if healthy else "GPU slows (emulated)"),
+        )
+        many = len(ranks) > 1
+        text = f"rank{'s' if many else ''} {', '.join(ranks)}"
+        text += (" recover" if many else " recovers") if healthy else ""
         top.annotate(
-            label,
-            (s["step"], 1.0),
+            text,
+            (step, 1.0),
             xycoords=("data", "axes fraction"),
+            xytext=(-2, -2),
+            textcoords="offset points",
             rotation=90,
             va="top",
             ha="right",
@@ -65,25 +160,34 @@ def plot_report(report: Mapping[str, Any], path: str | Path) -> Path:
             color="#555555",
         )
     for c in report.get("plan_changes", []):
-        if c.get("step_applied") is None:
+        step = c.get("step_applied")
+        if not inside(step):
             continue
-        top.axvline(c["step_applied"], color="#9467bd", lw=1.5)
-        bottom.axvline(c["step_applied"] - 0.5, color="#9467bd", lw=1.5)
+        top.axvline(step, color=_REPLAN, lw=1.5, label=once("re-plan (applied)"))
+        bottom.axvline(step - 0.5, color=_REPLAN, lw=1.5)
         top.annotate(
-            f"gen {c['generation']}",
-            (c["step_applied"], 0.02),
+            replan_label(c, sep="\n"),
+            (step, 0.03),
             xycoords=("data", "axes fraction"),
-            rotation=90,
+            xytext=(3, 0),
+            textcoords="offset points",
             va="bottom",
             ha="left",
-            fontsize=8,
-            color="#9467bd",
+            fontsize=7,
+            color=_REPLAN,
+            bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": _REPLAN, "alpha": 0.85},
         )
+    for f in report.get("failures", []):  # failed ranks (malleus.runner.failures)
+        if inside(f.get("step")):
+            top.axvline(f["step"], color="#000000", ls=":", lw=1.2, label=once("rank failed"))
+            bottom.axvline(f["step"] - 0.5, color="#000000", ls=":", lw=1.2)
+    top.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=3, fontsize=7.5, frameon=False)
 
-    all_rows = list(report["per_step"])
     hsteps, matrix = rate_matrix(all_rows, world)
-    # The first step of a launch pays one-off warm-up; it should not set the colour scale.
-    finite = [v for line in matrix for v in line[1:] if not math.isnan(v)]
+    # Warm-up steps pay one-off costs (start-up, the first step under a new plan): hatched, and
+    # left out of the colour scale so that they do not wash the rest out.
+    cols = [i for i, s in enumerate(hsteps) if s not in warm]
+    finite = [v for line in matrix for i in cols if not math.isnan(v := line[i])]
     vmax = max([2.0, *finite])
     if hsteps:
         extent = (hsteps[0] - 0.5, hsteps[-1] + 0.5, world - 0.5, -0.5)
@@ -95,7 +199,18 @@ def plot_report(report: Mapping[str, Any], path: str | Path) -> Path:
             norm=Normalize(1.0, vmax),
             extent=extent,
         )
-        fig.colorbar(image, cax=scale, label="straggling rate")
+        fig.colorbar(image, cax=scale, label="straggling rate (warm-up steps left out)")
+        for s in sorted(warm):
+            bottom.axvspan(s - 0.5, s + 0.5, facecolor="none", edgecolor="#4c9be8", hatch="///")
+        bottom.legend(
+            handles=[
+                Patch(facecolor="none", edgecolor="#4c9be8", hatch="///", label="warm-up step")
+            ],
+            loc="upper right",
+            fontsize=7.5,
+            framealpha=0.85,
+        )
+        top.set_xlim(extent[0], extent[1])
     bottom.set_ylabel("GPU (rank)")
     bottom.set_xlabel("step")
     bottom.set_yticks(range(world))

@@ -21,6 +21,7 @@ from malleus.planner.cost import ideal_step_time
 from malleus.planner.plan import Plan
 
 from .processes import LaunchSpec
+from .resume import checkpoint_generation, save_options
 
 __all__ = [
     "MODES",
@@ -53,6 +54,8 @@ class LocalRunOptions:
     scrape_interval: float = 0.2
     init_timeout: float = 120.0
     check_resources: bool = True
+    resume: bool = False
+    """Continue the run in `workdir` from its latest checkpoint (`malleus run --resume`)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,8 @@ class Prepared:
     machine: Machine | None
     needs: Needs
     total_steps: int
+    resume_step: int | None = None
+    """The checkpoint's step when resuming (`--resume`); None for a fresh run."""
 
     @property
     def world(self) -> int:
@@ -141,16 +146,23 @@ def prepare(options: LocalRunOptions, machine: Machine | None = None) -> Prepare
         else Path(tempfile.mkdtemp(prefix=f"malleus-run-{job.name}-"))
     )
     stale = workdir / "checkpoints"
-    if stale.is_dir() and any(stale.iterdir()):
+    resume_step = None
+    if options.resume:
+        resume_step, plan = _resumed(workdir, plan)
+    elif stale.is_dir() and any(stale.iterdir()):
         # The trainers resume from whatever checkpoint they find: this run would continue that one.
         raise BadInput.one(
             "--workdir",
-            f"{workdir} holds checkpoints of an earlier run; use a new one",
+            f"{workdir} holds checkpoints of an earlier run; use a new one, or continue "
+            f"that run with `malleus run --resume {workdir}`",
             what="arguments",
         )
     (workdir / "plans").mkdir(parents=True, exist_ok=True)
     plan_path = workdir / "plans" / f"gen-{plan.generation}.json"
-    plan_path.write_text(plan.to_json())
+    if not plan_path.exists() or not options.resume:
+        plan_path.write_text(plan.to_json())
+    if not options.resume:
+        save_options(workdir, options)
     token = secrets.token_urlsafe(32)
     token_file = workdir / "control-token"
     token_file.write_text(token)
@@ -161,6 +173,8 @@ def prepare(options: LocalRunOptions, machine: Machine | None = None) -> Prepare
     if job.spec.checkpoint.interval_steps > 0:
         checkpoint_dir = str((workdir / "checkpoints").resolve())
         every = job.spec.checkpoint.interval_steps
+    if options.resume:
+        checkpoint_dir = str((workdir / "checkpoints").resolve())
     cpus = machine.cpus if machine is not None else (os.cpu_count() or 1)
     launch = LaunchSpec(
         job=str(Path(options.job).resolve()),
@@ -174,6 +188,7 @@ def prepare(options: LocalRunOptions, machine: Machine | None = None) -> Prepare
         checkpoint_every=every,
         init_timeout=options.init_timeout,
         threads_per_rank=max(1, cpus // job.world),
+        fault_tolerant=options.mode != "restart",
     )
     return Prepared(
         options=options,
@@ -185,4 +200,22 @@ def prepare(options: LocalRunOptions, machine: Machine | None = None) -> Prepare
         machine=machine,
         needs=needs,
         total_steps=options.steps or job.steps,
+        resume_step=resume_step,
     )
+
+
+def _resumed(workdir: Path, initial: Plan) -> tuple[int, Plan]:
+    """The checkpoint's step and the plan it was taken under (`plans/gen-N.json`)."""
+    found = checkpoint_generation(workdir / "checkpoints")
+    if found is None:
+        raise BadInput.one(
+            "--resume",
+            f"{workdir / 'checkpoints'} holds no checkpoint to continue from (a run saves one "
+            "every spec.checkpoint.intervalSteps steps, and when stopped by Ctrl-C or SIGTERM)",
+            what="arguments",
+        )
+    step, generation = found
+    path = workdir / "plans" / f"gen-{generation}.json"
+    if generation and generation != initial.generation and path.exists():
+        return step, Plan.from_json(path.read_text())
+    return step, initial

@@ -1,70 +1,69 @@
 """The trainer processes of a local run: one `python -m malleus.trainer` per emulated GPU.
 
 Each rank is started the way torchrun would start it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-MASTER_PORT), so a local run exercises the exact entry point a pod runs; rank 0 serves the
-rendezvous and the control endpoint. Separate processes rather than `malleus train`'s spawn:
-the runner sees every rank's exit code (a dead trainer is named, not guessed), can stop and
-relaunch the whole group (restart mode), and stays free of torch.
+MASTER_PORT), so a local run exercises the exact entry point a pod runs. The rendezvous store is
+hosted by none of them: the runner starts `python -m malleus.trainer store` first (a process of
+its own, `StoreServer`) and every rank meets there (`MALLEUS_STORE=host:port`), so losing any
+rank, rank 0 included, does not lose the job. Every rank has its own control port (the job's
+base port + its rank) and serves it while it is the coordinator (the lowest GPU of the current
+membership). Separate processes
+rather than `malleus train`'s spawn: the runner sees every rank's exit code (a dead trainer is
+named, not guessed), can replace one rank's process (`replace`: the same command plus
+`--join`), stop and relaunch the whole group (restart mode), and stays free of torch.
 
-No orphans: children run in their own session (a terminal's Ctrl-C reaches the runner only,
-which then stops them in order), and on Linux each child asks the kernel for SIGTERM should the
-runner die without cleaning up (PR_SET_PDEATHSIG).
+No orphans: children (the store included) run in their own session (a terminal's Ctrl-C reaches
+the runner only, which then stops them in order), and on Linux each child asks the kernel for
+SIGTERM should the runner die without cleaning up (PR_SET_PDEATHSIG).
+
+Layout: this module holds the trainer processes (`TrainerProcesses`, one `RankProcess` per
+rank, `RankExited` when one ends); the store's process and the ports and parent-death signal
+every child shares are `malleus.runner.store_server`'s, and the ranks' command line and
+environment `malleus.runner.launch`'s (`LaunchSpec`). All their public names are importable
+from here too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import math
-import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-__all__ = ["LaunchSpec", "RankExited", "TrainerProcesses", "describe_exit", "free_port"]
+from .launch import LaunchSpec
+from .store_server import StoreServer, _death_signal, free_port, free_ports
 
-_PR_SET_PDEATHSIG = 1
+__all__ = [
+    "EXPELLED",
+    "LaunchSpec",
+    "RankExited",
+    "StoreServer",
+    "TrainerProcesses",
+    "describe_exit",
+    "free_port",
+    "free_ports",
+]
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now (the OS's pick). Bound by a trainer moments later."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+EXPELLED = 3
+"""A trainer's exit code when the job left it out (a hung rank that woke up too late)."""
 
 
 def describe_exit(code: int) -> str:
-    """`exited with code 1` or `killed by SIGKILL`."""
+    """`exited with code 1` or `killed by SIGKILL` (`was left out of the job` for code 3)."""
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
+    if code == EXPELLED:
+        return f"was left out of the job (exit code {EXPELLED})"
     return f"exited with code {code}"
-
-
-def _death_signal() -> Callable[[], None] | None:
-    """A preexec function asking Linux to SIGTERM the child when the runner dies."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-
-    def arm() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-    return arm
 
 
 class RankExited(RuntimeError):
@@ -78,153 +77,193 @@ class RankExited(RuntimeError):
         )
 
 
-@dataclass(frozen=True)
-class LaunchSpec:
-    """How to start the trainers (what stays the same across relaunches)."""
+@dataclass
+class RankProcess:
+    """One process of one rank: the original of a launch or a replacement (`joins` > 0)."""
 
-    job: str
-    world: int
-    workdir: Path
-    token_file: Path
-    steps: int | None = None
-    save_model: str | None = None
-    save_hf: str | None = None
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    init_timeout: float = 120.0
-    threads_per_rank: int = 1
-    python: str = sys.executable
+    rank: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+    joins: int = 0
+    """0: started with the launch; n: the n-th replacement of this rank (started with --join)."""
+    started: float = field(default_factory=time.monotonic)
+    exited_at: float | None = None
+    joined_step: int | None = None
+    """The step a replacement joined at (its `[malleus] rank G joined at step S` line)."""
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+    reader: threading.Thread | None = None
 
-    def argv(self, rank: int, plan: Path, control_port: int, resume: bool) -> list[str]:
-        args = [self.python, "-m", "malleus.trainer", self.job, "--plan", str(plan)]
-        args += ["--log-every", "1", "--init-timeout", f"{self.init_timeout:g}"]
-        args += ["--control-port", str(control_port if rank == 0 else -1)]
-        if self.steps is not None:
-            args += ["--steps", str(self.steps)]
-        if self.save_model:
-            args += ["--save-model", self.save_model]
-        if self.save_hf:
-            args += ["--save-hf", self.save_hf]
-        if self.checkpoint_dir:
-            args += ["--checkpoint-dir", self.checkpoint_dir]
-            args += ["--checkpoint-every", str(self.checkpoint_every)]
-            if resume:
-                args.append("--resume")
-        return args
-
-    def env(self, rank: int, master_port: int) -> dict[str, str]:
-        env = dict(os.environ)
-        env.pop("MALLEUS_EXTERNAL_STORE", None)  # rank 0 hosts the rendezvous, as under torchrun
-        env.pop("MALLEUS_CONTROL_TOKEN", None)
-        env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),  # one machine: the rank is also the local GPU index
-            WORLD_SIZE=str(self.world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(master_port),
-            OMP_NUM_THREADS=str(self.threads_per_rank),
-            MALLEUS_CONTROL_TOKEN_FILE=str(self.token_file),
-            PYTHONUNBUFFERED="1",
-        )
-        return env
+    @property
+    def code(self) -> int | None:
+        return self.proc.poll()
 
 
 class TrainerProcesses:
-    """Start, watch and stop one launch of the job's `world` trainer processes at a time."""
+    """Start, watch, replace and stop the job's `world` trainer processes.
 
-    def __init__(self, spec: LaunchSpec, on_line: Callable[[str], None] | None = None) -> None:
+    `on_line(line)` gets every line any rank prints (step lines come from the coordinator);
+    `on_rank_line(rank, line)` the same with the rank. Lines are read on one thread per
+    process; the callbacks must be thread-safe.
+    """
+
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        on_line: Callable[[str], None] | None = None,
+        *,
+        on_rank_line: Callable[[int, str], None] | None = None,
+    ) -> None:
         self.spec = spec
         self.on_line = on_line
+        self.on_rank_line = on_rank_line
         self.launches = 0
-        self.control_port: int | None = None
+        self.ports: list[int] = free_ports(spec.world)
+        """Every rank's control port, `ports[0] + rank` (kept across relaunches and
+        replacements: the controller keeps scraping one set). Each rank is given
+        `--control-port ports[0]` and serves at that + its local rank (= its rank here) while
+        it is the coordinator; without fault tolerance only rank 0 serves."""
         self.expect_exit = False
         """Set while the group is being stopped on purpose (restart): exits are not failures."""
-        self._procs: list[subprocess.Popen[bytes]] = []
-        self._logs: list[Path] = []
+        self.store: StoreServer | None = None
+        self._ranks: list[RankProcess] = []
+        self._retired: list[RankProcess] = []
         self._files: list[IO[bytes]] = []
-        self._reader: threading.Thread | None = None
-        self._tail: deque[str] = deque(maxlen=20)
-        self._exited_at: dict[int, float] = {}
+        self._plan: Path | None = None
+        self._resume = False
+        self._master = 0
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, plan: Path, *, resume: bool = False) -> None:
-        """Launch every rank under `plan` (resuming from the checkpoint directory if asked)."""
-        if any(p.poll() is None for p in self._procs):
+        """Launch every rank under `plan` (resuming from the checkpoint directory if asked),
+        after a fresh rendezvous store (a relaunch must not meet the last launch's keys)."""
+        if any(r.code is None for r in self._ranks):
             raise RuntimeError("the previous launch is still running")
-        if self._reader is not None:
-            self._reader.join(timeout=5)
+        self._join_readers()
         self._close_files()
         self.launches += 1
-        logs = self.spec.workdir / "logs" / f"launch-{self.launches}"
+        logs = self.logs_dir
         logs.mkdir(parents=True, exist_ok=True)
-        # The control port stays across relaunches: the controller keeps scraping one address.
-        if self.control_port is None:
-            self.control_port = free_port()
-        control = self.control_port
-        master = free_port()
-        while master == control:
-            master = free_port()
-        self._procs, self._logs, self._tail = [], [], deque(maxlen=20)
-        self._exited_at = {}
-        preexec = _death_signal()
+        if self.store is not None:
+            self.store.stop()
+        self.store = StoreServer(self.spec.python, logs / "store.log")
+        self.store.start(timeout=max(60.0, self.spec.init_timeout))
+        if self.store.port in self.ports and self.launches == 1:  # the OS's pick, in our block
+            self.ports = free_ports(self.spec.world)
+        self._plan, self._resume, self._master = plan, resume, self.store.port
+        self._retired += self._ranks
+        self._ranks = []
         for rank in range(self.spec.world):
-            log = logs / f"rank-{rank}.log"
-            out = open(log, "wb")  # noqa: SIM115 (closed in _close_files)
-            self._files.append(out)
-            self._logs.append(log)
-            proc = subprocess.Popen(
-                self.spec.argv(rank, plan, control, resume),
-                env=self.spec.env(rank, master),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE if rank == 0 else out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=preexec,
-            )
-            self._procs.append(proc)
-            threading.Thread(target=self._watch, args=(rank, proc), daemon=True).start()
-        first = self._procs[0]
-        assert first.stdout is not None
-        self._reader = threading.Thread(
-            target=self._read, args=(first.stdout, self._files[0]), daemon=True
-        )
-        self._reader.start()
+            self._ranks.append(self._spawn(rank, logs / f"rank-{rank}.log", 0))
         self.expect_exit = False
 
-    def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
-        """Note when a rank ends: when one dies, the others fail soon after (their collectives
-        break), and only the order tells which one to blame."""
-        proc.wait()
-        self._exited_at.setdefault(rank, time.monotonic())
+    def _spawn(self, rank: int, log: Path, joins: int) -> RankProcess:
+        assert self._plan is not None and self.store is not None
+        out = open(log, "wb")  # noqa: SIM115 (closed in _close_files)
+        self._files.append(out)
+        proc = subprocess.Popen(
+            self.spec.argv(rank, self._plan, self.ports[0], self._resume, join=joins > 0),
+            env=self.spec.env(rank, self._master, self.store.address),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_death_signal(),
+        )
+        rp = RankProcess(rank, proc, log, joins)
+        assert proc.stdout is not None
+        rp.reader = threading.Thread(target=self._read, args=(rp, proc.stdout, out), daemon=True)
+        rp.reader.start()
+        threading.Thread(target=self._watch, args=(rp,), daemon=True).start()
+        return rp
 
-    def _read(self, stream: IO[bytes], log: IO[bytes]) -> None:
-        """Rank 0's output: into its log, the tail, and the line callback (step lines)."""
+    def replace(self, rank: int) -> RankProcess:
+        """Start a new process for `rank` (whose process has ended) that joins the running
+        job: the original's command line and environment plus `--join`."""
+        old = self._ranks[rank]
+        if old.code is None:
+            raise RuntimeError(f"rank {rank}'s process {old.proc.pid} is still running")
+        joins = old.joins + 1
+        new = self._spawn(rank, self.logs_dir / f"rank-{rank}.join-{joins}.log", joins)
+        self._retired.append(old)
+        self._ranks[rank] = new
+        return new
+
+    def kill(self, rank: int, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to `rank`'s process (a hung rank the trainers left out)."""
+        rp = self._ranks[rank]
+        if rp.code is None:
+            with contextlib.suppress(ProcessLookupError):
+                rp.proc.send_signal(sig)
+                if sig == signal.SIGKILL:  # a stopped process must not wait for SIGCONT
+                    rp.proc.send_signal(signal.SIGCONT)
+
+    def _watch(self, rp: RankProcess) -> None:
+        """Note when a process ends: when one dies, others may fail soon after, and only the
+        order tells which one to blame."""
+        rp.proc.wait()
+        if rp.exited_at is None:
+            rp.exited_at = time.monotonic()
+
+    def _read(self, rp: RankProcess, stream: IO[bytes], log: IO[bytes]) -> None:
+        """A rank's output: into its log, its tail, and the line callbacks."""
         for raw in iter(stream.readline, b""):
-            log.write(raw)
-            log.flush()
+            with contextlib.suppress(ValueError, OSError):
+                log.write(raw)
+                log.flush()
             line = raw.decode(errors="replace").rstrip()
-            self._tail.append(line)
+            rp.tail.append(line)
+            if self.on_rank_line is not None:
+                self.on_rank_line(rp.rank, line)
             if self.on_line is not None:
                 self.on_line(line)
         stream.close()
 
+    # ---- views -----------------------------------------------------------------------------
+    @property
+    def logs_dir(self) -> Path:
+        return self.spec.workdir / "logs" / f"launch-{max(1, self.launches)}"
+
+    @property
+    def control_port(self) -> int | None:
+        """Rank 0's control port (None before the first launch)."""
+        return self.ports[0] if self.ports else None
+
+    def url_of(self, rank: int) -> str:
+        return f"http://127.0.0.1:{self.ports[rank]}"
+
     @property
     def url(self) -> str:
-        """Rank 0's control endpoint."""
-        return f"http://127.0.0.1:{self.control_port}"
+        """Rank 0's control endpoint (the coordinator while every rank is in the job)."""
+        return self.url_of(0)
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
+        return [r.proc.pid for r in self._ranks]
+
+    @property
+    def started(self) -> bool:
+        """A launch has started (every rank has a process, running or ended)."""
+        return bool(self._ranks)
+
+    def process(self, rank: int) -> RankProcess:
+        return self._ranks[rank]
 
     def codes(self) -> list[int | None]:
-        return [p.poll() for p in self._procs]
+        return [r.code for r in self._ranks]
+
+    def alive(self) -> list[int]:
+        """The ranks whose current process is running."""
+        return [r.rank for r in self._ranks if r.code is None]
 
     def running(self) -> bool:
         return any(c is None for c in self.codes())
 
     def all_exited(self) -> bool:
-        return bool(self._procs) and not self.running()
+        return bool(self._ranks) and not self.running()
+
+    def exited_at(self, rank: int) -> float:
+        rp = self._ranks[rank]
+        return rp.exited_at if rp.exited_at is not None else math.inf
 
     def failure(self) -> RankExited | None:
         """The first rank that ended badly, or that ended while others still run; else None.
@@ -238,57 +277,68 @@ class TrainerProcesses:
         bad = [r for r, c in enumerate(codes) if c is not None and c != 0]
         if not bad:
             return None
-        first = min(bad, key=lambda r: (self._exited_at.get(r, math.inf), r))
-        code = codes[first]
+        first = min(bad, key=lambda r: (self.exited_at(r), r))
+        return self.exited(first)
+
+    def exited(self, rank: int) -> RankExited:
+        """`rank`'s current process, which has ended, as a RankExited (its log's last lines)."""
+        rp = self._ranks[rank]
+        code = rp.code
         assert code is not None
-        return RankExited(first, code, self._logs[first], self.log_tail(first))
+        return RankExited(rank, code, rp.log, self.log_tail(rank))
 
     def finished(self) -> bool:
         """Every rank ended with 0: training is done."""
         return self.all_exited() and all(c == 0 for c in self.codes())
 
     def drain(self, timeout: float = 5.0) -> None:
-        """Wait until rank 0's output has been read to its end (after it exited)."""
-        if self._reader is not None:
-            self._reader.join(timeout=timeout)
+        """Wait until the output of the processes that ended has been read to its end."""
+        deadline = time.monotonic() + timeout
+        for r in self._ranks:
+            if r.reader is not None and r.code is not None:
+                r.reader.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def log_tail(self, rank: int, lines: int = 12) -> list[str]:
-        if rank == 0 and self._reader is not None:
-            self._reader.join(timeout=2)
-            return list(self._tail)[-lines:]
-        try:
-            text = self._logs[rank].read_text(errors="replace")
-        except OSError:
-            return []
-        return text.splitlines()[-lines:]
+        rp = self._ranks[rank]
+        if rp.reader is not None and rp.code is not None:
+            rp.reader.join(timeout=2)
+        return list(rp.tail)[-lines:]
 
     def wait(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for every rank to end; True if they did."""
         deadline = time.monotonic() + timeout
-        for p in self._procs:
+        for r in self._ranks:
             left = deadline - time.monotonic()
             if left <= 0:
                 return not self.running()
             with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=left)
+                r.proc.wait(timeout=left)
         return not self.running()
 
-    def terminate(self, grace: float = 5.0) -> None:
-        """SIGTERM every rank still running, SIGKILL whatever remains after `grace` seconds."""
+    def terminate(self, grace: float = 5.0, *, store: bool = True) -> None:
+        """SIGTERM every rank still running, SIGKILL whatever remains after `grace` seconds;
+        then the store (unless `store` is False: a relaunch replaces it anyway)."""
         self.expect_exit = True
-        for p in self._procs:
-            if p.poll() is None:
+        for r in self._ranks:
+            if r.code is None:
                 with contextlib.suppress(ProcessLookupError):
-                    p.send_signal(signal.SIGTERM)
+                    r.proc.send_signal(signal.SIGTERM)
+                    r.proc.send_signal(signal.SIGCONT)  # a stopped (hung) rank too
         if not self.wait(grace):
-            for p in self._procs:
-                if p.poll() is None:
+            for r in self._ranks:
+                if r.code is None:
                     with contextlib.suppress(ProcessLookupError):
-                        p.kill()
+                        r.proc.kill()
             self.wait(grace)
-        if self._reader is not None:
-            self._reader.join(timeout=2)
+        self._join_readers()
         self._close_files()
+        if store and self.store is not None:
+            self.store.stop()
+
+    def _join_readers(self) -> None:
+        for r in self._ranks:
+            if r.reader is not None:
+                r.reader.join(timeout=2)
 
     def _close_files(self) -> None:
         for f in self._files:

@@ -1,33 +1,58 @@
 """The run report (JSON) and its summary table: pure functions of what the run recorded.
 
 Per plan change the report puts the controller's prediction next to what the trainers then did:
-predicted speedup is the cost model's `T_old / T_new` under the rates it planned for; measured
+predicted speedup is the cost model's `T_old / T_new` under the rates it planned for (and, in
+seconds, the controller's calibrated step times of the two plans: `predicted_speedup_seconds`,
+the figure the decision was taken on, shown in the summary when it is known); measured
 speedup is the measured step time before the switch (the controller's calibration window) over
 the median step time under the new plan, taken on the steps after the switch step and before the
 next rate shift could have begun (`windowSteps` before it was detected). Their ratio is how much
-of the predicted throughput the new plan delivered.
+of the predicted throughput the new plan delivered. Each change also says what it changed
+(`malleus.runner.changes`: ranks excluded or re-admitted, TP regrouped, layers moved, MiB
+migrated).
+
+Two views of the whole run sit beside the per-change figures:
+
+- *re-plan windows*: the steps between one rate shift and the next, the old plan on the steps of
+  the window before the switch against the new plan on the steps after it, so that a re-plan is
+  compared with what it replaced under the same rates (a straggler never makes it look a loss);
+- *static baseline*: what the job's first plan, held all run (what a framework without
+  re-planning does), would have taken on the same steps: its cost-model time under each step's
+  measured rates, in seconds by this run's own steps (seconds = overhead + seconds per unit x
+  units: the emulated clock's unit and the median overhead, or a least-squares fit against the
+  cost-model time of the plan each step ran). A prediction, labelled so everywhere.
+
+Layout: this module holds the report's facts (`RunFacts`) and its assembly (`build_report`);
+the per-change and per-window figures are `malleus.runner.report_figures`'s, the static
+baseline `malleus.runner.report_baseline`'s and the summary table `malleus.runner.report_text`'s.
+Every public name of those is importable from here too.
 """
 
 from __future__ import annotations
 
-import math
-import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from malleus.controller.events import (
-    DecisionEvent,
-    Replanned,
-    ReplanSkipped,
-    StragglerDetected,
-    plan_summary,
-)
+from malleus.controller.events import DecisionEvent
 from malleus.job.report import generation_segments
 
 from .record import PlanSwitch
+from .report_baseline import ProblemOf, static_baseline, static_baseline_of
+from .report_figures import _ratio, plan_changes, replan_windows
+from .report_text import summary_text
 
-__all__ = ["RunFacts", "build_report", "generation_segments", "plan_changes", "summary_text"]
+__all__ = [
+    "ProblemOf",
+    "RunFacts",
+    "build_report",
+    "generation_segments",
+    "plan_changes",
+    "replan_windows",
+    "static_baseline",
+    "static_baseline_of",
+    "summary_text",
+]
 
 
 @dataclass(frozen=True)
@@ -56,82 +81,6 @@ class RunFacts:
     command: str = ""
 
 
-def _median(xs: Sequence[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _finite(x: float) -> float | None:
-    """A cost-model step time, None when infinite (a plan that cannot run), as in its JSON."""
-    return x if math.isfinite(x) else None
-
-
-def plan_changes(
-    events: Sequence[DecisionEvent],
-    switches: Sequence[PlanSwitch],
-    rows: Sequence[Mapping[str, Any]],
-    window_steps: int,
-) -> list[dict[str, Any]]:
-    """Every applied plan change, from the controller's events and the observed switches."""
-    applied = {s.generation: s for s in switches}
-    detections = [e for e in events if isinstance(e.data, StragglerDetected)]
-    # Any report of a shift, deferred ones (cooldown) included: each ends a clean stretch.
-    shifts = detections + [
-        e for e in events if isinstance(e.data, ReplanSkipped) and e.data.shift is not None
-    ]
-    changes = []
-    for ev in events:
-        if not isinstance(ev.data, Replanned):
-            continue
-        gen, decision = ev.data.generation, ev.data.decision
-        shift = max(
-            (d for d in detections if d.step <= ev.step),
-            key=lambda d: d.step,
-            default=None,
-        )
-        later = sorted(d.step for d in shifts if d.step > ev.step)
-        switch = applied.get(gen)
-        step = switch.step if switch is not None else None
-        # Clean steps: under this plan, after its first step, before the next shift could begin.
-        end = later[0] - window_steps if later else None
-        clean = [
-            r["seconds"]
-            for r in rows
-            if r["generation"] == gen
-            and step is not None
-            and r["step"] > step
-            and (end is None or r["step"] < end)
-            and r.get("seconds")
-        ]
-        measured = _median(clean)
-        predicted_s = decision.new_seconds
-        changes.append(
-            {
-                "generation": gen,
-                "decided_at_step": ev.step,
-                "step_applied": step,
-                "reason": shift.message if shift is not None else ev.message,
-                "decision": ev.message,
-                "plan": plan_summary(ev.data.plan),
-                "planning_seconds": decision.planning_seconds,
-                "migration_seconds": switch.migration_seconds if switch else None,
-                "migration_bytes": switch.migration_bytes if switch else None,
-                "predicted_speedup": _ratio(
-                    _finite(decision.old_units), _finite(decision.new_units)
-                ),
-                "measured_speedup": _ratio(decision.old_seconds, measured),
-                "predicted_step_seconds": predicted_s,
-                "measured_step_seconds": measured,
-                "measured_steps": len(clean),
-                "throughput_vs_predicted": _ratio(predicted_s, measured),
-            }
-        )
-    return changes
-
-
 def build_report(
     facts: RunFacts,
     rows: Sequence[Mapping[str, Any]],
@@ -140,8 +89,10 @@ def build_report(
     *,
     initial_plan: Mapping[str, Any] | None = None,
     ideal_step_seconds: Sequence[float] | None = None,
+    problem_of: ProblemOf | None = None,
 ) -> dict[str, Any]:
-    """The JSON run report. `ideal_step_seconds[i]`: the cost model's ideal time of step i."""
+    """The JSON run report. `ideal_step_seconds[i]`: the cost model's ideal time of step i;
+    `problem_of` (the job's planning problem under given rates): for the static baseline."""
     timed = [r for r in rows if r.get("seconds")]
     training = None
     if timed and timed[0].get("time") is not None and timed[-1].get("time") is not None:
@@ -154,7 +105,10 @@ def build_report(
             ideal_step_seconds[r["step"]] for r in rows if r["step"] < len(ideal_step_seconds)
         )
     mean_tps = facts.tokens_per_step * steps_done / training if training else None
-    return {
+    changes = plan_changes(
+        events, switches, rows, facts.window_steps, initial_plan=initial_plan, tp=facts.tp
+    )
+    report: dict[str, Any] = {
         "job": facts.job,
         "mode": facts.mode,
         "command": facts.command,
@@ -175,49 +129,15 @@ def build_report(
         "schedule": [{"step": s, "rank": r, "factor": f} for s, r, f in facts.schedule],
         "initial_plan": dict(initial_plan) if initial_plan is not None else None,
         "generations": generation_segments(rows, facts.tokens_per_step),
-        "plan_changes": plan_changes(events, switches, rows, facts.window_steps),
+        "static_baseline": None,
+        "windows": replan_windows(
+            changes, rows, facts.schedule, facts.window_steps, facts.tokens_per_step
+        ),
+        "plan_changes": changes,
         "switches": [asdict(s) for s in switches],
         "events": [e.to_dict() for e in events],
         "per_step": list(rows),
     }
-
-
-def _num(x: float | None, fmt: str = ".2f") -> str:
-    return "-" if x is None else format(x, fmt)
-
-
-def summary_text(report: Mapping[str, Any]) -> str:
-    """The end-of-run table: steps, time, throughput per generation, re-plans, final loss."""
-    lines = [
-        f"malleus run {report['job']} ({report['mode']}): {report['steps']}/"
-        f"{report['total_steps']} steps, training {_num(report['training_seconds'], '.1f')} s "
-        f"(wall {_num(report['wall_seconds'], '.1f')} s), "
-        f"mean {_num(report['mean_tokens_per_second'], ',.0f')} tok/s, "
-        f"final loss {_num(report['final_loss'], '.4f')}"
-    ]
-    if report.get("ideal_ratio") is not None:
-        lines.append(
-            f"ideal bound (cost model, emulated): {report['ideal_seconds']:.1f} s "
-            f"= {report['ideal_ratio']:.0%} of the training time"
-        )
-    lines += ["", "  gen  steps        tok/s   s/step"]
-    for g in report["generations"]:
-        lines.append(
-            f"  {g['generation']:>3}  {g['first_step']:>4}-{g['last_step']:<5}"
-            f"{_num(g['mean_tokens_per_second'], ',.0f'):>9}   {_num(g['median_step_seconds'], '.3f')}"
-        )
-    changes = report["plan_changes"]
-    lines += ["", f"re-plans: {len(changes)}"]
-    if changes:
-        lines.append("  gen  at step  plan s  migr s  migr KiB  pred x  meas x  reason")
-    for c in changes:
-        kib = None if c["migration_bytes"] is None else c["migration_bytes"] / 1024
-        lines.append(
-            f"  {c['generation']:>3}  {_num(c['step_applied'], 'd'):>7}  "
-            f"{_num(c['planning_seconds']):>6}  {_num(c['migration_seconds']):>6}  "
-            f"{_num(kib, ',.1f'):>8}  {_num(c['predicted_speedup']):>6}  "
-            f"{_num(c['measured_speedup']):>6}  {c['reason']}"
-        )
-    if report["exit"]["code"]:
-        lines += ["", f"stopped: {report['exit']['reason']}"]
-    return "\n".join(lines)
+    if problem_of is not None:
+        report["static_baseline"] = static_baseline_of(report, problem_of)
+    return report

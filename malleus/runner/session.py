@@ -1,9 +1,13 @@
 """One local run, start to end: launch the trainers, run the controller beside them, watch.
 
 Three tasks share the event loop: the controller (or, in static mode, a plain reader of the
-same metrics), the supervisor (process exits, Ctrl-C, progress), and the stdout reader thread
-that feeds step lines to the record. Whatever ends the run (training done, a rank dead, a
-signal, a failed restart), the trainers are stopped before this returns: none outlives it.
+same metrics), the supervisor (process exits, replacements, Ctrl-C, progress), and the reader
+threads that feed every rank's lines to the record. A rank's death is not the end of the run:
+`supervise.Supervisor` replaces it under spec.failurePolicy while the trainers recover, and
+the run fails only when no member of the job is left. Ctrl-C or SIGTERM with a checkpoint
+configured asks the coordinator to checkpoint and stop first (bounded by the failure policy's
+grace period), and says how to `--resume`. Whatever ends the run, the trainers (and the
+rendezvous store) are stopped before this returns: none outlives it.
 """
 
 from __future__ import annotations
@@ -13,16 +17,20 @@ import contextlib
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from malleus.controller import Controller, DecisionEvent, EventKind, TrainerScrapeSource
+from malleus.controller.events import Migrated
 from malleus.job.control import AsyncControlClient
 
+from .changes import describe
 from .prepare import Prepared
-from .processes import RankExited, TrainerProcesses
+from .processes import TrainerProcesses
 from .progress import Progress, ProgressState
 from .record import RecordingSource, RunRecord, parse_step_line, stragglers
-from .sinks import LiveSink, RestartSink
+from .sinks import CoordinatorClient, LiveSink, RestartSink, latest_checkpoint_step
+from .supervise import Supervisor
 
 __all__ = ["Outcome", "Session"]
 
@@ -51,18 +59,30 @@ class Session:
             prepared.tokens_per_step, initial_generation=prepared.plan.generation
         )
         self.record.total_steps = prepared.total_steps
-        self.procs = TrainerProcesses(prepared.launch, self._on_line)
+        self.procs = TrainerProcesses(
+            prepared.launch, self._on_line, on_rank_line=self._on_rank_line
+        )
+        self.client = CoordinatorClient(self.procs, prepared.token)
+        self.supervisor = Supervisor(prepared, self.procs, self.record, self.client)
         self.controller: Controller | None = None
+        self.saved: tuple[int, str] | None = None
+        """(step, directory) of the checkpoint a graceful stop wrote."""
+        self._graceful_done = False
         self._fatal: BaseException | None = None
         self._interrupted = 0
         self._phase = "starting"
         self._stop = asyncio.Event()
+        self._in_force = prepared.plan
+        """The plan the trainers run (for the re-plan lines: what each switch changed)."""
 
     # ---- feeds -------------------------------------------------------------------------------
     def _on_line(self, line: str) -> None:
         parsed = parse_step_line(line)
         if parsed is not None:
             self.record.add_line(parsed)
+
+    def _on_rank_line(self, rank: int, line: str) -> None:
+        self.supervisor.on_rank_line(rank, line)
 
     def _on_event(self, event: DecisionEvent) -> None:
         if event.kind == EventKind.PLANNED:
@@ -71,7 +91,11 @@ class Session:
             self._phase = "restarting" if self.prepared.options.mode == "restart" else "switching"
         elif event.kind in (EventKind.MIGRATED, EventKind.REPLAN_FAILED):
             self._phase = "training"
-        self.progress.message(f"step {event.step}: {event.kind.value}: {event.message}")
+        text = f"step {event.step}: {event.kind.value}: {event.message}"
+        if isinstance(event.data, Migrated):  # what the switch changed, as the summary says it
+            text += f"; {describe(self._in_force, event.data.plan).text()}"
+            self._in_force = event.data.plan
+        self.progress.message(text)
 
     def _set_fatal(self, error: BaseException) -> None:
         if self._fatal is None:
@@ -103,6 +127,8 @@ class Session:
             self.procs.terminate()
             if self.controller is not None:
                 self.controller.close()
+            self._messages()
+            await self.supervisor.close()
             self.progress.close()
         outcome.wall_seconds = time.monotonic() - started
         if self.controller is not None:
@@ -111,12 +137,16 @@ class Session:
 
     async def _run(self) -> Outcome:
         p = self.prepared
-        self.procs.start(p.workdir / "plans" / f"gen-{p.plan.generation}.json")
-        self.progress.message(
-            f"malleus run {p.job.name} ({p.options.mode}): {p.world} trainer processes, "
-            f"control on {self.procs.url}, logs in {p.workdir / 'logs'}"
+        self.procs.start(
+            p.workdir / "plans" / f"gen-{p.plan.generation}.json", resume=p.resume_step is not None
         )
-        endpoint = AsyncControlClient(self.procs.url, p.token)
+        resumed = f", resumed at step {p.resume_step}" if p.resume_step is not None else ""
+        self.progress.message(
+            f"malleus run {p.job.name} ({p.options.mode}{resumed}): {p.world} trainer "
+            f"processes, control on {self.procs.url}, store on {self._store()}, "
+            f"logs in {p.workdir / 'logs'}"
+        )
+        endpoint: AsyncControlClient = self.client
         outcome = await self._wait_ready(endpoint, p.options.init_timeout + 120.0)
         if outcome is not None:
             return outcome
@@ -148,10 +178,12 @@ class Session:
     async def _decide(self, endpoint: AsyncControlClient) -> None:
         """The controller (live, restart) or a plain metrics reader (static)."""
         p = self.prepared
+        scrape = TrainerScrapeSource(
+            self.procs.url, p.token, job=p.job.name, interval=p.options.scrape_interval
+        )
+        scrape.client = self.client  # follows the coordinator
         source = RecordingSource(
-            TrainerScrapeSource(
-                self.procs.url, p.token, job=p.job.name, interval=p.options.scrape_interval
-            ),
+            scrape,
             self.record,
             self._ended,
             retry_seconds=p.options.scrape_interval,
@@ -162,7 +194,13 @@ class Session:
             return
         sink: Any
         if p.options.mode == "live":
-            sink = LiveSink(self.procs.url, p.token, self.record)
+            sink = LiveSink(
+                self.procs.url,
+                p.token,
+                self.record,
+                client=self.client,
+                plans_dir=p.workdir / "plans",
+            )
         else:
             sink = RestartSink(
                 self.procs,
@@ -187,12 +225,16 @@ class Session:
     def _check(self) -> Outcome | None:
         """Is the run over? Signals first, then a failed switch, then the processes."""
         if self._interrupted:
-            return Outcome(130, "interrupted: trainers stopped")
+            return Outcome(130, self._interrupted_reason())
         if self._fatal is not None:
             return Outcome(1, f"plan switch failed: {self._fatal}")
-        failure: RankExited | None = self.procs.failure()
-        if failure is not None:
-            return Outcome(1, str(failure))
+        self.supervisor.tick()
+        gone = self.supervisor.gone()
+        if gone is not None:
+            return Outcome(1, gone)
+        if self._members_done():
+            self.procs.drain()
+            return Outcome(0, "completed")
         if not self.procs.expect_exit and self.procs.finished():
             self.procs.drain()
             done = self.record.steps_done()
@@ -203,11 +245,77 @@ class Session:
             return Outcome(0, "completed")
         return None
 
+    def _members_done(self) -> bool:
+        """Every step trained and every member's process ended, one of them cleanly, after a
+        failure (without one, `TrainerProcesses.finished` decides); a replacement still
+        waiting to join is stopped."""
+        if self.procs.expect_exit or not self.supervisor.log.failures:
+            return False
+        if not self.supervisor.finishing() or self.supervisor.members_alive():
+            return False
+        return any(c == 0 for c in self.procs.codes())
+
+    def _store(self) -> str:
+        store = self.procs.store
+        return store.address if store is not None and store.address else "-"
+
+    def _messages(self) -> None:
+        while not self.supervisor.messages.empty():
+            self.progress.message(self.supervisor.messages.get_nowait())
+
+    def _interrupted_reason(self) -> str:
+        if self.saved is None:
+            return "interrupted: trainers stopped"
+        step, directory = self.saved
+        return (
+            f"interrupted: saved a checkpoint of step {step} in {directory}; continue with: "
+            f"malleus run --resume {self.prepared.workdir}"
+        )
+
+    async def _graceful_stop(self) -> None:
+        """Ctrl-C / SIGTERM with a checkpoint configured: POST /stop {"checkpoint": true} to
+        the coordinator, wait up to spec.failurePolicy.gracePeriodSeconds for the trainers to
+        write it and exit (a second signal cuts this short); then the usual stop."""
+        p = self.prepared
+        directory = p.launch.checkpoint_dir
+        if directory is None or not self.procs.running() or self._interrupted > 1:
+            return
+        grace = float(p.job.spec.failure_policy.grace_period_seconds)
+        before = latest_checkpoint_step(Path(directory))
+        self.progress.message(
+            f"stopping: asking the trainers to checkpoint first (at most {grace:g} s; "
+            "Ctrl-C again to stop at once)"
+        )
+        self.procs.expect_exit = True
+        try:
+            await self.client.stop(checkpoint=True)
+        except Exception as e:
+            self.progress.message(f"stopping: no checkpoint ({e})")
+            return
+        deadline = time.monotonic() + grace
+        while self.procs.running() and time.monotonic() < deadline and self._interrupted < 2:
+            await asyncio.sleep(_TICK)
+        step = latest_checkpoint_step(Path(directory))
+        if step is not None and (step != before or not self.procs.running()):
+            self.saved = (step, directory)
+
     async def _supervise(self, worker: asyncio.Future[None]) -> Outcome:
         first_exit: float | None = None
         while True:
+            if self._interrupted and not self._graceful_done:
+                self._graceful_done = True
+                await self._graceful_stop()
+            await self.supervisor.poll_status()
+            self.supervisor.match_restart()
+            self._messages()
+            restart = self.supervisor.restart_needed()
+            if restart is not None:
+                reason = await self.supervisor.restart_all(self._plan_in_force(), asyncio.sleep)
+                if reason is not None:
+                    return Outcome(1, reason)
             outcome = self._check()
             if outcome is not None:
+                self._messages()
                 self._show(force=True)
                 return outcome
             if worker.done() and not worker.cancelled() and worker.exception() is not None:
@@ -226,12 +334,21 @@ class Session:
             self._show()
             await asyncio.sleep(_TICK)
 
+    def _plan_in_force(self) -> Path:
+        """The plan file of the generation in force (restart mode restarts under it)."""
+        plans = self.prepared.workdir / "plans"
+        generation = self.controller.plan.generation if self.controller is not None else None
+        path = plans / f"gen-{generation}.json"
+        if generation is None or not path.exists():
+            path = plans / f"gen-{self.prepared.plan.generation}.json"
+        return path
+
     def _show(self, force: bool = False) -> None:
         p = self.prepared
         last = self.record.latest()
         self.progress.update(
             ProgressState(
-                steps_done=self.record.steps_done(),
+                steps_done=max(self.record.steps_done(), p.resume_step or 0),
                 total_steps=p.total_steps,
                 elapsed=time.monotonic() - self.record.started,
                 tokens_per_second=last.tokens_per_second if last else None,

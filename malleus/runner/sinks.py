@@ -5,6 +5,11 @@ which step the new plan took over at and what the migration cost, and it goes in
 elastic frameworks (TorchElastic, DLRover) do instead: checkpoint, stop every process, relaunch
 all of them under the new plan and resume; its "migration" is the whole downtime, and its bytes
 the checkpoint written and read back. Same controller, same decisions: only the switch differs.
+
+`CoordinatorClient` is the one control client of a run (controller source, sink, runner): every
+rank has its own control port and serves it while it is the coordinator (the lowest GPU of the
+current membership), so the client follows the lowest rank whose process is alive and answers
+`GET /healthz`, looking again when its endpoint stops answering or a lower rank comes back.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import httpx
 
 from malleus.controller.ports import Ack, AckTimeout, PlanRejected
 from malleus.controller.sources import HttpPlanSink
@@ -25,6 +33,7 @@ from .processes import TrainerProcesses
 from .record import PlanSwitch, RunRecord
 
 __all__ = [
+    "CoordinatorClient",
     "LiveSink",
     "RestartSink",
     "checkpoint_bytes",
@@ -32,12 +41,105 @@ __all__ = [
 ]
 
 
+class CoordinatorClient(AsyncControlClient):
+    """An AsyncControlClient whose endpoint is the current coordinator's (see the module)."""
+
+    def __init__(
+        self, procs: TrainerProcesses, token: str | None, *, timeout: float = 10.0
+    ) -> None:
+        super().__init__(procs.url, token, timeout=timeout)
+        self.procs = procs
+        self.rank = 0
+        """The rank whose endpoint is called."""
+        self._probe = httpx.AsyncClient(timeout=httpx.Timeout(1.0), trust_env=False)
+        self._lock: asyncio.Lock | None = None
+
+    @property
+    def current_url(self) -> str:
+        return self.procs.url_of(self.rank)
+
+    def _url(self, path: str) -> str:
+        return self.current_url + path
+
+    async def _answers(self, rank: int) -> bool:
+        try:
+            response = await self._probe.get(self.procs.url_of(rank) + "/healthz")
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def locate(self) -> int | None:
+        """Follow the lowest live rank that answers /healthz; its rank (None: none answers)."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            for rank in sorted(self.procs.alive()):
+                if await self._answers(rank):
+                    self.rank = rank
+                    return rank
+            return None
+
+    async def follow(self) -> None:
+        """Look again if the followed rank is gone, or a lower rank is alive (re-admitted)."""
+        alive = self.procs.alive()
+        if alive and (self.rank not in alive or min(alive) < self.rank):
+            await self.locate()
+
+    async def _call(
+        self, method: str, path: str, body: bytes | None = None, *, auth: bool = False
+    ) -> httpx.Response:
+        try:
+            return await self._request(method, path, body, auth)
+        except ControlError as e:
+            if e.code is not None:
+                raise
+            before = self.rank
+            if await self.locate() in (None, before):
+                raise
+            return await self._request(method, path, body, auth)
+
+    async def _request(
+        self, method: str, path: str, body: bytes | None, auth: bool
+    ) -> httpx.Response:
+        headers: dict[str, Any] = {
+            **({"Content-Type": "application/json"} if body is not None else {}),
+            **(self._auth() if auth else {}),
+        }
+        try:
+            return await self._http.request(method, self._url(path), content=body, headers=headers)
+        except httpx.HTTPError as e:
+            raise self._unreachable(path, e) from e
+
+    async def aclose(self) -> None:
+        await self._probe.aclose()
+        await self._http.aclose()
+
+
 class LiveSink(HttpPlanSink):
     """POST /plan to rank 0, wait for the switch, record where and at what cost it happened."""
 
-    def __init__(self, url: str, token: str, record: RunRecord, *, poll_seconds: float = 0.2):
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        record: RunRecord,
+        *,
+        poll_seconds: float = 0.2,
+        client: AsyncControlClient | None = None,
+        plans_dir: Path | None = None,
+    ):
         super().__init__(url, token, poll_seconds=poll_seconds)
+        if client is not None:
+            self.client = client
         self._record = record
+        self._plans_dir = plans_dir
+
+    async def publish(self, plan: Plan) -> int:
+        """Keep every published plan in the work directory (a resumed run starts from the one
+        its checkpoint was taken under), then POST it."""
+        if self._plans_dir is not None:
+            (self._plans_dir / f"gen-{plan.generation}.json").write_text(plan.to_json())
+        return await super().publish(plan)
 
     async def wait_applied(self, generation: int, timeout: float) -> Ack:
         ack = await super().wait_applied(generation, timeout)

@@ -11,11 +11,14 @@ machine:
 - resolves the container's environment (``value``, ``secretKeyRef``, ``configMapKeyRef``);
 - translates the container's ``torchrun`` command into ``--nproc-per-node`` processes of
   ``python -m MODULE ARGS`` with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
-  MASTER_ADDR, MASTER_PORT, ...): every pod is on 127.0.0.1, so the master is 127.0.0.1 on a
-  free port chosen per job (the pods' labels say which job), and since all pods share the
-  loopback, pods after the first (``malleus.io/node-rank`` > 0) serve the trainer's control
-  port on a free port of their own (the trainer's ``--control-port``); node 0 keeps the port
-  its manifest declares, which is where the operator looks for the coordinator;
+  MASTER_ADDR, MASTER_PORT, ...): the master is 127.0.0.1 on a free port chosen per job (the
+  pods' labels say which job); worker ``i`` (``malleus.io/node-rank``) gets the pod IP
+  ``127.0.0.<i+1>`` (all of 127/8 is the loopback), so every pod's ranks serve the control
+  ports its manifest declares without clashing with another pod's;
+- runs any other command (the job's rendezvous store, ``python -m malleus.trainer store``) as
+  one process on 127.0.0.1, its ``--port`` a free port chosen per job, to which the workers'
+  ``MALLEUS_STORE`` (the store Service's DNS name, which does not resolve here) is pointed;
+- starts a pod of a name it ran before when it is a new pod (another uid): a replacement;
 - reports the pod ``Running`` with ``podIP`` 127.0.0.1 once its processes are started, and
   ``Succeeded`` / ``Failed`` (with the container's exit code) when they end, as torchrun with
   ``--max-restarts=0`` would: the first rank to fail takes the pod's other ranks down;
@@ -135,6 +138,8 @@ class LocalPod:
     node_rank: int
     folder: Path
     control_port: int | None
+    ip: str = POD_IP
+    uid: str = ""
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
     outcome: str = "Running"  # Running | Succeeded | Failed | Deleted
@@ -233,6 +238,7 @@ class LocalKubelet:
         self.pods: dict[str, LocalPod] = {}
         self.errors: list[str] = []
         self._master_ports: dict[str, int] = {}
+        self._store_ports: dict[str, int] = {}
         self._events: queue.Queue[tuple[str, Obj]] = queue.Queue()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -294,9 +300,10 @@ class LocalKubelet:
         """``http://127.0.0.1:PORT`` of a pod's control endpoint (its first rank)."""
         with self._lock:
             port = self.pods[pod].control_port
+            ip = self.pods[pod].ip
         if port is None:
             raise KeyError(f"pod {pod} serves no control port")
-        return f"http://{POD_IP}:{port}"
+        return f"http://{ip}:{port}"
 
     def logs(self, lines: int = 25) -> str:
         """The last ``lines`` of every process's output, for failure messages."""
@@ -344,7 +351,9 @@ class LocalKubelet:
             self._delete(name)
             return
         with self._lock:
-            known = name in self.pods
+            old = self.pods.get(name)
+        replaced = old is not None and old.outcome != "Running" and old.uid != meta.get("uid")
+        known = old is not None and not replaced
         if known or name in pending:
             return
         if (pod.get("status") or {}).get("phase", "Pending") != "Pending":
@@ -398,24 +407,31 @@ class LocalKubelet:
         if len(containers) != 1:
             raise PodError(f"pod {name}: this kubelet runs exactly one container")
         container = containers[0]
+        job = labels.get(JOB_LABEL, name)
+        node_rank = int(labels.get(NODE_LABEL, "0"))
+        ip = POD_IP if NODE_LABEL not in labels else f"127.0.0.{node_rank + 1}"
         folder = self.workdir / name
+        if (meta.get("annotations") or {}).get("malleus.io/restart"):
+            folder = self.workdir / f"{name}-{meta['annotations']['malleus.io/restart']}"
         try:
             mounts = self._volumes(spec, container, folder)
-            env = self._container_env(container)
+            env = self._container_env(container, ip)
         except _Missing:
             return False
-        run = parse_torchrun(container.get("command") or [])
-        job = labels.get(JOB_LABEL, name)
-        node_rank = int(labels.get(NODE_LABEL, run.node_rank))
+        with self._lock:
+            store_port = self._store_ports.setdefault(job, listen_port())
+        env = {k: _store(k, _rewrite(v, mounts), store_port) for k, v in env.items()}
+        command = container.get("command") or []
+        if command and Path(command[0]).name != "torchrun":
+            return self._start_plain(pod, container, command, env, folder, store_port)
+        run = parse_torchrun(command)
         with self._lock:
             master_port = self._master_ports.setdefault(job, listen_port())
         target = [_rewrite(a, mounts) for a in [*run.target, *(container.get("args") or [])]]
-        env = {k: _rewrite(v, mounts) for k, v in env.items()}
         control = _declared_port(container, "control")
-        if node_rank > 0 and control is not None:
-            control = listen_port()  # the loopback is shared: one port per pod
-            target.append(f"--control-port={control}")
-        local = LocalPod(self.namespace, name, job, node_rank, folder, control)
+        local = LocalPod(
+            self.namespace, name, job, node_rank, folder, control, ip, meta.get("uid", "")
+        )
         world = run.nnodes * run.nproc_per_node
         for local_rank in range(run.nproc_per_node):
             rank = node_rank * run.nproc_per_node + local_rank
@@ -448,11 +464,15 @@ class LocalKubelet:
                 )
             local.processes.append(proc)
             local.logs.append(log)
+        self._running(local, container)
+        return True
+
+    def _running(self, local: LocalPod, container: Obj) -> None:
         with self._lock:
-            self.pods[name] = local
+            self.pods[local.name] = local
         status = {
-            "podIP": POD_IP,
-            "podIPs": [{"ip": POD_IP}],
+            "podIP": local.ip,
+            "podIPs": [{"ip": local.ip}],
             "hostIP": POD_IP,
             "startTime": _now(),
             "containerStatuses": [
@@ -465,7 +485,53 @@ class LocalKubelet:
                 }
             ],
         }
-        self.store.set_pod_phase(self.namespace, name, "Running", **status)
+        self.store.set_pod_phase(self.namespace, local.name, "Running", **status)
+
+    def _start_plain(
+        self,
+        pod: Obj,
+        container: Obj,
+        command: Sequence[str],
+        env: Mapping[str, str],
+        folder: Path,
+        store_port: int,
+    ) -> bool:
+        """A command other than torchrun (the job's store): one process on 127.0.0.1, any
+        ``--port`` the job's store port, ``python`` this interpreter."""
+        meta = pod["metadata"]
+        argv = [*command, *(container.get("args") or [])]
+        if Path(argv[0]).name.startswith("python"):
+            argv[0] = self.python
+        for i, arg in enumerate(argv[:-1]):
+            if arg == "--port":
+                argv[i + 1] = str(store_port)
+            elif arg == "--host":
+                argv[i + 1] = POD_IP
+        local = LocalPod(
+            self.namespace,
+            meta["name"],
+            (meta.get("labels") or {}).get(JOB_LABEL, ""),
+            0,
+            folder,
+            None,
+            POD_IP,
+            meta.get("uid", ""),
+        )
+        folder.mkdir(parents=True, exist_ok=True)
+        log = folder / "process.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                argv,
+                env={**self.env, **env},
+                cwd=folder,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        local.processes.append(proc)
+        local.logs.append(log)
+        self._running(local, container)
         return True
 
     def _object(self, plural: str, name: str) -> Obj:
@@ -501,7 +567,7 @@ class LocalKubelet:
             mounts.append((mount["mountPath"].rstrip("/") or "/", local))
         return sorted(mounts, key=lambda m: -len(m[0]))
 
-    def _container_env(self, container: Obj) -> dict[str, str]:
+    def _container_env(self, container: Obj, ip: str = POD_IP) -> dict[str, str]:
         env: dict[str, str] = {}
         for var in container.get("env") or []:
             source = var.get("valueFrom")
@@ -516,7 +582,9 @@ class LocalKubelet:
                 env[var["name"]] = (self._object("configmaps", ref["name"]).get("data") or {})[
                     ref["key"]
                 ]
-            elif source.get("fieldRef", {}).get("fieldPath") in ("status.podIP", "status.hostIP"):
+            elif source.get("fieldRef", {}).get("fieldPath") == "status.podIP":
+                env[var["name"]] = ip
+            elif source.get("fieldRef", {}).get("fieldPath") == "status.hostIP":
                 env[var["name"]] = POD_IP
             elif source.get("fieldRef", {}).get("fieldPath") == "spec.nodeName":
                 env[var["name"]] = NODE_NAME
@@ -527,6 +595,11 @@ class LocalKubelet:
 
 class _Missing(Exception):
     """A ConfigMap or Secret the pod needs does not exist (yet): the pod stays Pending."""
+
+
+def _store(name: str, value: str, port: int) -> str:
+    """``MALLEUS_STORE`` (the store Service's DNS name) -> the job's store on 127.0.0.1."""
+    return f"{POD_IP}:{port}" if name == "MALLEUS_STORE" and ".svc:" in value else value
 
 
 def _declared_port(container: Obj, name: str) -> int | None:

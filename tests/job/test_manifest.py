@@ -98,11 +98,13 @@ def test_quickstart_example() -> None:
     job = load_job(REPO / "examples" / "quickstart.yaml")
     spec = job.spec
     assert (spec.nodes, spec.gpus_per_node, spec.parallelism.tp) == (2, 4, 2)
-    assert ResolvedJob.of(job).micro_batches == 16 and spec.training.steps == 180
+    assert spec.parallelism.dp == 2  # two pipelines of two stages: re-plans move layers
+    assert ResolvedJob.of(job).micro_batches == 8 and spec.training.steps == 160
     assert [(e.step, e.rank, e.factor) for e in spec.emulation.schedule] == [
-        (40, 1, 3.0),
+        (40, 1, 4.0),
         (80, 6, 2.0),
-        (140, 1, 1.0),
+        (120, 1, 1.0),
+        (120, 6, 1.0),
     ]
 
 

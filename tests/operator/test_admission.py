@@ -63,6 +63,11 @@ def _set_suspend(kube: Kube, value: bool) -> dict[str, Any]:
     return kube.put("MalleusJob", job)
 
 
+def _workers(kube: Kube) -> list[str]:
+    """The job's worker pods (its rendezvous store's pod aside)."""
+    return sorted(n for k, n in kube.names() if k == "Pod" and n.startswith("demo-node-"))
+
+
 def _conditions(kube: Kube) -> dict[str, dict[str, Any]]:
     return {c["type"]: c for c in kube.job("ml", "demo")["status"]["conditions"]}
 
@@ -98,7 +103,7 @@ def test_a_job_created_suspended_has_everything_but_pods(
     job = _set_suspend(kube, False)
     ctx = Context.of(memo)
     assert run(admission.reconcile(ctx, job, T0)) == "resume"
-    assert sorted(n for k, n in kube.names() if k == "Pod") == PODS
+    assert _workers(kube) == PODS
     st = kube.job("ml", "demo")["status"]
     assert st["phase"] == "Pending" and st["startTime"] == "2026-03-01T12:00:00Z"
     assert _conditions(kube)["Suspended"]["reason"] == "Resumed"
@@ -141,7 +146,7 @@ def test_suspending_asks_the_trainers_to_checkpoint_and_waits_for_them(
     job = _set_suspend(kube, True)
     assert run(admission.reconcile(ctx, job, T0)) == "suspend"
     assert asked == [(8040, True)]
-    assert len([k for k, _ in kube.names() if k == "Pod"]) == 2  # checkpointing, not killed
+    assert _workers(kube) == PODS  # checkpointing, not killed
     # node 0 exits after its checkpoint: deleted at the next tick; node 1 hangs.
     kube.set_pod_phase("ml", PODS[0], "Succeeded")
     run(handlers.sync_pods(ctx, "ml", "demo"))
@@ -149,14 +154,14 @@ def test_suspending_asks_the_trainers_to_checkpoint_and_waits_for_them(
     since = admission._since(kube.job("ml", "demo")["status"])
     assert since is not None
     assert run(admission.reconcile(ctx, job, since + 10 * SECOND)) is None
-    assert [n for k, n in kube.names() if k == "Pod"] == [PODS[1]]
+    assert _workers(kube) == [PODS[1]]
     # Resuming must wait for the last pod: two sets of workers never share a rendezvous.
     job = _set_suspend(kube, False)
     assert run(admission.reconcile(ctx, job, since + 20 * SECOND)) is None
     assert run(admission.reconcile(ctx, job, since + 300 * SECOND)) == "delete-pods"
     assert [k for k, _ in kube.names() if k == "Pod"] == []
     assert run(admission.reconcile(ctx, job, since + 310 * SECOND)) == "resume"
-    assert sorted(n for k, n in kube.names() if k == "Pod") == PODS
+    assert _workers(kube) == PODS
 
 
 def test_suspend_is_a_live_field_and_the_timer_runs_for_pending_or_suspended_jobs() -> None:

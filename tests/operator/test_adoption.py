@@ -122,7 +122,7 @@ def test_the_job_starts_once_the_impostor_is_gone(
     secret = kube.get("Secret", "ml", "demo-control")
     assert secret is not None and secret["data"]["token"] != KNOWN_TOKEN
     assert resources.owned_by(secret, "uid-1234")
-    assert len(kube.of_kind("Pod")) == 2
+    assert len(kube.of_kind("Pod")) == 3  # two workers and the store
 
 
 def test_a_reference_to_the_job_that_is_not_its_controller_is_not_ownership(

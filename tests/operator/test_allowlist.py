@@ -135,7 +135,7 @@ def test_a_job_naming_an_allowed_url_is_created(kube: Kube, make_job: Any) -> No
     patch = kopf.Patch()
     asyncio.run(handlers.on_create(body=body, patch=patch, memo=_memo(kube, PROM)))
     assert patch["status"]["phase"] == "Pending"
-    assert len(kube.of_kind("Pod")) == 2
+    assert len(kube.of_kind("Pod")) == 3  # two workers and the store
 
 
 class _Stopped:

@@ -39,8 +39,9 @@ def test_create_makes_service_configmap_secret_and_pods(
         "demo-node-0",
         "demo-node-1",
         "demo-node-2",
+        "demo-store",  # the rendezvous store, hosted by no worker
     ]
-    assert len(kube.of_kind("Service")) == 1
+    assert [o["metadata"]["name"] for o in kube.of_kind("Service")] == ["demo", "demo-store"]
     assert len(kube.of_kind("ConfigMap")) == 1
     assert len(kube.of_kind("Secret")) == 1
     assert len(kube.of_kind("NetworkPolicy")) == 1
@@ -56,7 +57,7 @@ def test_create_makes_service_configmap_secret_and_pods(
     assert st["gpus"] == 12
     assert st["conditions"][0]["reason"] == "PodsPending"
     assert kube.reasons() == ["Created"]
-    assert len(result) == 8
+    assert len(result) == 10
     # the ConfigMap holds the same plan the status shows
     cm = kube.of_kind("ConfigMap")[0]
     assert Plan.from_json(cm["data"]["plan.json"]).generation == st["plan"]["generation"]
@@ -72,7 +73,7 @@ def test_create_is_idempotent_and_keeps_the_token(
     _, result = create(kube, memo, make_job())  # a retried handler, or a restart
     assert result == []
     assert kube.of_kind("Secret")[0]["data"]["token"] == token
-    assert len(kube.of_kind("Pod")) == 2
+    assert len(kube.of_kind("Pod")) == 3  # two workers and the store
     # every child attempted again (a no-op), plus one more Created event
     assert kube.requests("create") == 2 * creates
 
@@ -199,7 +200,7 @@ def test_running_pods_make_the_job_running(
     assert ctx.metrics.phases.counts()[Phase.RUNNING] == 1
 
 
-def test_a_failed_pod_fails_the_job_and_keeps_the_others(
+def test_a_failed_pod_is_recovered_from_not_the_end_of_the_job(
     kube: Kube, memo: kopf.Memo, ctx: Context, make_job: Any
 ) -> None:
     create(kube, memo, make_job())
@@ -218,19 +219,23 @@ def test_a_failed_pod_fails_the_job_and_keeps_the_others(
     )
     pod_event(kube, memo, "demo-node-1")
     st = kube.job("ml", "demo")["status"]
-    assert st["phase"] == "Failed"
-    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
-    assert (ready["status"], ready["reason"]) == ("False", "PodFailed")
+    assert st["phase"] == "Running"
+    degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "PodFailed")
+    assert [f["node"] for f in st["failures"]] == [1]
+    assert [o["gpu"] for o in st["gpusOut"]] == [4, 5, 6, 7]
     assert kube.reasons()[-1] == "PodFailed"
-    assert len(kube.of_kind("Pod")) == 2  # kept for their logs
     assert failures._value.get() == 1
-    # terminal: later events change nothing
+    # the same failed pod seen again is not a second failure
     n = len(kube.events)
-    pod_event(kube, memo, "demo-node-0")
+    pod_event(kube, memo, "demo-node-1")
     assert len(kube.events) == n
+    assert kube.job("ml", "demo")["status"]["failures"][0]["failures"] == 1
 
 
-def test_a_deleted_worker_fails_a_running_job(kube: Kube, memo: kopf.Memo, make_job: Any) -> None:
+def test_a_deleted_worker_is_a_failure_of_a_running_job(
+    kube: Kube, memo: kopf.Memo, make_job: Any
+) -> None:
     create(kube, memo, make_job())
     for name in ("demo-node-0", "demo-node-1"):
         kube.set_pod_phase("ml", name, "Running")
@@ -247,7 +252,9 @@ def test_a_deleted_worker_fails_a_running_job(kube: Kube, memo: kopf.Memo, make_
             memo=memo,
         )
     )
-    assert kube.job("ml", "demo")["status"]["phase"] == "Failed"
+    st = kube.job("ml", "demo")["status"]
+    assert st["phase"] == "Running"
+    assert (st["failures"][0]["node"], st["failures"][0]["reason"]) == (0, "Deleted")
 
 
 def test_pod_events_of_a_deleting_job_are_ignored(
@@ -296,13 +303,15 @@ def test_delete_removes_every_child_and_nothing_else(
         ("NetworkPolicy", "other-network"),
         ("Pod", "other-node-0"),
         ("Pod", "other-node-1"),
+        ("Pod", "other-store"),
         ("PodDisruptionBudget", "other-workers"),
         ("Secret", "other-control"),
         ("Service", "other"),
+        ("Service", "other-store"),
     ]
     deleted = [r for r in list(kube.emulator)[deletes:] if r.action == "DELETE"]
     assert deleted[0].resource == KINDS["Pod"]  # workers first
-    assert len(deleted) == 7
+    assert len(deleted) == 9
 
 
 def test_delete_of_an_invalid_job_spares_same_named_objects(
@@ -339,7 +348,7 @@ def test_resume_of_a_running_job_recreates_nothing(
     assert ctx.metrics.phases.counts()[Phase.RUNNING] == 1
 
 
-def test_resume_notices_a_worker_lost_while_away(
+def test_resume_records_a_worker_lost_while_away(
     kube: Kube, memo: kopf.Memo, make_job: Any
 ) -> None:
     create(kube, memo, make_job())
@@ -349,9 +358,13 @@ def test_resume_notices_a_worker_lost_while_away(
     kube.remove("Pod", "ml", "demo-node-1")
     run(handlers.on_resume(body=kube.job("ml", "demo"), patch=kopf.Patch(), memo=memo))
     st = kube.job("ml", "demo")["status"]
-    assert st["phase"] == "Failed"
-    assert "demo-node-1" in st["message"]
-    assert kube.get("Pod", "ml", "demo-node-1") is None  # not re-created
+    assert st["phase"] == "Running"
+    assert st["failures"][0]["pod"] == "demo-node-1"
+    assert st["failures"][0]["state"] == "Waiting"  # the replacement timer takes it from here
+    assert kube.get("Pod", "ml", "demo-node-1") is None  # not re-created by resume itself
+    # a second restart before the replacement: the same loss is not counted twice
+    run(handlers.on_resume(body=kube.job("ml", "demo"), patch=kopf.Patch(), memo=memo))
+    assert kube.job("ml", "demo")["status"]["failures"][0]["failures"] == 1
 
 
 def test_resume_of_a_pending_job_completes_its_children(

@@ -144,7 +144,7 @@ def test_core_objects_through_the_cluster_proxy(
         assert not created and again["metadata"]["name"] == "demo-control"
         assert await k8s.read_secret_value(ns, "demo-control", "token") == "tok-1"
         pods = await k8s.list_children("Pod", ns, "demo")
-        assert [p["metadata"]["name"] for p in pods] == ["demo-node-0", "demo-node-1"]
+        assert [p["metadata"]["name"] for p in pods] == ["demo-node-0", "demo-node-1", "demo-store"]
         assert pods[0]["metadata"]["uid"]  # stamped by the server, not ours
         await k8s.patch("ConfigMap", ns, "demo-config", {"data": {"pending-plan.json": "{}"}})
         await k8s.patch("ConfigMap", ns, "demo-config", {"data": {"pending-plan.json": None}})

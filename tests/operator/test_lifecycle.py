@@ -86,22 +86,28 @@ def test_some_pending_says_why_once() -> None:
     assert not lifecycle.pods_transition(st, [pod(PODS[0]), stuck], PODS, 1, T0)
 
 
-def test_a_failed_pod_fails_the_job_with_an_event() -> None:
+def test_a_failed_pod_is_recorded_not_the_end_of_the_job() -> None:
     t = lifecycle.pods_transition(
         {"phase": "Running"}, [pod(PODS[0]), terminated(PODS[1], 1)], PODS, 1, T0
     )
-    assert shown(t)["phase"] == "Failed"
-    assert shown(t)["conditions"][0]["reason"] == "PodFailed"
+    st = shown(t)
+    assert "phase" not in st  # still Running: the others recover, the pod is replaced
+    (record,) = st["failures"]
+    assert (record["node"], record["state"], record["failures"]) == (1, "Waiting", 1)
+    degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "PodFailed")
     assert [(e.type, e.reason) for e in t.events] == [("Warning", "PodFailed")]
-    assert PODS[1] in t.events[0].message
+    assert PODS[1] in t.events[0].message and "replacement in 10 s" in t.events[0].message
+    assert [o["gpu"] for o in st["gpusOut"]] == [1]  # gpusPerNode 1 here
 
 
-def test_a_deleted_pod_fails_a_live_job() -> None:
+def test_a_deleted_pod_is_a_failure_of_a_live_job() -> None:
     t = lifecycle.pods_transition(
         {"phase": "Running"}, [pod(PODS[0])], PODS, 1, T0, deleted=[PODS[1]]
     )
-    assert shown(t)["phase"] == "Failed"
-    assert "deleted" in shown(t)["message"]
+    st = shown(t)
+    assert "phase" not in st
+    assert st["failures"][0]["reason"] == "Deleted"
 
 
 def test_all_succeeded_completes_the_job() -> None:

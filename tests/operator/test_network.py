@@ -59,10 +59,11 @@ def test_only_the_jobs_pods_reach_them_and_the_operator_only_the_control_port(
     }
     assert spec["policyTypes"] == ["Ingress"]  # egress (storage, DNS) is not this policy's
     own, control = spec["ingress"]
-    # the job's own pods: every port (rendezvous 29500, gloo/NCCL's ephemeral ports)
+    # the job's own pods: every port (the store pod's 29400, gloo/NCCL's ephemeral ports)
     assert own == {"from": [{"podSelector": {"matchLabels": {"malleus.io/job": "demo"}}}]}
     # the operator (its namespace and pod labels) and the configured Prometheus: control only
-    assert control["ports"] == [{"port": 8123, "protocol": "TCP"}]
+    # every rank's control port (4 GPUs a node): the coordinator may be any of them
+    assert control["ports"] == [{"port": 8123, "endPort": 8126, "protocol": "TCP"}]
     assert control["from"] == [
         {
             "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "malleus-system"}},

@@ -3,13 +3,23 @@
 Two replicas are safe only if kopf sees both (a peering object they heartbeat into) and their
 priorities differ (kopf pauses every peer of equal priority), so both halves are checked here:
 the arguments the operator hands kopf, and the chart rendered with two replicas (CRDs, the
-peering objects, RBAC), validated by kubernetes-validate.
+peering objects, RBAC), validated by kubernetes-validate. Then for real: two
+``python -m malleus.operator --peering`` processes on the real API server (the chart's kopf CRD
+and peering object), one SIGKILLed (needs ``MALLEUS_K8S_ASSETS`` and helm; about 45 s).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import kopf
 import pytest
@@ -18,7 +28,11 @@ from malleus.operator import __main__ as cli
 from malleus.operator import handlers
 from malleus.operator.context import MEMO_KEY, Context
 from malleus.operator.settings import Settings
+from tests.k8s.apiserver import ApiServerError, wait_until
 from tests.operator.test_helm import CHART, _kind, _rules, helm, render
+
+if TYPE_CHECKING:
+    from tests.k8s.proxy import ClusterProxy
 
 
 def test_standalone_unless_a_peering_name_is_given() -> None:
@@ -114,3 +128,176 @@ def test_one_replica_is_standalone_and_two_without_peering_are_refused() -> None
         check=False,
     )
     assert result.returncode != 0 and "needs peering.enabled" in result.stderr
+
+
+def test_the_lifetime_reaches_kopf_and_the_chart_passes_it() -> None:
+    settings = kopf.OperatorSettings()
+    Settings(peering_name="p", peering_priority=3, peering_lifetime_seconds=12).apply_peering(
+        settings.peering
+    )
+    assert settings.peering.lifetime == 12
+    assert cli.build_parser().parse_args(["--peering-lifetime", "15"]).peering_lifetime == 15
+    docs = render("replicaCount=2", "peering.lifetimeSeconds=20")
+    (dep,) = _kind(docs, "Deployment")
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    assert "--peering-lifetime=20" in container["args"]
+
+
+# ---- two real operator processes ------------------------------------------------------------
+
+LIFETIME = 10
+"""The test replicas' peering lifetime: the standby takes over about this long after a kill."""
+
+
+class _Replica:
+    """``python -m malleus.operator --peering`` in a process (and session) of its own."""
+
+    def __init__(self, cluster: ClusterProxy, namespace: str, priority: int, log: Path) -> None:
+        self.log, self.priority = log, priority
+        env = {
+            **cluster.env(),
+            "PYTHONUNBUFFERED": "1",
+            # The test cluster serves neither policy/v1 nor networking.k8s.io.
+            "MALLEUS_OPERATOR_DISRUPTION_BUDGETS": "0",
+        }
+        args = [
+            *("--kubeconfig", str(cluster.kubeconfig), "--namespace", namespace),
+            *("--liveness", "", "--metrics-port", "0", "--no-network-policies"),
+            *("--peering", "malleus-operator", "--priority", str(priority)),
+            *("--peering-lifetime", str(LIFETIME)),
+        ]
+        with log.open("wb") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "malleus.operator", *args],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def text(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, no farewell in the peering object (a crashed node)."""
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+
+def _wait(probe: Callable[[], Any], timeout: float, what: str, *replicas: _Replica) -> Any:
+    def dead() -> str | None:
+        for r in replicas:
+            if r.process.poll() is not None:
+                return f"replica {r.priority} exited with {r.process.returncode}"
+        return None
+
+    try:
+        return wait_until(lambda: probe() or None, timeout, what, interval=0.2, alive=dead)
+    except ApiServerError as e:
+        logs = "\n".join(f"--- replica {r.priority}\n{r.text()[-4000:]}" for r in replicas)
+        pytest.fail(f"{e}\n{logs}", pytrace=False)
+
+
+@pytest.mark.timeout(240)
+def test_two_live_replicas_one_works_and_the_other_takes_over_when_it_is_killed(
+    k8s_cluster: ClusterProxy,
+    malleus_crd: dict[str, Any],
+    k8s_namespace: str,
+    make_job: Any,
+    tmp_path: Path,
+) -> None:
+    """Two operator processes with the chart's peering CRD and object on the real API server:
+    the higher priority handles the job alone; SIGKILLed, the standby takes over after the
+    peering lifetime, re-creates the one pod deleted while nobody worked (once), and goes on
+    reconciling (suspending the job deletes its pods)."""
+    ns, server, store = k8s_namespace, k8s_cluster.apiserver, k8s_cluster.core
+    docs = render("replicaCount=2", f"watchNamespaces={{{ns}}}", include_crds=True)
+    (crd,) = [d for d in docs if d["metadata"]["name"] == "kopfpeerings.kopf.dev"]
+    server.apply_crd(crd)
+    (peering,) = [d for d in _kind(docs, "KopfPeering") if d["metadata"]["namespace"] == ns]
+    got = server.client.post(f"/apis/kopf.dev/v1/namespaces/{ns}/kopfpeerings", json=peering)
+    assert got.status_code == 201, got.text
+    store.create("namespaces", "", {"metadata": {"name": ns}})
+
+    def peers() -> dict[str, Any]:
+        url = f"/apis/kopf.dev/v1/namespaces/{ns}/kopfpeerings/malleus-operator"
+        return dict(server.client.get(url).json().get("status") or {})
+
+    def pods() -> list[dict[str, Any]]:
+        """The job's worker pods (not its rendezvous store's)."""
+        found = store.list("pods", ns, label_selector="malleus.io/job=demo")
+        return sorted(
+            (p for p in found if p["metadata"]["name"].startswith("demo-node-")),
+            key=lambda p: p["metadata"]["name"],
+        )
+
+    def reasons() -> list[str]:
+        events = store.list("events", ns, field_selector="involvedObject.name=demo")
+        return [e["reason"] for e in events]
+
+    active = _Replica(k8s_cluster, ns, 200, tmp_path / "active.log")
+    standby: _Replica | None = None
+    try:
+        _wait(lambda: any(p["priority"] == 200 for p in peers().values()), 60, "200 heartbeats")
+        standby = _Replica(k8s_cluster, ns, 100, tmp_path / "standby.log")
+        both = (active, standby)
+        _wait(lambda: len(peers()) == 2, 60, "both replicas in the peering object", *both)
+        # kopf starts every watch paused and resumes it (and says so) only where no live peer
+        # outranks it: the active replica did at once, the standby must not.
+        assert "Resuming operations" in active.text(), active.text()
+
+        body = make_job(namespace=ns)
+        body["metadata"] = {"name": "demo", "namespace": ns}
+        made = server.client.post(
+            f"/apis/malleus.io/v1alpha1/namespaces/{ns}/malleusjobs", json=body
+        )
+        assert made.status_code == 201, made.text
+        first = _wait(lambda: len(pods()) == 2 and pods(), 60, "two pods", *both)
+        _wait(lambda: "Created" in reasons(), 30, "the Created event", *both)
+
+        def handled() -> bool:  # kopf's own record that on.create is done (else it runs again)
+            url = f"/apis/malleus.io/v1alpha1/namespaces/{ns}/malleusjobs/demo"
+            annotations = server.client.get(url).json()["metadata"].get("annotations") or {}
+            return "malleus.io/last-handled-configuration" in annotations
+
+        _wait(handled, 30, "on.create recorded as handled", *both)
+        assert "Handler 'on_create' succeeded" in active.text(), active.text()
+        assert "Resuming operations" not in standby.text(), standby.text()
+        assert "Handler" not in standby.text(), standby.text()  # it never saw the job
+
+        active.kill()
+        killed = time.monotonic()
+        store.delete("pods", ns, "demo-node-1")  # while nobody works: the standby must see it
+        assert [p["metadata"]["name"] for p in pods()] == ["demo-node-0"]
+        _wait(
+            lambda: "Resuming operations" in standby.text(), 3 * LIFETIME + 30, "takeover", standby
+        )
+        took = time.monotonic() - killed
+        assert took >= LIFETIME - 6, f"took over {took:.1f} s after the kill: too early"
+        again = _wait(lambda: len(pods()) == 2 and pods(), 60, "demo-node-1 again", standby)
+        _wait(lambda: "Resumed" in reasons(), 30, "the Resumed event", standby)
+        uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in again}
+        before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in first}
+        assert sorted(uids) == ["demo-node-0", "demo-node-1"]
+        assert uids["demo-node-0"] == before["demo-node-0"]  # kept, not re-created
+        assert uids["demo-node-1"] != before["demo-node-1"]  # the deleted one, once
+        assert reasons().count("Created") == 1 and reasons().count("Resumed") == 1
+
+        # ... and goes on reconciling: suspending the job deletes its pods.
+        server.client.patch(
+            f"/apis/malleus.io/v1alpha1/namespaces/{ns}/malleusjobs/demo",
+            json={"spec": {"suspend": True}},
+            headers={"Content-Type": "application/merge-patch+json"},
+        ).raise_for_status()
+        _wait(lambda: not pods(), 60, "the suspended job's pods deleted", standby)
+        print(f"standby took over {took:.1f} s after SIGKILL (lifetime {LIFETIME} s)")
+    finally:
+        active.kill()
+        if standby is not None:
+            standby.kill()

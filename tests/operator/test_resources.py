@@ -36,7 +36,12 @@ def _children(make_job: Any, **spec: Any) -> list[dict[str, Any]]:
 
 
 def _pods(children: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [c for c in children if c["kind"] == "Pod"]
+    """The worker pods (not the store)."""
+    return [
+        c
+        for c in children
+        if c["kind"] == "Pod" and c["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"
+    ]
 
 
 def _env(container: dict[str, Any]) -> dict[str, Any]:
@@ -46,7 +51,18 @@ def _env(container: dict[str, Any]) -> dict[str, Any]:
 def test_one_pod_per_node_after_service_configmap_secret(make_job: Any) -> None:
     children = _children(make_job, nodes=3)
     kinds = [c["kind"] for c in children]
-    assert kinds == ["Service", "ConfigMap", "Secret", "PodDisruptionBudget", "Pod", "Pod", "Pod"]
+    assert kinds == [
+        "Service",
+        "ConfigMap",
+        "Secret",
+        "PodDisruptionBudget",
+        "Service",  # the store's, then its pod, before any worker
+        "Pod",
+        "Pod",
+        "Pod",
+        "Pod",
+    ]
+    assert [c["metadata"]["name"] for c in children[4:6]] == ["demo-store", "demo-store"]
     assert [p["metadata"]["name"] for p in _pods(children)] == [
         "demo-node-0",
         "demo-node-1",
@@ -100,22 +116,26 @@ def test_emulation_needs_no_gpus_and_no_one_pod_per_node_rule(make_job: Any) -> 
         assert _env(container)["MALLEUS_EMULATION"] == "1"
 
 
-def test_torchrun_static_rendezvous_on_node_zero(make_job: Any) -> None:
+def test_torchrun_launches_the_pods_ranks_and_they_meet_in_the_store(make_job: Any) -> None:
     pods = _pods(_children(make_job, nodes=2, gpusPerNode=4))
     for index, pod in enumerate(pods):
-        cmd = pod["spec"]["containers"][0]["command"]
+        container = pod["spec"]["containers"][0]
+        cmd = container["command"]
         assert cmd[0] == "torchrun"
-        assert "--nnodes=2" in cmd
+        # torchrun only launches this pod's ranks: no rendezvous on any worker
+        assert "--nnodes=1" in cmd and "--node-rank=0" in cmd
         assert "--nproc-per-node=4" in cmd
-        assert f"--node-rank={index}" in cmd
-        assert "--master-addr=demo-node-0.demo.ml.svc" in cmd
-        assert f"--master-port={resources.RENDEZVOUS_PORT}" in cmd
+        assert "--master-addr=127.0.0.1" in cmd
         assert "--max-restarts=0" in cmd
         assert cmd[cmd.index("-m") + 1 :] == [
             "malleus.trainer",
             "/etc/malleus/job.json",
             "--plan=/etc/malleus/plan.json",
         ]
+        env = _env(container)
+        assert env["MALLEUS_STORE"] == "demo-store.ml.svc:29400"
+        assert env["MALLEUS_NODE_RANK"] == str(index)
+        assert pod["spec"]["terminationGracePeriodSeconds"] == 60  # failurePolicy default
         # stable DNS: hostname + subdomain = the headless Service
         assert pod["spec"]["hostname"] == f"demo-node-{index}"
         assert pod["spec"]["subdomain"] == "demo"
@@ -139,7 +159,8 @@ def test_env_token_from_secret_plan_and_job_from_configmap(make_job: Any) -> Non
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["config"]["configMap"]["name"] == "demo-config"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"control": 9040, "rendezvous": resources.RENDEZVOUS_PORT}
+    # one control port per rank: whichever rank is the coordinator serves its own
+    assert ports == {"control": 9040, "control-1": 9041, "control-2": 9042, "control-3": 9043}
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9040"
 
 
@@ -184,8 +205,11 @@ def test_headless_service_publishes_not_ready_addresses(make_job: Any) -> None:
     svc = _children(make_job)[0]
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["publishNotReadyAddresses"] is True
-    assert svc["spec"]["selector"] == {resources.JOB_LABEL: "demo"}
-    assert {p["port"] for p in svc["spec"]["ports"]} == {8040, resources.RENDEZVOUS_PORT}
+    assert svc["spec"]["selector"] == {
+        resources.JOB_LABEL: "demo",
+        "app.kubernetes.io/component": "worker",  # not the store
+    }
+    assert {p["port"] for p in svc["spec"]["ports"]} == {8040}
 
 
 def test_configmap_holds_the_plan_and_the_job(make_job: Any) -> None:

@@ -109,7 +109,7 @@ def test_a_job_past_its_deadline_fails_and_loses_its_pods(
     job = _start(kube, memo, make_job(runPolicy={"activeDeadlineSeconds": 600}))
     start = _started(job)
     assert run(run_policy.enforce(ctx, job, start + 599 * SECOND)) is None
-    assert len(kube.of_kind("Pod")) == 2 and kube.job("ml", "demo")["status"]["phase"] == "Running"
+    assert len(kube.of_kind("Pod")) == 3 and kube.job("ml", "demo")["status"]["phase"] == "Running"
 
     assert run(run_policy.enforce(ctx, job, start + 600 * SECOND)) == "deadline"
     st = kube.job("ml", "demo")["status"]
@@ -153,21 +153,23 @@ def test_a_finished_job_loses_its_children_after_the_ttl_and_keeps_its_record(
     kube: Kube, memo: kopf.Memo, ctx: Context, make_job: Any
 ) -> None:
     job = _start(kube, memo, make_job(runPolicy={"ttlSecondsAfterFinished": 300}))
-    kube.set_pod_phase("ml", "demo-node-1", "Failed", reason="Evicted", message="node drained")
+    for name in ("demo-node-0", "demo-node-1"):
+        kube.set_pod_phase("ml", name, "Succeeded")
     run(handlers.sync_pods(ctx, "ml", "demo"))
     job = kube.job("ml", "demo")
-    failed = next(c for c in job["status"]["conditions"] if c["type"] == "Failed")
-    assert (failed["status"], failed["reason"]) == ("True", "PodFailed")
+    done = next(c for c in job["status"]["conditions"] if c["type"] == "Succeeded")
+    assert (done["status"], done["reason"]) == ("True", "Completed")
     ended = lifecycle.parse_time(job["status"]["completionTime"])
     assert ended is not None
     owned_before = kube.names()
-    assert len(owned_before) == 7  # 2 pods, Service, ConfigMap, Secret, NetworkPolicy, PDB
+    # 2 pods, Service, ConfigMap, Secret, NetworkPolicy, PDB, the store's Pod and Service
+    assert len(owned_before) == 9
 
     assert run(run_policy.enforce(ctx, job, ended + 299 * SECOND)) is None
     assert kube.names() == owned_before
     assert run(run_policy.enforce(ctx, job, ended + 300 * SECOND)) == "expire"
     assert kube.names() == []
-    assert kube.job("ml", "demo")["status"]["phase"] == "Failed"  # the record stays
+    assert kube.job("ml", "demo")["status"]["phase"] == "Succeeded"  # the record stays
     assert kube.reasons()[-1] == "Expired"
     assert "Pod/demo-node-0" in kube.events[-1]["message"]
     # A later tick (or a restarted operator) finds nothing left and says nothing more.

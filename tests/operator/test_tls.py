@@ -198,7 +198,7 @@ def test_the_pods_serve_what_the_secret_holds_and_the_operator_trusts(
     secret = next(c for c in kids if c["kind"] == "Secret")
     files = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
     assert files == {"token": "tok", **certs.secret_data()}
-    pod = next(c for c in kids if c["kind"] == "Pod")
+    pod = next(c for c in kids if c["kind"] == "Pod" and c["metadata"]["name"] == "demo-node-0")
     container = pod["spec"]["containers"][0]
     mount = next(m for m in container["volumeMounts"] if m["mountPath"] == workers.TLS_MOUNT)
     volume = next(v for v in pod["spec"]["volumes"] if v["name"] == mount["name"])

@@ -3,8 +3,15 @@
 It enumerates every plan: each node's usable GPUs split into TP groups of any allowed size (any
 subsets, not only runs of sorted rates) with any GPUs left out; every partition of the groups
 into pipelines; every stage order; every layer split; every micro-batch split. Only exact
-symmetry is used to keep it fast: groups with the same (pace, size) are interchangeable, so
-pipelines are memoised by their multiset of classes and partitions are deduplicated.
+symmetry is used to keep it fast: groups with the same (pace, size, link) are interchangeable,
+so pipelines are memoised by their multiset of classes and partitions are deduplicated.
+
+A pipeline's time is the 1F1B makespan from the discrete-event simulation (sim1f1b.py). With a
+calibration, a group's pace adds its TP collectives (tp_comm of its size, which the cases list
+for every size, times its node's link rate), the first stage pays the embedding and the last the
+head (scaled by pace over a healthy full group's), every boundary the p2p figure at the worse
+link, and the step the fixed part. Gradient sync and the optimizer are not enumerated (they need
+ranks or couple the pipelines): cases here leave them at 0.
 """
 
 from __future__ import annotations
@@ -14,10 +21,16 @@ import itertools
 from collections.abc import Iterator
 
 from malleus.planner import PlanningProblem
+from tests.planner.sim1f1b import simulate
 
 __all__ = ["optimum"]
 
-Cls = tuple[float, int]  # (pace y, shards per GPU)
+Cls = tuple[float, int, float]  # (pace y, shards per GPU, link rate of its node)
+
+
+def _tp_comm(problem: PlanningProblem, size: int) -> float:
+    cal = problem.calibration
+    return 0.0 if cal is None or size == 1 else float(cal.tp_comm.get(size, 0.0))
 
 
 def _node_groupings(problem: PlanningProblem, node: int) -> Iterator[tuple[Cls, ...]]:
@@ -39,13 +52,15 @@ def _node_groupings(problem: PlanningProblem, node: int) -> Iterator[tuple[Cls, 
                     yield [(first, *mates), *tail]
 
     seen = set()
+    link = float(problem.link_rates.get(node, 1.0))
     for groups in parts(ranks):
         key = []
         for g in groups:
             shards = tp // len(g)
             k = shards.bit_length() - 1
             worst = max(problem.rate(r) or 1.0 for r in g)
-            key.append((problem.model.alpha_at(k) * worst, shards))
+            pace = problem.model.alpha_at(k) * worst + _tp_comm(problem, len(g)) * link
+            key.append((pace, shards, link))
         t = tuple(sorted(key))
         if t not in seen:
             seen.add(t)
@@ -59,7 +74,7 @@ def _memory_ok(
     if mem is None:
         return True
     S = len(order)
-    for j, ((_, shards), n) in enumerate(zip(order, layers, strict=True)):
+    for j, ((_, shards, _), n) in enumerate(zip(order, layers, strict=True)):
         ends = mem.embedding_mb * ((j == 0) + (j == S - 1))  # a lone stage holds both
         per = mem.layer_mb * n + mem.activation_mb * n * min(S - j, m) + ends
         if shards * per + mem.fixed_mb > mem.capacity_mb + 1e-9:
@@ -76,6 +91,19 @@ def _compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
 def optimum(problem: PlanningProblem) -> float:
     """The least step time over every valid plan (inf if none fits)."""
     L, B = problem.layers, problem.micro_batches
+    cal = problem.calibration
+    y0 = problem.model.alpha_at(0) + _tp_comm(problem, problem.tp)
+
+    def costs_of(order: tuple[Cls, ...], layers: tuple[int, ...]) -> tuple[float, ...]:
+        costs = [y * n for (y, _, _), n in zip(order, layers, strict=True)]
+        if cal is not None:
+            costs[0] += cal.embedding * order[0][0] / y0
+            costs[-1] += cal.head * order[-1][0] / y0
+            for j in range(len(order) - 1):
+                costs[j] += cal.p2p * max(order[j][2], order[j + 1][2])
+        return tuple(costs)
+
+    sim = functools.cache(simulate)
 
     @functools.cache
     def pipe_time(classes: tuple[Cls, ...], m: int) -> float:
@@ -86,8 +114,7 @@ def optimum(problem: PlanningProblem) -> float:
             for layers in _compositions(L, len(order)):
                 if not _memory_ok(problem, order, layers, m):
                     continue
-                costs = [y * n for (y, _), n in zip(order, layers, strict=True)]
-                best = min(best, (m - 1) * max(costs) + sum(costs))
+                best = min(best, sim(costs_of(order, layers), m))
         return best
 
     def partitions(items: tuple[Cls, ...]) -> Iterator[list[tuple[Cls, ...]]]:
@@ -117,4 +144,4 @@ def optimum(problem: PlanningProblem) -> float:
             for ms in _compositions(B, len(key)):
                 t = max(pipe_time(p, m) for p, m in zip(key, ms, strict=True))
                 best = min(best, t)
-    return best
+    return best + (cal.fixed if cal is not None else 0.0)

@@ -11,7 +11,7 @@ import random
 import pulp
 import pytest
 
-from malleus.planner.layers import split_layers
+from malleus.planner.layersplit import split_layers
 from malleus.planner.microbatch import split_linear
 
 SOLVER = pulp.PULP_CBC_CMD(msg=False)

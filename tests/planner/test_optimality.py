@@ -97,6 +97,37 @@ CASES: dict[str, dict[str, Any]] = {
         "dp": 2,
         "memory": ROOMY,
     },
+    # issue 13: a whole node uniformly slow may be split too (alpha[k] < 2^k): four pairs of a
+    # node at 1.57x with the 70B alpha do 4/3.66 = 1.09 groups of 8 (see test_node_split.py)
+    "whole node at 1.57x, 70B alpha: four pairs": {
+        "nodes": 1,
+        "gpus_per_node": 8,
+        "rates": {str(r): 1.57 for r in range(8)},
+        "model": {"layers": 4, "tp": 8, "alpha": [1.0, 1.9, 3.66, 7.22]},
+        "micro_batches": 4,
+    },
+    "whole node at 1.57x, 70B alpha: singles": {
+        "nodes": 1,
+        "gpus_per_node": 8,
+        "rates": {str(r): 1.57 for r in range(8)},
+        "model": {"layers": 4, "tp": 8, "alpha": [1.0, 1.9, 3.66, 7.22]},
+        "micro_batches": 8,
+    },
+    "slow node beside a healthy one, tp 4, 70B-like alpha": {
+        "nodes": 2,
+        "gpus_per_node": 4,
+        "rates": {str(r): 1.57 for r in range(4, 8)},
+        "model": {"layers": 6, "tp": 4, "alpha": [1.0, 1.9, 3.66]},
+        "micro_batches": 6,
+    },
+    "slow node split under memory, tp 4": {
+        "nodes": 2,
+        "gpus_per_node": 4,
+        "rates": {str(r): 1.57 for r in range(4, 8)},
+        "model": {"layers": 6, "tp": 4, "alpha": [1.0, 1.9, 3.66]},
+        "micro_batches": 5,
+        "memory": ROOMY,
+    },
 }
 
 

@@ -45,7 +45,7 @@ def problems(draw: st.DrawFn) -> dict[str, Any]:
             "fixed_mb": 1,
         }
     if draw(st.integers(0, 4)) == 0:
-        data["dp"] = draw(st.integers(1, 3))
+        data["dp"] = draw(st.integers(1, min(3, world)))  # a problem allows 1..world
     return data
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 import struct
+import warnings
 from pathlib import Path
 
-from malleus.runner.plot import plot_report, rate_matrix
+from malleus.runner.plot import plot_report, rate_matrix, replan_label, warmup_steps
 
 
 def report() -> dict:
@@ -32,10 +33,23 @@ def report() -> dict:
             {"step": 10, "rank": 1, "factor": 3.0},
             {"step": 20, "rank": 1, "factor": 1.0},
         ],
+        "tokens_per_step": 100,
         "plan_changes": [
-            {"generation": 1, "step_applied": 13},
+            {
+                "generation": 1,
+                "step_applied": 13,
+                "changed": {
+                    "text": "rank 1 excluded; TP 0,1 -> 0; 1.0 MiB migrated",
+                    "labels": ["rank 1 out", "TP regrouped", "1.0 MiB"],
+                },
+            },
             {"generation": 2, "step_applied": None},
         ],
+        "static_baseline": {
+            "per_step": [
+                {"step": i, "predicted_seconds": 3.0 if 10 <= i < 20 else 1.0} for i in range(1, 30)
+            ]
+        },
         "per_step": rows,
     }
 
@@ -56,3 +70,29 @@ def test_plot_is_a_png_of_sensible_size(tmp_path: Path) -> None:
     width, height = struct.unpack(">II", data[16:24])
     assert (width, height) == (1210, 770)  # 11 x 7 inches at 110 dpi
     assert len(data) > 20_000  # two panels drawn, not an empty canvas
+
+
+def test_replan_labels_say_what_changed() -> None:
+    change = report()["plan_changes"][0]
+    assert replan_label(change) == "gen 1: rank 1 out, TP regrouped, 1.0 MiB"
+    assert replan_label(change, sep="\n") == "gen 1\nrank 1 out\nTP regrouped\n1.0 MiB"
+    assert replan_label({"generation": 3}) == "gen 3"  # an old report: no description
+
+
+def test_warmup_steps_are_the_first_and_each_switch() -> None:
+    assert warmup_steps(report()) == [0, 13]
+
+
+def test_a_short_run_of_a_long_schedule_plots_without_warnings(tmp_path: Path) -> None:
+    # `--steps 3` of a job whose slowdowns come later: events past the end are not drawn (they
+    # once stretched the layout until matplotlib gave up on it, with a UserWarning).
+    short = report()
+    short["per_step"] = short["per_step"][:3]
+    short["schedule"] = [{"step": 40, "rank": 1, "factor": 3.0}]
+    short["plan_changes"] = [{"generation": 2, "step_applied": 50}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for n in (1, 3):
+            short["per_step"] = report()["per_step"][:n]
+            out = plot_report(short, tmp_path / f"short{n}.png")
+            assert out.read_bytes()[:4] == b"\x89PNG"

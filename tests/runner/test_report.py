@@ -152,8 +152,8 @@ def test_summary_lists_generations_replans_and_loss(simulated: Any) -> None:
     assert "28/28 steps" in text and "final loss 2.2000" in text
     assert "re-plans: 2" in text
     lines = text.splitlines()
-    gen_rows = [ln for ln in lines if ln.strip().startswith(("1 ", "2 ", "3 "))]
-    assert len(gen_rows) >= 3
+    windows = [ln.split() for ln in lines if ln.strip().startswith(("0-", "6-", "18-"))]
+    assert [w[1] for w in windows] == ["1", "1->2", "2->3"]  # a window per re-plan
     assert any("rank 1 slowed" in ln for ln in lines)
     assert any("rank 1 recovered" in ln for ln in lines)
 
@@ -164,3 +164,98 @@ def test_a_failed_run_says_why_in_the_summary() -> None:
     )
     assert report["steps"] == 0 and report["training_seconds"] is None
     assert "stopped: trainer rank 2 killed by SIGKILL" in summary_text(report)
+
+
+def full_report(simulated: Any, **over: Any) -> dict:
+    """The report as `malleus run` builds it: with the first plan and the job's problems."""
+    events, switches, rows = simulated
+    job = ResolvedJob.load(manifest(policy={"windowSteps": 3, "cooldownSeconds": 2}))
+    return build_report(
+        facts(**over),
+        rows,
+        switches,
+        events,
+        initial_plan=json.loads(job.initial_plan().to_json()),
+        problem_of=job.problem,
+    )
+
+
+def test_every_replan_says_what_it_changed(simulated: Any) -> None:
+    report = full_report(simulated)
+    first, second = report["plan_changes"]
+    # rank 1 4x: left out, its partner runs both shards; healed: back in.
+    assert first["changed"]["excluded"] == [1] and first["changed"]["tp_regrouped"]
+    assert second["changed"]["readmitted"] == [1]
+    for c in (first, second):
+        assert c["changed"]["text"].endswith("MiB migrated")  # the switch's 2048 bytes
+        assert c["changed"]["labels"]
+    text = summary_text(report)
+    assert f"changed: {first['changed']['text']}" in text
+    assert "rank 1 excluded" in text and "rank 1 re-admitted" in text
+
+
+def test_static_baseline_is_predicted_from_the_runs_own_steps(simulated: Any) -> None:
+    report = full_report(simulated)
+    base = report["static_baseline"]
+    # The simulation times every step as SPU x cost-model units: the fit finds exactly that.
+    assert base["seconds_per_unit"] == pytest.approx(SPU)
+    assert base["intercept_seconds"] == pytest.approx(0.0, abs=1e-9)
+    job = ResolvedJob.load(manifest())
+    first = job.initial_plan()
+    from malleus.planner.cost import plan_step_time
+
+    known: dict[int, float | None] = {}
+    expected = 0.0
+    warm = {0} | {c["step_applied"] for c in report["plan_changes"]}
+    for r in simulated[2]:
+        if r["step"] not in warm:  # a warm-up's rates are not carried on
+            known.update({int(k): v for k, v in r["rates"].items()})
+        if r["step"] > 0:  # every step after the first, switch steps included
+            expected += SPU * plan_step_time(job.problem(known), first)
+    assert base["predicted_seconds"] == pytest.approx(expected)
+    # Measured: the run's time after its first step (switches count against it).
+    first_seconds = simulated[2][0]["seconds"]
+    assert base["measured_is_elapsed"]
+    assert base["measured_seconds"] == pytest.approx(report["training_seconds"] - first_seconds)
+    assert base["gain"] == pytest.approx(expected / base["measured_seconds"])
+    assert base["gain"] > 1.2  # the stretch at 4x costs the first plan dearly
+    assert len(base["per_step"]) == base["steps"]
+    assert "predicted" in base["label"]
+
+
+def test_windows_compare_each_replan_with_the_plan_it_replaced(simulated: Any) -> None:
+    report = full_report(simulated)
+    windows = report["windows"]
+    assert len(windows) == 1 + len(report["plan_changes"])
+    assert windows[0]["reason"] == "(start)" and windows[0]["gain"] is None
+    assert [w["first_step"] for w in windows[1:]] == [6, 18]  # the schedule's onsets
+    for w in windows[1:]:
+        assert w["before_steps"] >= 1 and w["after_steps"] >= 3
+        assert w["gain"] > 1.0  # a re-plan, read in its window, is never a loss
+        assert w["old_generation"] == w["generation"] - 1
+
+
+def test_summary_uses_x_for_every_gain(simulated: Any) -> None:
+    text = summary_text(full_report(simulated))
+    assert "%" not in text
+    assert "static baseline (predicted" in text and "-> gain " in text
+    assert "per re-plan window" in text
+    assert "ideal" not in text or "x the training time" in text
+
+
+def test_static_baseline_without_an_emulated_clock_is_fitted(simulated: Any) -> None:
+    from malleus.runner.report import static_baseline_of
+
+    emulated = full_report(simulated)
+    real = full_report(simulated, unit_seconds=None)  # real GPUs: no unit to lean on
+    base = real["static_baseline"]
+    assert base["fit"].startswith("least squares")
+    assert emulated["static_baseline"]["fit"].startswith("emulated unit")
+    assert base["seconds_per_unit"] == pytest.approx(SPU)  # the simulation is exactly affine
+    assert base["predicted_seconds"] == pytest.approx(
+        emulated["static_baseline"]["predicted_seconds"]
+    )
+    # A saved report gets the same baseline again (how bench/e2e.py re-renders old reports).
+    saved = json.loads(json.dumps(emulated))
+    job = ResolvedJob.load(manifest(policy={"windowSteps": 3, "cooldownSeconds": 2}))
+    assert static_baseline_of(saved, job.problem) == emulated["static_baseline"]

@@ -1,4 +1,4 @@
-"""No orphans: Ctrl-C stops every trainer; a dead trainer stops the run and is named.
+"""No orphans: Ctrl-C stops every trainer; a run left without trainers stops and names them.
 
 Real processes (two ranks of a slow emulated job); every wait polls against a deadline.
 """
@@ -72,7 +72,14 @@ def start(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
         start_new_session=True,  # its own process group, as a shell gives a foreground job
     )
     log = workdir / "logs" / "launch-1" / "rank-0.log"
-    wait_for("the first step", lambda: log.exists() and "[malleus] step 1/" in log.read_text(), 180)
+
+    def first_step() -> bool:
+        if runner.poll() is not None:  # say why at once rather than time out
+            _, err = runner.communicate()
+            raise AssertionError(f"malleus run ended ({runner.returncode}): {err[-3000:]}")
+        return log.exists() and "[malleus] step 1/" in log.read_text()
+
+    wait_for("the first step", first_step, 180)
     return runner, workdir
 
 
@@ -87,12 +94,19 @@ def test_ctrl_c_stops_every_trainer_and_still_reports(tmp_path: Path) -> None:
     assert '"code": 130' in (tmp_path / "r.json").read_text()
 
 
-def test_a_dead_trainer_is_named_and_the_others_are_stopped(tmp_path: Path) -> None:
+def test_a_run_left_without_trainers_fails_naming_the_first_dead_one(tmp_path: Path) -> None:
+    # One dead rank is survivable (tests/runner/test_faults.py); with both dead before any
+    # replacement is due (the failure policy's backoff, 10 s by default), no member of the
+    # job is left and the run fails, naming the rank that died first and every rank's fate.
     runner, workdir = start(tmp_path)
     pids = trainers(workdir)
     os.kill(pids[1], signal.SIGKILL)
-    _, err = runner.communicate(timeout=60)
+    time.sleep(0.5)
+    os.kill(pids[0], signal.SIGKILL)
+    _, err = runner.communicate(timeout=120)
     assert runner.returncode == 1, err
     assert "malleus run: trainer rank 1 killed by SIGKILL" in err
     assert str(workdir / "logs" / "launch-1" / "rank-1.log") in err
+    assert "every rank is gone after" in err
+    assert "rank 0 killed by SIGKILL; rank 1 killed by SIGKILL" in err
     wait_for("the other trainer to be gone", lambda: trainers(workdir) == {}, 10)

@@ -29,8 +29,8 @@ th = importlib.import_module("test_hf")
 from malleus.job import ResolvedJob  # noqa: E402
 from malleus.trainer.data import make_source, micro_batch  # noqa: E402
 from malleus.trainer.hf import hf_name  # noqa: E402
-from malleus.trainer.launch import spawn_local  # noqa: E402
 from malleus.trainer.parallel.optim import BETAS, EPS, lr_at  # noqa: E402
+from malleus.trainer.spawn import spawn_local  # noqa: E402
 
 STEPS = 4
 TRAINING = {

@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 tc = importlib.import_module("trainer_cases")
 
 from malleus.trainer.data import make_source, micro_batch  # noqa: E402
-from malleus.trainer.launch import spawn_local  # noqa: E402
 from malleus.trainer.model import GPT  # noqa: E402
 from malleus.trainer.parallel.layout import Layout  # noqa: E402
 from malleus.trainer.reference import train_reference  # noqa: E402
+from malleus.trainer.spawn import spawn_local  # noqa: E402
 
 JOB = tc.small_job()
 TIED = tc.small_job(model={"tiedEmbeddings": True})

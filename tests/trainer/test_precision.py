@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 tc = importlib.import_module("trainer_cases")
 pc = importlib.import_module("precision_cases")
 
-from malleus.trainer.launch import spawn_local  # noqa: E402
 from malleus.trainer.model import GPT  # noqa: E402
 from malleus.trainer.parallel.migrate import minimal_bytes  # noqa: E402
 from malleus.trainer.reference import train_reference  # noqa: E402
+from malleus.trainer.spawn import spawn_local  # noqa: E402
 
 STEPS = 6
 MODEL = {"layers": 4}

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 tc = importlib.import_module("trainer_cases")
 pc = importlib.import_module("precision_cases")
 
-from malleus.trainer.launch import spawn_local  # noqa: E402
 from malleus.trainer.model import GPT  # noqa: E402
 from malleus.trainer.reference import train_reference  # noqa: E402
+from malleus.trainer.spawn import spawn_local  # noqa: E402
 
 pytestmark = [
     pytest.mark.cuda,

@@ -50,11 +50,11 @@ from malleus.trainer.checkpoint import (  # noqa: E402
     load_pieces,
     read_manifest,
 )
-from malleus.trainer.launch import spawn_local  # noqa: E402
 from malleus.trainer.metrics import parse_rates  # noqa: E402
 from malleus.trainer.model import join_pieces, pieces  # noqa: E402
 from malleus.trainer.parallel.migrate import minimal_bytes  # noqa: E402
 from malleus.trainer.reference import train_reference  # noqa: E402
+from malleus.trainer.spawn import spawn_local  # noqa: E402
 
 TOL = 1e-4
 JOB = tc.small_job(training={"steps": 5})
@@ -203,8 +203,12 @@ def test_live_switches_over_http_then_stop_with_a_checkpoint(
     assert mig.bytes == minimal_bytes(resolved.model, b, Plan(**TIED_C))
     assert status.pending_generation is None and status.generation == 2
     metrics = seen["metrics"]
-    assert _gauge(metrics, "malleus_migration_bytes") == mig.bytes
-    assert _gauge(metrics, "malleus_migration_seconds") == pytest.approx(mig.seconds)
+    # Counters over the run: the pinned --switch (a -> b) and the posted plan (b -> c), each
+    # moving exactly its minimal bytes.
+    first = minimal_bytes(resolved.model, Plan(**TIED_A), b)
+    assert _gauge(metrics, "malleus_migrated_bytes_total") == first + mig.bytes
+    assert _gauge(metrics, "malleus_migration_duration_seconds_count") == 2
+    assert _gauge(metrics, "malleus_migration_duration_seconds_sum") >= mig.seconds
     assert _gauge(metrics, "malleus_plan_generation") == 2
     assert set(parse_rates(metrics)) <= set(range(4))
     anonymous = seen["anonymous"]

@@ -5,7 +5,8 @@ pipelines that hold it; a tied embedding also across its first and last stage). 
 same holder set travel in one flat all-reduce (a bucket); buckets run in the layout's global
 order, which every rank derives from the plan alone. Replicated norm weights have the same
 gradient on every GPU of a TP group: only the group's first GPU contributes, the others add
-zeros, so each pipeline is counted once.
+zeros, so each pipeline is counted once. Each bucket's all-reduce is filed with the meter as
+`grad_intra` or `grad_inter` (members in one node or not), with its bytes, for calibration.
 
 The gradients here are the master pieces' (float32 under `precision: bf16`: trainer/precision.py
 adds each micro-batch's bf16 gradient into them), so data-parallel sums and the norm are float32.
@@ -37,7 +38,7 @@ def sync_gradients(
             g = p.grad if p.grad is not None and layout.contributes(name) else torch.zeros_like(p)
             grads.append(g.reshape(-1))
         flat = torch.cat(grads)
-        with meter.timed():
+        with meter.timed("grad", bucket.members, flat.numel() * flat.element_size()):
             dist.all_reduce(flat, group=groups.get(bucket.members))
         offset = 0
         for name in bucket.pieces:

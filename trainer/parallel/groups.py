@@ -2,15 +2,19 @@
 
 `new_group` is collective over the whole world: every rank, excluded ones included, must call
 it for every group in the same order. The cache makes a later plan reuse the groups it shares
-with an earlier one, so a plan switch creates only the new member sets.
+with an earlier one, so a plan switch creates only the new member sets. Members are GPU ids,
+translated to process-group ranks (trainer/membership.py) when a group is created.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from .. import membership
 
 __all__ = ["GroupCache"]
 
@@ -24,10 +28,24 @@ class GroupCache:
         for members in member_sets:
             key = tuple(sorted(members))
             if key not in self._groups:
-                self._groups[key] = dist.new_group(list(key))
+                ranks = [membership.pg(g) for g in key]
+                self._groups[key] = dist.new_group(ranks, timeout=self._timeout())
+
+    @staticmethod
+    def _timeout() -> timedelta | None:
+        if membership.store() is None:  # failures are fatal: the job's own default
+            return None
+        return timedelta(seconds=membership.collective_timeout_s())
+
+    def groups(self) -> list[Any]:
+        return list(self._groups.values())
 
     def get(self, members: Iterable[int]) -> Any:
         return self._groups[tuple(sorted(members))]
+
+    def reset(self) -> None:
+        """Forget every group: the process group they belonged to was re-formed."""
+        self._groups.clear()
 
     def __len__(self) -> int:
         return len(self._groups)

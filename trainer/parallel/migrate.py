@@ -30,8 +30,9 @@ from torch import Tensor
 
 from malleus.job import ModelConfig
 from malleus.planner import Plan
-from malleus.planner.cost import Unit, holdings
+from malleus.planner.memory import Unit, holdings
 
+from .. import membership
 from ..model import param_specs, pieces
 from .layout import PieceRoles
 from .optim import AdamState
@@ -264,10 +265,10 @@ def post(
         if src == rank:
             buf = _pack(ts, params, state)
             ops.append(("send", dst, ts, buf))
-            p2p.append(dist.P2POp(dist.isend, buf, dst, tag=MIGRATE_TAG))
+            p2p.append(dist.P2POp(dist.isend, buf, membership.pg(dst), tag=MIGRATE_TAG))
         else:
             buf = torch.empty(sum(state_elements(t.numel) for t in ts), dtype=dtype, device=device)
             ops.append(("recv", src, ts, buf))
-            p2p.append(dist.P2POp(dist.irecv, buf, src, tag=MIGRATE_TAG))
+            p2p.append(dist.P2POp(dist.irecv, buf, membership.pg(src), tag=MIGRATE_TAG))
     works = list(dist.batch_isend_irecv(p2p)) if p2p else []
     return Exchange(ops, works)

@@ -6,6 +6,11 @@ schedule). Sends and receives that meet in the steady state are batched (isend/i
 together, then waited on), so no two neighbours block on each other. Every layer's forward and
 backward is timed separately from communication and charged to the (optionally emulated) clock.
 
+For the cost model's calibration the timer also keeps, per step, the TP communication inside
+layer calls, the embedding's and the head's time per micro-batch (their math, collectives and
+backward) and when this rank's schedule began and ended; pipeline transfers are filed with the
+`CommMeter` as `p2p` (their shortest call is the transfer without the bubble's wait).
+
 Activations travel in the compute dtype (bf16 under `precision: bf16`). With activation
 checkpointing each layer keeps only its input between forward and backward and recomputes the
 rest (`torch.utils.checkpoint`, non-reentrant); the recomputation runs the layer's TP
@@ -14,17 +19,19 @@ collectives again, which stays in step because every GPU of a TP group runs the 
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from .. import membership
 from .layout import Place
 from .stage import StageModel
 from .tensor import CommMeter
@@ -33,6 +40,9 @@ __all__ = ["ACT_TAG", "GRAD_TAG", "Clock", "LayerTimer", "PipelineStage", "Profi
 
 ACT_TAG, GRAD_TAG = 1, 2
 Batch = Callable[[int], tuple[Tensor, Tensor]]  # global micro-batch index -> (inputs, targets)
+
+
+T = TypeVar("T")
 
 
 class Clock(Protocol):
@@ -60,9 +70,31 @@ class LayerTimer:
         )
         self.seconds = 0.0  # summed since the last reset
         self.units = 0  # layer-shard passes (forward or backward, one micro-batch) since then
+        self.calls = 0  # layer calls (forward or backward) since then
+        self.comm = 0.0  # TP communication seconds inside those calls
+        self.ends: dict[str, list[float]] = {}  # "embedding"/"head" -> [seconds, micro-batches]
+        self.started: float | None = None  # perf_counter of this step's schedule, start / end
+        self.ended: float | None = None
 
     def reset(self) -> None:
-        self.seconds, self.units = 0.0, 0
+        self.seconds, self.units, self.calls, self.comm = 0.0, 0, 0, 0.0
+        self.ends, self.started, self.ended = {}, None, None
+
+    def end(self, name: str, fn: Callable[[], T], micro_batches: int = 0) -> T:
+        """Run the embedding's or the head's work (forward or backward) and time it. An
+        emulated clock stretches its compute (its wall time less its TP collectives) by the
+        rank's slowdown, as a slow GPU would."""
+        self._sync()
+        t0, c0 = time.perf_counter(), self.meter.seconds
+        out = fn()
+        self._sync()
+        stretch = getattr(self.clock, "stretch", None)
+        if stretch is not None:
+            stretch(t0 + self.meter.seconds - c0)
+        acc = self.ends.setdefault(name, [0.0, 0])
+        acc[0] += time.perf_counter() - t0
+        acc[1] += micro_batches
+        return out
 
     def __call__(self, kind: str, shards: int, fn: Callable[[], Tensor]) -> Tensor:
         self._sync()
@@ -75,6 +107,8 @@ class LayerTimer:
         self.profiler.record(shards, seconds)
         self.seconds += seconds
         self.units += shards
+        self.calls += 1
+        self.comm += comm
         return out
 
 
@@ -114,6 +148,13 @@ class PipelineStage:
         self.loss_sum = 0.0
 
     def run(self) -> float:
+        self.timer.started = time.perf_counter()
+        try:
+            return self._run()
+        finally:
+            self.timer.ended = time.perf_counter()
+
+    def _run(self) -> float:
         p = self.place
         warmup = min(p.num_stages - p.stage - 1, p.micro_batches)
         steady = p.micro_batches - warmup
@@ -146,15 +187,22 @@ class PipelineStage:
         recv: tuple[int | None, int] | None = None,
     ) -> Tensor | None:
         """Post a receive and sends together and wait for all of them."""
-        ops, buf = [], None
+        ops, buf, peers = [], None, []
         if recv is not None and recv[0] is not None:
+            peers.append(recv[0])
             buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, buf, recv[0], tag=recv[1]))
+            ops.append(dist.P2POp(dist.irecv, buf, membership.pg(recv[0]), tag=recv[1]))
         if send is not None and send[0] is not None:
-            ops += [dist.P2POp(dist.isend, send[0], dst, tag=send[2]) for dst in send[1]]
+            ops += [
+                dist.P2POp(dist.isend, send[0], membership.pg(dst), tag=send[2]) for dst in send[1]
+            ]
+            peers += send[1]
         if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            nbytes = math.prod(self.act_shape) * self.dtype.itemsize * len(ops)
+            members = (self.place.group[self.place.index], *sorted(set(peers)))
+            with self.timer.meter.timed("p2p", members, nbytes):
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
         return buf
 
     # ---- compute ----------------------------------------------------------------------------
@@ -162,7 +210,7 @@ class PipelineStage:
         st, model = _InFlight(micro), self.model
         if self.place.first:
             tokens, _ = self.batch(micro)
-            st.embedded = model.embed(tokens)  # (b, T, C)
+            st.embedded = self.timer.end("embedding", lambda: model.embed(tokens), 1)  # (b, T, C)
             x = st.embedded.detach().requires_grad_()
         else:
             assert received is not None
@@ -174,7 +222,7 @@ class PipelineStage:
         if not self.place.last:
             return x.detach(), st
         _, targets = self.batch(micro)
-        st.head_input, st.loss = x, model.loss(x, targets)
+        st.head_input, st.loss = x, self.timer.end("head", lambda: model.loss(x, targets), 1)
         self.loss_sum += float(st.loss.detach())
         return None, st
 
@@ -187,13 +235,15 @@ class PipelineStage:
     def _backward(self, st: _InFlight, grad: Tensor | None) -> Tensor | None:
         if self.place.last:
             assert st.loss is not None and st.head_input is not None
-            (st.loss / self.total).backward()  # every micro-batch weighs 1/(step's total)
+            loss = st.loss / self.total  # every micro-batch weighs 1/(step's total)
+            self.timer.end("head", loss.backward)
             grad = st.head_input.grad
         for x, y in reversed(st.layer_io):
             grad = self.timer("backward", self.shards, lambda x=x, y=y, g=grad: _backprop(x, y, g))
         if self.place.first:
             assert st.embedded is not None
-            st.embedded.backward(grad)
+            embedded = st.embedded
+            self.timer.end("embedding", lambda: embedded.backward(grad))
             return None
         return grad
 

@@ -100,6 +100,22 @@ Least privilege: exactly the verbs malleus.operator (kopf + k8s.py) uses.
   resources: ["networkpolicies"]
   verbs: ["create", "get", "delete"]
 {{- end }}
+{{- with .Values.rbac.podGroups }}
+{{- if .schedulerPlugins }}
+# scheduler-plugins' PodGroups (spec.scheduling.podGroup.create): created, read by name; the
+# garbage collector deletes them with their job.
+- apiGroups: ["scheduling.x-k8s.io"]
+  resources: ["podgroups"]
+  verbs: ["create", "get"]
+{{- end }}
+{{- if .volcano }}
+# Volcano's PodGroups (spec.scheduling.podGroup.create): created, read by name; the garbage
+# collector deletes them with their job.
+- apiGroups: ["scheduling.volcano.sh"]
+  resources: ["podgroups"]
+  verbs: ["create", "get"]
+{{- end }}
+{{- end }}
 {{- if and (eq (include "malleus-operator.peering" .) "true") (not .Values.rbac.clusterWide) }}
 # kopf peering: the KopfPeering of each watched namespace (read, watched, heartbeat patched).
 - apiGroups: ["kopf.dev"]

@@ -1,0 +1,145 @@
+"""The MalleusJob spec's cluster sections: the pod template, the run policy and scheduling.
+
+How the job's pods are shaped (`PodTemplate`: labels, env, volumes, node selection merged into
+every worker pod), how long the job may run and its objects outlive it (`RunPolicy`), and how
+its pods get places on nodes (`SchedulingSpec`, a coscheduler's `PodGroupSpec`). Only the
+operator reads them; `malleus run` and the trainers never do. Apart from `malleus.job.spec`
+(which holds the training, model and control-loop sections and `MalleusJobSpec` itself) so
+that each reads on its own; every name here is importable from `malleus.job.spec` too, and the
+same rule holds for defaults (they live in the CRD; see `malleus.job.spec`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from .spec_base import _Model
+
+__all__ = [
+    "ContainerOverride",
+    "EnvVar",
+    "LocalObjectReference",
+    "PodGroupApi",
+    "PodGroupSpec",
+    "PodSpecOverride",
+    "PodTemplate",
+    "PodTemplateMetadata",
+    "ResourceOverride",
+    "RunPolicy",
+    "SchedulingSpec",
+    "VolumeMount",
+]
+
+
+class PodTemplateMetadata(_Model):
+    """Labels and annotations added to every worker pod (the operator's own keys win)."""
+
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class EnvVar(_Model):
+    """A core/v1 EnvVar for the trainer container; ``value_from`` is kept as Kubernetes reads it."""
+
+    name: str
+    value: str | None = None
+    value_from: dict[str, Any] | None = None
+
+
+class VolumeMount(_Model):
+    """A core/v1 VolumeMount of one of the override's volumes."""
+
+    name: str
+    mount_path: str
+    sub_path: str | None = None
+    read_only: bool | None = None
+
+
+class ResourceOverride(_Model):
+    """Extra requests/limits (``rdma/hca``, hugepages): device plugins' resources the operator
+    does not know; cpu, memory and ``nvidia.com/gpu`` stay the operator's."""
+
+    requests: dict[str, int | str] = Field(default_factory=dict)
+    limits: dict[str, int | str] = Field(default_factory=dict)
+
+
+class ContainerOverride(_Model):
+    """Additions to the trainer container (the pod's only container)."""
+
+    name: Literal["trainer"]
+    env: list[EnvVar] = Field(default_factory=list)
+    volume_mounts: list[VolumeMount] = Field(default_factory=list)
+    resources: ResourceOverride = Field(default_factory=ResourceOverride)
+
+
+class LocalObjectReference(_Model):
+    """A Secret in the job's namespace, by name (an image pull secret)."""
+
+    name: str
+
+
+class PodSpecOverride(_Model):
+    """The pod spec fields a job may set; deep Kubernetes types (affinity, tolerations,
+    volumes) are kept as given, for the API server to judge when the pod is created."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    affinity: dict[str, Any] | None = None
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list)
+    service_account_name: str | None = None
+    priority_class_name: str | None = None
+    scheduler_name: str | None = None
+    volumes: list[dict[str, Any]] = Field(default_factory=list)
+    containers: list[ContainerOverride] = Field(default_factory=list)
+
+
+class PodTemplate(_Model):
+    """A PodTemplateSpec-shaped override merged into every worker pod (`operator/workers.py`
+    says which of the operator's fields win)."""
+
+    metadata: PodTemplateMetadata = Field(default_factory=PodTemplateMetadata)
+    spec: PodSpecOverride = Field(default_factory=PodSpecOverride)
+
+    def trainer(self) -> ContainerOverride:
+        """The trainer container's override (empty when none is given)."""
+        return (
+            self.spec.containers[0] if self.spec.containers else ContainerOverride(name="trainer")
+        )
+
+
+class RunPolicy(_Model):
+    """How long a job may run, and how long its objects outlive it (unset: no limit)."""
+
+    active_deadline_seconds: int | None = None
+    """Fail the job once it has run this long since its pods were created."""
+    ttl_seconds_after_finished: int | None = None
+    """Delete the job's children this long after it Succeeded or Failed (the job stays)."""
+
+
+PodGroupApi = Literal["scheduler-plugins", "volcano"]
+
+
+class PodGroupSpec(_Model):
+    """The pod group a coscheduler admits as one gang (Volcano, scheduler-plugins): the operator
+    labels and annotates every worker with ``name``. With ``create`` it also creates the
+    PodGroup object (``minMember`` = ``spec.nodes``, owned by the job); without, the PodGroup is
+    the installer's (or the scheduler's) to create."""
+
+    name: str
+    create: PodGroupApi | None = None
+    """Which PodGroup the operator creates: scheduler-plugins' ``scheduling.x-k8s.io/v1alpha1``
+    or Volcano's ``scheduling.volcano.sh/v1beta1`` (unset: none)."""
+    queue: str | None = None
+    """The Volcano queue of the PodGroup (``create: volcano`` only; unset: Volcano's default)."""
+
+
+class SchedulingSpec(_Model):
+    """How the job's pods get (or fail to get) places on nodes."""
+
+    schedule_timeout_seconds: int = 600
+    """Fail the job (reason ``ScheduleTimeout``) when its pods are not all running this long
+    after they were created: a gang that got half its GPUs must not hold them forever."""
+    pod_group: PodGroupSpec | None = None
+    """Label every worker for a coscheduler's PodGroup (unset: none)."""

@@ -1,0 +1,156 @@
+"""The runner's rendezvous store process, and what every child process of a local run shares.
+
+`StoreServer` is `python -m malleus.trainer store` as a child of the runner: the job's
+rendezvous store, hosted by no trainer, so that losing any rank (rank 0 included) does not lose
+the job (`malleus.runner.processes` starts it before the ranks and hands them its address).
+Beside it, the plumbing both it and the trainer processes use: free ports picked by the OS
+(`free_port`, and `free_ports` for the ranks' consecutive control ports) and the Linux
+parent-death signal that keeps a child from outliving a runner that died without cleaning up.
+
+Apart from `malleus.runner.processes` (the trainer processes) because the store is a process of
+its own, with its own life: started fresh for every launch, stopped after the ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["StoreServer", "free_port", "free_ports"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now (the OS's pick). Bound by a trainer moments later."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def free_ports(count: int, host: str = "127.0.0.1", tries: int = 100) -> list[int]:
+    """`count` consecutive ports free right now: `base, base + 1, ...` (the trainers' control
+    ports: with `$MALLEUS_STORE` each rank serves at `--control-port` + its local rank)."""
+    for _ in range(tries):
+        base = free_port(host)
+        if base + count > 65535:
+            continue
+        ok = True
+        for port in range(base + 1, base + count):
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return list(range(base, base + count))
+    raise RuntimeError(f"no {count} consecutive free ports on {host}")
+
+
+def _death_signal() -> Callable[[], None] | None:
+    """A preexec function asking Linux to SIGTERM the child when the runner dies."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return arm
+
+
+class StoreServer:
+    """The job's rendezvous store as a child process (`python -m malleus.trainer store`),
+    bound to 127.0.0.1 on a port the OS picks; `address` is `127.0.0.1:PORT` once it listens."""
+
+    def __init__(self, python: str, log: Path) -> None:
+        self.python = python
+        self.log = log
+        self.address: str | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60.0) -> str:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        err = open(self.log, "wb")  # noqa: SIM115 (the child holds it; closed below)
+        try:
+            self._proc = subprocess.Popen(
+                [self.python, "-m", "malleus.trainer", "store", "--host", "127.0.0.1"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                start_new_session=True,
+                preexec_fn=_death_signal(),
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        finally:
+            err.close()
+        got: list[bytes] = []
+        stdout = self._proc.stdout
+        assert stdout is not None
+        reader = threading.Thread(target=lambda: got.append(stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        line = got[0].decode(errors="replace").strip() if got else ""
+        if not line.startswith("store ready on "):
+            self.stop()
+            detail = self.log.read_text(errors="replace").strip()[-2000:]
+            raise RuntimeError(
+                f"the rendezvous store did not start within {timeout:g} s"
+                + (f": {detail}" if detail else "")
+            )
+        self.address = line.rsplit(" ", 1)[1]
+        return self.address
+
+    def set(self, key: str, value: str) -> bool:
+        """Set `key` in the store (through the server's stdin); False if it is gone."""
+        proc = self._proc
+        if proc is None or proc.stdin is None or proc.poll() is not None:
+            return False
+        try:
+            proc.stdin.write(f"set {key} {value}\n".encode())
+            proc.stdin.flush()
+        except (OSError, ValueError):
+            return False
+        return True
+
+    @property
+    def port(self) -> int:
+        assert self.address is not None
+        return int(self.address.rsplit(":", 1)[1])
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self, grace: float = 5.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()

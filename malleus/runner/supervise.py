@@ -1,0 +1,393 @@
+"""A local run across failures: the session's eyes on the trainer processes, tick by tick.
+
+Each tick of the session's supervisor loop calls `Supervisor.tick()`: a rank whose process ended
+badly (an exit code, a signal, exit 3: the job left it out) counts a failure under
+`spec.failurePolicy` (`failures.Supervision`): it is logged in the progress, the trainers are
+told through the store (`malleus/0//rec/dead/GPU`, so recovery need not wait out its join window),
+and its replacement (`--join`) starts after the backoff, or it stays out. Every few ticks
+`poll_status()` reads the coordinator's `/status` (through the `CoordinatorClient`, which
+follows the coordinator): a rank the trainers report hung (`out`) is killed (and then counts as
+a failure like any other), a new `last_recovery` is logged with the runner's own timing (the
+fault to the first step committed after it).
+
+The run fails only when no member of the job is left (every process that took part has ended,
+and the replacements that are waiting cannot be admitted by anyone) without training every
+step; the reason names every rank and why, and quotes the trainers' `no valid plan` line if
+they printed one. In restart mode a failure restarts every process from the latest checkpoint
+instead (what TorchElastic does; `bench/faults.py`'s baseline).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import queue
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import yaml
+
+from malleus.job.control import ControlError, RecoveryRecord
+
+from .failures import (
+    Failure,
+    FailureLog,
+    Recovery,
+    Replacement,
+    Supervision,
+    parse_trainer_event,
+    why_no_plan,
+)
+from .prepare import Prepared
+from .processes import TrainerProcesses, describe_exit
+from .record import RunRecord
+from .sinks import CoordinatorClient, checkpoint_bytes, latest_checkpoint_step
+
+__all__ = ["DEAD_KEY", "Supervisor"]
+
+DEAD_KEY = "malleus/0//rec/dead/"
+"""Where the runner tells the trainers that a GPU's process ended: trainer/launch.py DEAD_KEY
+(`rec/dead/`) under the job's `PrefixStore("malleus/<attempt>/")`, which joins prefix and key
+with one more "/" (hence the double slash: the raw key the trainers read)."""
+_STATUS_EVERY = 0.5
+
+
+def _proc_state(pid: int) -> str | None:
+    """The kernel's one-letter state of `pid` (`T` = stopped), None when unreadable."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[-1].split()[0] if ")" in text else None
+
+
+class Supervisor:
+    """Failures, replacements and recoveries of one run (see the module)."""
+
+    def __init__(
+        self,
+        prepared: Prepared,
+        procs: TrainerProcesses,
+        record: RunRecord,
+        client: CoordinatorClient,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.prepared = prepared
+        self.procs = procs
+        self.record = record
+        self.client = client
+        self.clock = clock
+        self.policy = prepared.job.spec.failure_policy
+        self.supervision = Supervision(self.policy)
+        self.log = FailureLog()
+        self.messages: queue.SimpleQueue[str] = queue.SimpleQueue()
+        """Lines for the progress, printed by the event loop (the readers are threads)."""
+        self.first_failure: str | None = None
+        """The first failure's full text (with its log's last lines), for the run's reason."""
+        self._handled: set[int] = set()
+        """Pids whose end (or hang) has been counted."""
+        self._stopped_since: dict[int, float] = {}
+        """Pid -> when the runner first saw it stopped (SIGSTOP: an emulated hang)."""
+        self._fates: dict[int, str] = {}
+        """Rank -> how its newest process ended."""
+        self._unmatched: list[tuple[RecoveryRecord, float]] = []
+        self._pending_restart: tuple[Failure, int, int] | None = None
+        self._last_status = 0.0
+        self.restarting = False
+        """Restart mode: every process is being restarted after a failure."""
+        self.hang_seconds = float(self.policy.hang_timeout_seconds or 30)
+        self._restart_for: Failure | None = None
+        """Restart mode: the failure every process is to be restarted for."""
+
+    # ---- clocks ------------------------------------------------------------------------------
+    def now(self) -> float:
+        """Seconds since the run started (the record's clock)."""
+        return self.clock() - self.record.started
+
+    @property
+    def live(self) -> bool:
+        return self.prepared.options.mode != "restart"
+
+    # ---- feeds (reader threads) --------------------------------------------------------------
+    def on_rank_line(self, rank: int, line: str) -> None:
+        event = parse_trainer_event(line)
+        if event is None:
+            return
+        kind, data = event
+        if kind == "joined":
+            got = self.log.joined(int(data["rank"]), int(data["step"]), self.now())
+            if got is not None:
+                self.messages.put(f"step {data['step']}: rank {data['rank']} rejoined the job")
+        elif kind == "recovered":
+            self.messages.put(line.strip().removeprefix("[malleus] "))
+
+    # ---- each tick (event loop) --------------------------------------------------------------
+    def tick(self) -> None:
+        """Count the processes that ended, watch for stopped ones, start due replacements."""
+        if self.procs.expect_exit or not self.procs.started:
+            return
+        now = self.now()
+        # In the order they ended: the first is the one to blame, the others may follow it.
+        for rank in sorted(range(self.prepared.world), key=self.procs.exited_at):
+            rp = self.procs.process(rank)
+            code = rp.code
+            if code is None:
+                if _proc_state(rp.proc.pid) != "T":
+                    self._stopped_since.pop(rp.proc.pid, None)
+                    continue
+                since = self._stopped_since.setdefault(rp.proc.pid, now)
+                if not self.live and now - since >= self.hang_seconds:
+                    # Restart mode: the trainers do not detect hangs; a process stopped for
+                    # the hang timeout counts as failed (what a torchrun watchdog would do).
+                    self.procs.kill(rank)
+                    self._failed(rank, "hung", now)
+                continue
+            if rp.proc.pid in self._handled or code == 0:
+                continue
+            self._failed(rank, describe_exit(code), now)
+        if not self.live or self.restarting or not self.members_alive():
+            return  # no job left to join: `gone()` ends the run
+        for rank in self.supervision.due(self.clock()):
+            if self.finishing():
+                continue
+            if self.procs.process(rank).code is None:  # a killed hung rank still ending
+                self.supervision.pending[rank] = self.clock() + 0.5
+                continue
+            new = self.procs.replace(rank)
+            attempt = self.supervision.failures.get(rank, 0)
+            self.log.add_replacement(Replacement(rank, attempt, self.now(), new.proc.pid))
+            self.messages.put(
+                f"step {self.record.steps_done()}: rank {rank}: started a replacement "
+                f"(pid {new.proc.pid}, restart {attempt} of {self.policy.max_restarts}), "
+                "joining at a step boundary"
+            )
+
+    def _failed(self, rank: int, why: str, now: float) -> None:
+        rp = self.procs.process(rank)
+        self._handled.add(rp.proc.pid)
+        if not self.live and self._restart_for is not None:
+            return  # restart mode: the others end after the first failure; one restart for all
+        self._fates[rank] = why
+        if self.first_failure is None:
+            self.first_failure = (
+                str(self.procs.exited(rank))
+                if rp.code is not None
+                else (f"trainer rank {rank} {why}; its log: {rp.log}")
+            )
+        fault_at = self._stopped_since.get(rp.proc.pid, now)
+        step = self.record.steps_done()
+        if self.live:
+            action = self.supervision.failed(rank, why, self.clock())
+        else:
+            action = "restart every process from the latest checkpoint"
+            self.supervision.failures[rank] = self.supervision.failures.get(rank, 0) + 1
+        self.log.add_failure(
+            Failure(rank, why, step, fault_at, self.supervision.failures[rank], action, str(rp.log))
+        )
+        if self.procs.store is not None:
+            self.procs.store.set(f"{DEAD_KEY}{rank}", "1")
+        if not self.live:
+            self._restart_for = self.log.failures[-1]
+        self.messages.put(f"step {step}: rank {rank} {why}: {action}")
+
+    def finishing(self) -> bool:
+        """Every step has been trained (what is left is the end of the run)."""
+        return self.record.steps_done() >= self.prepared.total_steps
+
+    # ---- the run's verdict -------------------------------------------------------------------
+    def members_alive(self) -> list[int]:
+        """Ranks whose process takes part in the job: an original one, or a replacement that
+        joined (one still waiting to be admitted cannot go on alone)."""
+        alive = []
+        for rank in self.procs.alive():
+            rp = self.procs.process(rank)
+            if rp.joins == 0 or self._joined(rank, rp.proc.pid):
+                alive.append(rank)
+        return alive
+
+    def _joined(self, rank: int, pid: int) -> bool:
+        return any(
+            r.rank == rank and r.pid == pid and r.joined_step is not None
+            for r in self.log.replacements
+        )
+
+    def gone(self) -> str | None:
+        """Why the run cannot go on, or None: no member is left and not every step trained."""
+        if not self.procs.started or self.procs.expect_exit or self.restarting:
+            return None
+        if self._restart_for is not None:  # restart mode: every process starts again
+            return None
+        if self.members_alive():
+            return None
+        codes = self.procs.codes()
+        if self.finishing() and any(c == 0 for c in codes):
+            return None  # every step trained: the session's end-of-run checks
+        if all(c == 0 for c in codes if c is not None) and not self.log.failures:
+            return None  # every rank ended cleanly: the session's own end-of-run check
+        tails = {r: self.procs.log_tail(r, 20) for r in range(self.prepared.world)}
+        verdict = why_no_plan(tails)
+        fates = []
+        for rank in range(self.prepared.world):
+            code = codes[rank]
+            fate = describe_exit(code) if code is not None else "waiting to join"
+            if rank in self.supervision.out:
+                fate += f" (left out: {self.supervision.out[rank]})"
+            fates.append(f"rank {rank} {fate}")
+        first = self.first_failure or "every trainer ended"
+        reason = f"{first}\nevery rank is gone after {self.record.steps_done()} steps: "
+        reason += "; ".join(fates)
+        if verdict is not None:
+            reason = f"no valid plan on the GPUs left ({verdict})\n{reason}"
+        return reason
+
+    # ---- /status (event loop, every _STATUS_EVERY s) -----------------------------------------
+    async def poll_status(self) -> None:
+        if self.clock() - self._last_status < _STATUS_EVERY or self.procs.expect_exit:
+            return
+        self._last_status = self.clock()
+        await self.client.follow()
+        try:
+            status = await self.client.status()
+        except ControlError:
+            return
+        seen = self.now()
+        for rank, why in sorted(status.out.items()):
+            if not 0 <= rank < self.prepared.world:
+                continue
+            rp = self.procs.process(rank)
+            if rp.code is not None or rp.proc.pid in self._handled:
+                continue
+            # A replacement still joining (or just joined: a /status older than its join) is
+            # not the process the trainers left out.
+            if rp.joins and not self._joined_before(rank, rp.proc.pid, seen - 2.0):
+                continue
+            self.procs.kill(rank)
+            self._failed(rank, f"hung ({why})" if why != "hung" else "hung", seen)
+        rec = status.last_recovery
+        if (
+            rec is not None
+            and not self.log.knows(rec.epoch)
+            and all(r.epoch != rec.epoch for r, _ in self._unmatched)
+        ):
+            self._unmatched.append((rec, seen))
+        self._match_recoveries()
+
+    def _joined_before(self, rank: int, pid: int, when: float) -> bool:
+        return any(
+            r.rank == rank and r.pid == pid and r.joined_time is not None and r.joined_time <= when
+            for r in self.log.replacements
+        )
+
+    def _match_recoveries(self) -> None:
+        """Recoveries whose first committed step the runner has seen, with its timing."""
+        left = []
+        for rec, seen in self._unmatched:
+            step = self.record.get(rec.step)
+            fault = self.log.fault_time([int(g) for g in rec.failed])
+            if step is None or step.time is None or fault is None or step.time < fault:
+                if self.finishing() or seen < self.now() - 60:
+                    got = self.log.add_record(rec, None, fault)
+                    if got is not None:
+                        self.messages.put(self._recovered_text(got))
+                else:
+                    left.append((rec, seen))
+                continue
+            got = self.log.add_record(rec, step.time, fault)
+            if got is not None:
+                self.messages.put(self._recovered_text(got))
+        self._unmatched = left
+
+    @staticmethod
+    def _recovered_text(r: Recovery) -> str:
+        failed = ", ".join(f"rank {k} ({v})" for k, v in sorted(r.failed.items()))
+        secs = r.seconds if r.seconds is not None else r.trainer_seconds
+        took = f" {secs:.2f} s after the fault" if secs is not None else ""
+        return (
+            f"step {r.step}: recovered from the failure of {failed}{took}: "
+            f"{r.steps_lost} steps lost, {r.bytes_restored / 1024:,.1f} KiB restored "
+            f"from {r.mode}, plan generation {r.generation}"
+        )
+
+    # ---- restart mode: every process from the latest checkpoint ------------------------------
+    def restart_needed(self) -> int | None:
+        """Restart mode: the rank whose failure calls for a restart of every process."""
+        if self.live or self.restarting or self.procs.expect_exit or self._restart_for is None:
+            return None
+        return self._restart_for.rank
+
+    async def restart_all(
+        self, plan: Path, sleep: Callable[[float], Awaitable[None]]
+    ) -> str | None:
+        """Stop every process, start them all again from the latest checkpoint under `plan`;
+        a reason when the rank has failed more often than maxRestarts allows."""
+        failure = self._restart_for
+        assert failure is not None
+        self._restart_for = None
+        if failure.attempt > self.policy.max_restarts:
+            return (
+                f"{self.first_failure}\nrank {failure.rank} failed {failure.attempt} times "
+                f"(spec.failurePolicy.maxRestarts = {self.policy.max_restarts})"
+            )
+        self.restarting = True
+        try:
+            self.procs.terminate(grace=5.0)
+            checkpoints = Path(self.prepared.workdir) / "checkpoints"
+            resume = latest_checkpoint_step(checkpoints) or 0
+            restored = checkpoint_bytes(checkpoints)
+            wait = float(self.policy.restart_backoff_seconds)
+            if wait:
+                await sleep(wait)
+            self._forget_faults(failure.step)
+            self.procs.start(plan, resume=True)
+            self._pending_restart = (failure, resume, restored)
+        finally:
+            self.restarting = False
+        return None
+
+    def _forget_faults(self, step: int) -> None:
+        """Relaunch with a copy of the job whose scheduled failures up to `step` are gone: a
+        restarted rank trains those steps again, and must not fail at them again."""
+        spec = self.procs.spec
+        try:
+            manifest = yaml.safe_load(Path(spec.job).read_text())
+            schedule = manifest["spec"]["emulation"]["schedule"]
+        except (OSError, yaml.YAMLError, KeyError, TypeError):
+            return
+        kept = [e for e in schedule if not ("fail" in e and int(e.get("step", 0)) <= step)]
+        if len(kept) == len(schedule):
+            return
+        manifest["spec"]["emulation"]["schedule"] = kept
+        path = Path(self.prepared.workdir) / f"job-launch-{self.procs.launches + 1}.yaml"
+        path.write_text(yaml.safe_dump(manifest, sort_keys=False))
+        self.procs.spec = dataclasses.replace(spec, job=str(path.resolve()))
+
+    def match_restart(self) -> None:
+        """The restart's first committed step: the recovery, timed from the fault."""
+        pending = self._pending_restart
+        if pending is None:
+            return
+        failure, resume, restored = pending
+        step = self.record.get(resume)
+        if step is None or step.time is None or step.time <= failure.time:
+            return
+        self._pending_restart = None
+        rec = Recovery(
+            failed={failure.rank: failure.why},
+            step=resume,
+            steps_lost=max(0, failure.step - resume),
+            bytes_restored=restored,
+            mode="restart",
+            seconds=step.time - failure.time,
+        )
+        self.log.add_recovery(rec)
+        self.messages.put(
+            f"step {resume}: restarted every process from the checkpoint of step {resume} "
+            f"{rec.seconds:.2f} s after the fault: {rec.steps_lost} steps lost, "
+            f"{restored / 1024:,.1f} KiB read back"
+        )
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.client.aclose()

@@ -1,0 +1,305 @@
+"""Worker pod failures as recovery, not the job's end: pure, so every rule is unit-tested.
+
+A worker pod that fails (phase Failed, a container terminated non-zero, deleted or evicted)
+does not fail the job: the trainers of the other pods recover without its GPUs (they re-form
+the process group through the job's store, `store`) and the operator replaces the pod under
+``spec.failurePolicy``:
+
+- the failure is recorded in ``status.failures`` (one `NodeFailure` per node: failures,
+  replacements, the last reason, its time, the failed pod's uid), with a ``PodFailed``
+  Warning event and the ``Degraded`` condition (True, naming the nodes and GPUs out and why);
+- a pod is counted once, by its uid, however often it is seen (watch events, a restarted
+  operator listing it again), so no failure is counted twice and none is lost;
+- ``restartBackoffSeconds`` later (doubled per failure of the same node, at most
+  `MAX_BACKOFF_SECONDS`), state ``Waiting``, the failed pod is deleted and a replacement of
+  the same name (its DNS name and TLS certificate stay valid) is created whose trainers
+  ``--join`` the running job (`due_replacements`, acted on by `replacement`);
+- a node that failed more than ``maxRestarts`` times stays ``Out``: not replaced, its GPUs
+  planned around (its last pod is kept for its logs);
+- the job fails only when no worker is left (every node ``Out``: reason ``NoWorkersLeft``) or
+  the trainers say no valid plan exists on the GPUs left (a rank exits `NO_PLAN_EXIT`:
+  reason ``NoValidPlan``).
+
+Deterministic pod names make a restarted operator safe: a node ``Waiting`` whose replacement
+already exists (created just before a crash, status not yet written) is marked ``Replaced``
+without a second create (`reconcile_replaced`), and creating an existing name never duplicates.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from malleus.job import Condition, FailurePolicy
+from malleus.job.status import GpuOut, NodeFailure
+
+from .status import condition
+
+__all__ = [
+    "DEGRADED",
+    "LEFT_OUT_EXIT",
+    "MAX_BACKOFF_SECONDS",
+    "NO_PLAN_EXIT",
+    "NO_VALID_PLAN",
+    "NO_WORKERS_LEFT",
+    "REPLACE_POLL_SECONDS",
+    "PodFailure",
+    "backoff_seconds",
+    "degraded_condition",
+    "due_replacements",
+    "gpus_out",
+    "live_nodes",
+    "pod_failure",
+    "reconcile_replaced",
+    "record_failures",
+    "replaced",
+    "stored_out",
+    "terminal_reason",
+]
+
+DEGRADED = "Degraded"
+"""Condition type: True while some node or GPU is out of the job."""
+NO_VALID_PLAN = "NoValidPlan"
+NO_WORKERS_LEFT = "NoWorkersLeft"
+MAX_BACKOFF_SECONDS = 300
+REPLACE_POLL_SECONDS = 2.0
+"""How often the operator looks for failed workers whose backoff is over."""
+LEFT_OUT_EXIT = 3
+"""A trainer's exit code when the job went on without it (``malleus.trainer``: left out)."""
+NO_PLAN_EXIT = 4
+"""A trainer's exit code when no valid plan exists on the GPUs left: the job cannot go on."""
+
+
+@dataclass(frozen=True)
+class PodFailure:
+    """One failed worker pod, as seen now."""
+
+    node: int
+    pod: str
+    uid: str | None
+    reason: str
+    message: str
+    exit_code: int | None = None
+
+
+def _node_of(name: str, job: str) -> int | None:
+    prefix = f"{job}-node-"
+    tail = name[len(prefix) :] if name.startswith(prefix) else ""
+    return int(tail) if tail.isdigit() else None
+
+
+def pod_failure(pod: Mapping[str, Any], job: str, *, deleted: bool = False) -> PodFailure | None:
+    """The failure of a worker pod, or None when it has not failed.
+
+    Failed: phase ``Failed`` (evicted, node lost), any container terminated with a non-zero
+    code (one dead rank takes its pod down under ``--max-restarts=0``), or the pod deleted (or
+    being deleted) under a live job.
+    """
+    meta = pod.get("metadata") or {}
+    name = str(meta.get("name") or "")
+    node = _node_of(name, job)
+    if node is None:
+        return None
+    uid = meta.get("uid") or None
+    st = pod.get("status") or {}
+    for cs in st.get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated")
+        if term and int(term.get("exitCode", 0)) != 0:
+            code = int(term["exitCode"])
+            why = "LeftOut" if code == LEFT_OUT_EXIT else str(term.get("reason") or "Error")
+            if code == NO_PLAN_EXIT:
+                why = NO_VALID_PLAN
+            text = f"container {cs.get('name')} exited with code {code} ({why})"
+            if term.get("message"):
+                text += f": {term['message']}"
+            return PodFailure(node, name, uid, why, text, code)
+    if st.get("phase") == "Failed":
+        why = str(st.get("reason") or "Failed")
+        text = f"pod failed ({why})" + (f": {st['message']}" if st.get("message") else "")
+        return PodFailure(node, name, uid, why, text)
+    if deleted or meta.get("deletionTimestamp"):
+        return PodFailure(node, name, uid, "Deleted", "pod was deleted")
+    return None
+
+
+def backoff_seconds(policy: FailurePolicy, failures: int) -> int:
+    """``restartBackoffSeconds`` doubled per earlier failure of the node, at most 300 s."""
+    base = policy.restart_backoff_seconds
+    return min(MAX_BACKOFF_SECONDS, base * 2 ** max(0, failures - 1))
+
+
+def _records(stored: Iterable[Mapping[str, Any] | NodeFailure] | None) -> list[NodeFailure]:
+    out: list[NodeFailure] = []
+    for r in stored or []:
+        try:
+            out.append(r if isinstance(r, NodeFailure) else NodeFailure.model_validate(r))
+        except ValueError:
+            continue
+    return out
+
+
+def record_failures(
+    stored: Iterable[Mapping[str, Any] | NodeFailure] | None,
+    seen: Sequence[PodFailure],
+    policy: FailurePolicy,
+    at: dt.datetime,
+) -> tuple[list[NodeFailure], list[NodeFailure]]:
+    """(every node's record, the records that changed) after the failures ``seen`` now.
+
+    A pod already recorded (same uid) is not counted again; a pod seen missing (no uid) counts
+    only when its node was not already waiting for, or done with, its replacement.
+    """
+    records = {r.node: r for r in _records(stored)}
+    changed: dict[int, NodeFailure] = {}
+    for f in seen:
+        old = records.get(f.node)
+        if old is not None:
+            if f.uid is not None and f.uid == old.pod_uid:
+                continue  # this pod's failure is counted already
+            if old.state in ("Waiting", "Out") and (f.uid is None or f.reason == "Deleted"):
+                continue  # the failed pod going away (deleted for its replacement, or by hand)
+        count = (old.failures if old else 0) + 1
+        restarts = old.restarts if old else 0
+        out = count > policy.max_restarts or f.reason == NO_VALID_PLAN
+        wait = backoff_seconds(policy, count)
+        new = NodeFailure(
+            node=f.node,
+            pod=f.pod,
+            failures=count,
+            restarts=restarts,
+            state="Out" if out else "Waiting",
+            reason=f.reason,
+            message=f.message[:4096],
+            time=at,
+            pod_uid=f.uid,
+            replace_at=None if out else at + dt.timedelta(seconds=wait),
+        )
+        records[f.node] = changed[f.node] = new
+    return sorted(records.values(), key=lambda r: r.node), sorted(
+        changed.values(), key=lambda r: r.node
+    )
+
+
+def stored_out(job_status: Mapping[str, Any]) -> list[GpuOut]:
+    """The stored ``gpusOut`` (the trainers' entries are kept when the pods' view changes)."""
+    out = []
+    for o in job_status.get("gpusOut") or []:
+        try:
+            out.append(GpuOut.model_validate(o))
+        except ValueError:
+            continue
+    return out
+
+
+def live_nodes(records: Iterable[NodeFailure], nodes: int) -> list[int]:
+    """Nodes whose current pod is expected to run: neither waiting for a replacement nor out."""
+    down = {r.node for r in records if r.state in ("Waiting", "Out")}
+    return [i for i in range(nodes) if i not in down]
+
+
+def due_replacements(records: Iterable[NodeFailure], at: dt.datetime) -> list[NodeFailure]:
+    """The ``Waiting`` records whose backoff is over at ``at``, lowest node first."""
+    return [
+        r
+        for r in sorted(records, key=lambda r: r.node)
+        if r.state == "Waiting" and (r.replace_at is None or r.replace_at <= at)
+    ]
+
+
+def replaced(record: NodeFailure) -> NodeFailure:
+    """``record`` once its replacement pod exists: one more restart, state ``Replaced``."""
+    return record.model_copy(
+        update={"state": "Replaced", "restarts": record.restarts + 1, "replace_at": None}
+    )
+
+
+def reconcile_replaced(
+    records: Iterable[NodeFailure], pods: Mapping[str, Mapping[str, Any]]
+) -> list[NodeFailure]:
+    """``Waiting`` records whose node already has a pod other than the failed one, not failed
+    itself (a replacement created just before an operator restart): now ``Replaced``."""
+    fixed: list[NodeFailure] = []
+    for r in records:
+        pod = pods.get(r.pod)
+        if r.state != "Waiting" or pod is None:
+            continue
+        uid = (pod.get("metadata") or {}).get("uid")
+        if uid and uid != r.pod_uid and pod_failure(pod, r.pod.rsplit("-node-", 1)[0]) is None:
+            fixed.append(replaced(r))
+    return fixed
+
+
+def terminal_reason(records: Iterable[NodeFailure], nodes: int) -> tuple[str, str] | None:
+    """(reason, message) when the job cannot go on, else None."""
+    records = list(records)
+    no_plan = [r for r in records if r.reason == NO_VALID_PLAN]
+    if no_plan:
+        return NO_VALID_PLAN, (
+            f"no valid plan exists on the GPUs left ({no_plan[0].pod}: {no_plan[0].message})"
+        )
+    out = sorted(r.node for r in records if r.state == "Out")
+    if nodes and len(out) >= nodes:
+        return NO_WORKERS_LEFT, (
+            f"every worker pod failed past spec.failurePolicy.maxRestarts (nodes {out})"
+        )
+    return None
+
+
+def gpus_out(
+    records: Iterable[NodeFailure],
+    trainers: Mapping[int, str] | Iterable[GpuOut] | None,
+    gpus_per_node: int,
+) -> list[GpuOut]:
+    """The GPUs out of the job and why: the trainers' word (``/status`` ``out``) for each GPU
+    they name, and every GPU of a node waiting for its replacement or out for good."""
+    result: dict[int, GpuOut] = {}
+    if isinstance(trainers, Mapping):
+        items = [(int(g), str(w)) for g, w in trainers.items()]
+    else:
+        items = [(o.gpu, o.reason) for o in trainers or [] if o.source == "trainers"]
+    for gpu, why in items:
+        result[gpu] = GpuOut(gpu=gpu, node=gpu // gpus_per_node, reason=why, source="trainers")
+    for r in records:
+        if r.state not in ("Waiting", "Out"):
+            continue
+        why = f"pod {r.pod} {r.reason}" + (
+            " (past spec.failurePolicy.maxRestarts)" if r.state == "Out" else ""
+        )
+        for g in range(r.node * gpus_per_node, (r.node + 1) * gpus_per_node):
+            result.setdefault(g, GpuOut(gpu=g, node=r.node, reason=why, source="pod"))
+    return [result[g] for g in sorted(result)]
+
+
+def _describe(r: NodeFailure) -> str:
+    text = f"node {r.node} ({r.pod}): {r.reason}, failure {r.failures}"
+    if r.state == "Waiting" and r.replace_at is not None:
+        text += f", replacement due {r.replace_at.strftime('%H:%M:%SZ')}"
+    elif r.state == "Out":
+        text += ", out for good (past maxRestarts)"
+    return text
+
+
+def degraded_condition(
+    records: Iterable[NodeFailure],
+    out: Sequence[GpuOut],
+    generation: int,
+    at: dt.datetime,
+) -> Condition:
+    """``Degraded``: True while a node waits for its replacement or is out, or the trainers
+    leave GPUs out; False (``AllGpusIn``) when nothing is out."""
+    down = [r for r in records if r.state in ("Waiting", "Out")]
+    if not down and not out:
+        return condition(DEGRADED, False, "AllGpusIn", "every GPU is in the job", generation, at)
+    reason = "PodFailed" if any(r.state == "Waiting" for r in down) else "GpusOut"
+    if down and all(r.state == "Out" for r in down):
+        reason = "NodesOut"
+    parts = [_describe(r) for r in down]
+    trainers = [o for o in out if o.source == "trainers"]
+    if trainers:
+        shown = ", ".join(f"{o.gpu} ({o.reason})" for o in trainers[:16])
+        parts.append(f"trainers leave GPUs out: {shown}" + (", ..." if len(trainers) > 16 else ""))
+    gpus = sorted({o.gpu for o in out})
+    head = f"{len(gpus)} GPU(s) out" if gpus else "GPUs out"
+    return condition(DEGRADED, True, reason, f"{head}; " + "; ".join(parts), generation, at)

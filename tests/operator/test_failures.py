@@ -1,0 +1,437 @@
+"""Worker pod failures as recovery: the pure rules (`failures`), the store's builders (`store`),
+and the replacement of failed pods against kmock (`children.replace_failed`), including an
+operator restarted mid-recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from typing import Any
+
+import kopf
+import pytest
+
+from malleus.job import FailurePolicy
+from malleus.job.status import GpuOut, NodeFailure
+from malleus.operator import children, failures, handlers, jobs, resources, store, workers
+from malleus.operator.context import Context
+from tests.operator.kube import Kube
+
+T0 = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
+REF = resources.JobRef(namespace="ml", name="demo", uid="uid-1234", generation=1)
+POLICY = FailurePolicy(max_restarts=2, restart_backoff_seconds=10)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def failed_pod(node: int, uid: str, code: int = 137, reason: str = "Error") -> dict[str, Any]:
+    term = {"exitCode": code, "reason": reason}
+    return {
+        "metadata": {"name": f"demo-node-{node}", "uid": uid},
+        "status": {
+            "phase": "Failed",
+            "containerStatuses": [{"name": "trainer", "state": {"terminated": term}}],
+        },
+    }
+
+
+# ---- the pure rules -------------------------------------------------------------------------
+
+
+def test_pod_failure_classifies_exit_codes_evictions_and_deletions() -> None:
+    f = failures.pod_failure(failed_pod(1, "u1"), "demo")
+    assert f is not None and (f.node, f.uid, f.reason, f.exit_code) == (1, "u1", "Error", 137)
+    left = failures.pod_failure(failed_pod(1, "u1", code=failures.LEFT_OUT_EXIT), "demo")
+    assert left is not None and left.reason == "LeftOut"
+    no_plan = failures.pod_failure(failed_pod(0, "u0", code=failures.NO_PLAN_EXIT), "demo")
+    assert no_plan is not None and no_plan.reason == failures.NO_VALID_PLAN
+    evicted = {
+        "metadata": {"name": "demo-node-2"},
+        "status": {"phase": "Failed", "reason": "Evicted"},
+    }
+    assert failures.pod_failure(evicted, "demo").reason == "Evicted"  # type: ignore[union-attr]
+    running = {"metadata": {"name": "demo-node-2"}, "status": {"phase": "Running"}}
+    assert failures.pod_failure(running, "demo") is None
+    gone = failures.pod_failure(running, "demo", deleted=True)
+    assert gone is not None and gone.reason == "Deleted"
+    assert (
+        failures.pod_failure(failed_pod(0, "x") | {"metadata": {"name": "demo-store"}}, "demo")
+        is None
+    )
+
+
+def test_backoff_doubles_per_failure_and_is_capped() -> None:
+    assert [failures.backoff_seconds(POLICY, n) for n in (1, 2, 3)] == [10, 20, 40]
+    assert failures.backoff_seconds(FailurePolicy(restart_backoff_seconds=100), 5) == 300
+    assert failures.backoff_seconds(FailurePolicy(restart_backoff_seconds=0), 3) == 0
+
+
+def test_a_pod_is_counted_once_and_a_node_past_max_restarts_stays_out() -> None:
+    seen = [failures.pod_failure(failed_pod(1, "u1"), "demo")]
+    records, changed = failures.record_failures(None, seen, POLICY, T0)  # type: ignore[arg-type]
+    assert [(r.node, r.failures, r.state) for r in records] == [(1, 1, "Waiting")]
+    assert records[0].replace_at == T0 + dt.timedelta(seconds=10)
+    # the same pod again (a later watch event, a restarted operator): nothing new
+    again, changed = failures.record_failures(records, seen, POLICY, T0)  # type: ignore[arg-type]
+    assert changed == [] and again == records
+    # its deletion for the replacement is not a failure either
+    deleted = failures.pod_failure(failed_pod(1, "u1"), "demo", deleted=True)
+    _, changed = failures.record_failures(records, [deleted], POLICY, T0)  # type: ignore[list-item]
+    assert changed == []
+    # replacements fail too: the third failure (maxRestarts 2) leaves the node out
+    for n, uid in ((2, "u2"), (3, "u3")):
+        records = [failures.replaced(r) for r in records]
+        seen = [failures.pod_failure(failed_pod(1, uid), "demo")]
+        records, changed = failures.record_failures(records, seen, POLICY, T0)  # type: ignore[arg-type]
+        assert changed[0].failures == n
+    assert (records[0].state, records[0].restarts, records[0].replace_at) == ("Out", 2, None)
+    assert failures.terminal_reason(records, 2) is None  # node 0 goes on
+    assert failures.terminal_reason(records, 1) == (
+        failures.NO_WORKERS_LEFT,
+        "every worker pod failed past spec.failurePolicy.maxRestarts (nodes [1])",
+    )
+
+
+def test_no_valid_plan_ends_the_job() -> None:
+    seen = [failures.pod_failure(failed_pod(0, "u0", code=failures.NO_PLAN_EXIT), "demo")]
+    records, _ = failures.record_failures(None, seen, POLICY, T0)  # type: ignore[arg-type]
+    assert records[0].state == "Out"
+    reason, message = failures.terminal_reason(records, 4)  # type: ignore[misc]
+    assert reason == "NoValidPlan" and "no valid plan exists on the GPUs left" in message
+
+
+def test_due_replacements_wait_for_the_backoff() -> None:
+    seen = [failures.pod_failure(failed_pod(n, f"u{n}"), "demo") for n in (2, 0)]
+    records, _ = failures.record_failures(None, seen, POLICY, T0)  # type: ignore[arg-type]
+    assert failures.due_replacements(records, T0 + dt.timedelta(seconds=9)) == []
+    due = failures.due_replacements(records, T0 + dt.timedelta(seconds=10))
+    assert [r.node for r in due] == [0, 2]
+    assert failures.live_nodes(records, 3) == [1]
+
+
+def test_gpus_out_and_the_degraded_condition() -> None:
+    seen = [failures.pod_failure(failed_pod(1, "u1"), "demo")]
+    records, _ = failures.record_failures(None, seen, POLICY, T0)  # type: ignore[arg-type]
+    out = failures.gpus_out(records, {5: "killed", 0: "hung"}, 4)
+    assert [(o.gpu, o.source) for o in out] == [
+        (0, "trainers"),
+        (4, "pod"),
+        (5, "trainers"),
+        (6, "pod"),
+        (7, "pod"),
+    ]
+    cond = failures.degraded_condition(records, out, 1, T0)
+    assert (cond.type, cond.status, cond.reason) == ("Degraded", "True", "PodFailed")
+    assert "5 GPU(s) out" in cond.message and "node 1 (demo-node-1): Error" in cond.message
+    assert "0 (hung)" in cond.message and "replacement due 12:00:10Z" in cond.message
+    trainers_only = failures.degraded_condition([], [GpuOut(gpu=3, reason="hung")], 1, T0)
+    assert trainers_only.reason == "GpusOut"
+    ok = failures.degraded_condition([failures.replaced(records[0])], [], 1, T0)
+    assert (ok.status, ok.reason) == ("False", "AllGpusIn")
+
+
+def test_a_replacement_made_before_a_restart_is_recognised() -> None:
+    seen = [failures.pod_failure(failed_pod(1, "u1"), "demo")]
+    records, _ = failures.record_failures(None, seen, POLICY, T0)  # type: ignore[arg-type]
+    new_pod = {"metadata": {"name": "demo-node-1", "uid": "u1b"}, "status": {"phase": "Pending"}}
+    (fixed,) = failures.reconcile_replaced(records, {"demo-node-1": new_pod})
+    assert (fixed.state, fixed.restarts) == ("Replaced", 1)
+    # the failed pod itself is no replacement
+    assert failures.reconcile_replaced(records, {"demo-node-1": failed_pod(1, "u1")}) == []
+
+
+# ---- builders -------------------------------------------------------------------------------
+
+
+def test_the_store_pod_and_service(make_job: Any) -> None:
+    job = jobs.resolve(make_job(image="registry.example/malleus:1"))
+    pod = store.build_store_pod(job, REF)
+    assert pod["metadata"]["name"] == "demo-store"
+    assert pod["metadata"]["ownerReferences"] == [resources.owner_reference(REF)]
+    labels = pod["metadata"]["labels"]
+    assert labels[resources.JOB_LABEL] == "demo"  # the job's NetworkPolicy selects it
+    assert labels["app.kubernetes.io/component"] == "store"  # the workers' selectors do not
+    spec = pod["spec"]
+    (container,) = spec["containers"]
+    assert container["image"] == "registry.example/malleus:1"
+    assert container["command"] == [
+        *("python", "-m", "malleus.trainer", "store"),
+        *("--host", "0.0.0.0", "--port", "29400"),
+    ]
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["automountServiceAccountToken"] is False
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert "nvidia.com/gpu" not in container["resources"]["limits"]
+    svc = store.build_store_service(REF)
+    assert svc["spec"]["selector"] == {
+        resources.JOB_LABEL: "demo",
+        "app.kubernetes.io/component": "store",
+    }
+    assert svc["spec"]["ports"][0]["port"] == store.STORE_PORT
+    assert store.store_address(REF) == "demo-store.ml.svc:29400"
+
+
+def test_a_replacement_pod_joins_and_keeps_its_predecessors_name(make_job: Any) -> None:
+    job = jobs.resolve(make_job(failurePolicy={"gracePeriodSeconds": 120}))
+    first = workers.build_pod(job, REF, 1)
+    second = workers.build_pod(job, REF, 1, join=True, restart=1)
+    assert first["metadata"]["name"] == second["metadata"]["name"] == "demo-node-1"
+    assert "--join" not in first["spec"]["containers"][0]["command"]
+    assert second["spec"]["containers"][0]["command"][-1] == "--join"
+    assert not any(a.startswith("--plan") for a in second["spec"]["containers"][0]["command"])
+    assert second["metadata"]["annotations"][resources.RESTART_ANNOTATION] == "1"
+    assert resources.RESTART_ANNOTATION not in first["metadata"]["annotations"]
+    assert second["spec"]["terminationGracePeriodSeconds"] == 120
+    # anti-affinity keeps workers apart from each other, not from the store
+    term = first["spec"]["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ][0]
+    assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "worker"
+
+
+# ---- replacement against kmock --------------------------------------------------------------
+
+
+def _create(kube: Kube, memo: kopf.Memo, body: dict[str, Any]) -> None:
+    kube.add_job(body)
+    patch = kopf.Patch()
+    run(handlers.on_create(body=body, patch=patch, memo=memo))
+    kube.merge_status("ml", "demo", patch["status"])
+    for name in ("demo-node-0", "demo-node-1"):
+        kube.set_pod_phase("ml", name, "Running")
+    run(handlers.sync_pods(Context.of(memo), "ml", "demo"))
+    assert kube.job("ml", "demo")["status"]["phase"] == "Running"
+
+
+def _fail(kube: Kube, memo: kopf.Memo, node: int, code: int = 137) -> None:
+    pod = kube.get("Pod", "ml", f"demo-node-{node}")
+    assert pod is not None
+    term = {"exitCode": code, "reason": "Error"}
+    kube.set_pod_phase(
+        "ml",
+        f"demo-node-{node}",
+        "Failed",
+        containerStatuses=[{"name": "trainer", "state": {"terminated": term}}],
+    )
+    body = kube.get("Pod", "ml", f"demo-node-{node}")
+    run(
+        handlers.on_pod_event(
+            event={"type": "MODIFIED"},
+            body=body,
+            namespace="ml",
+            labels=body["metadata"]["labels"],
+            memo=memo,  # type: ignore[index]
+        )
+    )
+
+
+def _uid(kube: Kube, name: str) -> str:
+    pod = kube.get("Pod", "ml", name)
+    assert pod is not None
+    return str(pod["metadata"].get("uid") or "")
+
+
+def _set_uid(kube: Kube, name: str, uid: str) -> None:
+    pod = kube.get("Pod", "ml", name)
+    assert pod is not None
+    pod["metadata"]["uid"] = uid
+    kube.put("Pod", pod)
+
+
+def test_a_failed_pod_is_replaced_after_its_backoff_and_joins(
+    kube: Kube, memo: kopf.Memo, ctx: Context, make_job: Any
+) -> None:
+    _create(kube, memo, make_job(failurePolicy={"maxRestarts": 1, "restartBackoffSeconds": 5}))
+    _set_uid(kube, "demo-node-1", "pod-a")
+    _fail(kube, memo, 1)
+    st = kube.job("ml", "demo")["status"]
+    (record,) = st["failures"]
+    assert (record["state"], record["podUid"]) == ("Waiting", "pod-a")
+    due = dt.datetime.fromisoformat(record["replaceAt"])
+    # not before the backoff
+    assert (
+        run(children.replace_failed(ctx, kube.job("ml", "demo"), due - dt.timedelta(seconds=1)))
+        == []
+    )
+    assert _uid(kube, "demo-node-1") == "pod-a"
+    # then: the failed pod is deleted and its replacement created (kmock deletes at once)
+    created = run(children.replace_failed(ctx, kube.job("ml", "demo"), due))
+    assert created == []  # the deletion first
+    assert kube.get("Pod", "ml", "demo-node-1") is None
+    created = run(children.replace_failed(ctx, kube.job("ml", "demo"), due))
+    assert created == ["demo-node-1"]
+    pod = kube.get("Pod", "ml", "demo-node-1")
+    assert pod is not None and pod["spec"]["containers"][0]["command"][-1] == "--join"
+    st = kube.job("ml", "demo")["status"]
+    assert st["phase"] == "Running"
+    assert (st["failures"][0]["state"], st["failures"][0]["restarts"]) == ("Replaced", 1)
+    assert "PodReplaced" in kube.reasons()
+    # the replacement fails too: maxRestarts 1, so node 1 stays out and node 0 goes on
+    _set_uid(kube, "demo-node-1", "pod-b")
+    _fail(kube, memo, 1)
+    st = kube.job("ml", "demo")["status"]
+    assert (st["failures"][0]["state"], st["failures"][0]["failures"]) == ("Out", 2)
+    assert st["phase"] == "Running"
+    degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "NodesOut"
+    assert (
+        run(children.replace_failed(ctx, kube.job("ml", "demo"), due + dt.timedelta(hours=1))) == []
+    )
+    # node 0 completes: the job succeeds on the GPUs left
+    kube.set_pod_phase("ml", "demo-node-0", "Succeeded")
+    run(handlers.sync_pods(ctx, "ml", "demo"))
+    assert kube.job("ml", "demo")["status"]["phase"] == "Succeeded"
+
+
+def test_the_last_worker_out_fails_the_job(kube: Kube, memo: kopf.Memo, make_job: Any) -> None:
+    _create(kube, memo, make_job(failurePolicy={"maxRestarts": 0}))
+    _set_uid(kube, "demo-node-0", "pod-0")
+    _set_uid(kube, "demo-node-1", "pod-1")
+    _fail(kube, memo, 1)
+    assert kube.job("ml", "demo")["status"]["phase"] == "Running"
+    _fail(kube, memo, 0)
+    st = kube.job("ml", "demo")["status"]
+    assert st["phase"] == "Failed"
+    failed = next(c for c in st["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "NoWorkersLeft"
+    assert "NoWorkersLeft" in kube.reasons()
+
+
+def test_no_valid_plan_fails_the_job_with_a_condition_that_says_so(
+    kube: Kube, memo: kopf.Memo, make_job: Any
+) -> None:
+    _create(kube, memo, make_job())
+    _set_uid(kube, "demo-node-0", "pod-0")
+    _fail(kube, memo, 0, code=failures.NO_PLAN_EXIT)
+    st = kube.job("ml", "demo")["status"]
+    assert st["phase"] == "Failed"
+    failed = next(c for c in st["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "NoValidPlan"
+
+
+def test_an_operator_restarted_mid_replacement_creates_no_duplicate(
+    kube: Kube, memo: kopf.Memo, ctx: Context, make_job: Any
+) -> None:
+    _create(kube, memo, make_job(failurePolicy={"restartBackoffSeconds": 0}))
+    _set_uid(kube, "demo-node-1", "pod-a")
+    _fail(kube, memo, 1)
+    body = kube.job("ml", "demo")
+    waiting = kube.job("ml", "demo")["status"]
+    # the operator created the replacement and died before writing the status
+    kube.remove("Pod", "ml", "demo-node-1")
+    job = jobs.resolve(body)
+    run(ctx.cluster.create(workers.build_pod(job, REF, 1, join=True, restart=1)))
+    _set_uid(kube, "demo-node-1", "pod-b")
+    assert kube.job("ml", "demo")["status"] == waiting
+    creates = kube.requests("create", "Pod")
+    # the restarted operator: resume, then the timer
+    run(handlers.on_resume(body=kube.job("ml", "demo"), patch=kopf.Patch(), memo=memo))
+    run(children.replace_failed(ctx, kube.job("ml", "demo"), T0 + dt.timedelta(days=3650)))
+    assert kube.requests("create", "Pod") == creates
+    assert len([p for p in kube.of_kind("Pod") if "node" in p["metadata"]["name"]]) == 2
+    record = kube.job("ml", "demo")["status"]["failures"][0]
+    assert (record["state"], record["restarts"], record["failures"]) == ("Replaced", 1, 1)
+
+
+def test_a_pod_event_racing_the_replacer_counts_one_restart(
+    kube: Kube, memo: kopf.Memo, ctx: Context, make_job: Any
+) -> None:
+    _create(kube, memo, make_job(failurePolicy={"restartBackoffSeconds": 0}))
+    _set_uid(kube, "demo-node-1", "pod-a")
+    _fail(kube, memo, 1)
+    later = T0 + dt.timedelta(days=3650)
+    run(children.replace_failed(ctx, kube.job("ml", "demo"), later))  # deletes the failed pod
+    run(children.replace_failed(ctx, kube.job("ml", "demo"), later))  # creates the replacement
+    _set_uid(kube, "demo-node-1", "pod-b")
+    body = kube.get("Pod", "ml", "demo-node-1")
+    run(
+        handlers.on_pod_event(
+            event={"type": "ADDED"},
+            body=body,
+            namespace="ml",
+            labels=body["metadata"]["labels"],
+            memo=memo,  # type: ignore[index]
+        )
+    )
+    record = kube.job("ml", "demo")["status"]["failures"][0]
+    assert (record["state"], record["restarts"]) == ("Replaced", 1)
+
+
+@pytest.mark.parametrize("state", ["Waiting", "Out"])
+def test_the_timer_runs_only_while_a_replacement_waits(state: str) -> None:
+    status = {"failures": [{"state": state}]}
+    assert handlers._replacing(status=status) is (state == "Waiting")
+    assert not handlers._replacing(status={})
+
+
+def test_node_failure_model_round_trips() -> None:
+    r = NodeFailure(node=1, pod="p", failures=1, state="Waiting", reason="Error", time=T0)
+    assert NodeFailure.model_validate(r.model_dump(by_alias=True)) == r
+
+
+def test_a_replacement_still_pending_when_the_others_completed_does_not_hold_the_job() -> None:
+    from malleus.operator import lifecycle
+
+    records, _ = failures.record_failures(
+        None, [failures.pod_failure(failed_pod(1, "u1"), "demo")], POLICY, T0
+    )  # type: ignore[list-item]
+    stored = {
+        "phase": "Running",
+        "failures": [failures.replaced(records[0]).model_dump(mode="json", by_alias=True)],
+    }
+    pods = [
+        {"metadata": {"name": "demo-node-0", "uid": "u0"}, "status": {"phase": "Succeeded"}},
+        {"metadata": {"name": "demo-node-1", "uid": "u1b"}, "status": {"phase": "Pending"}},
+    ]
+    t = lifecycle.pods_transition(stored, pods, ["demo-node-0", "demo-node-1"], 1, T0)
+    assert t.status is not None and t.status.phase == "Succeeded"
+    pods[1]["status"]["phase"] = "Running"  # a running one finishes with the others
+    assert not lifecycle.pods_transition(stored, pods, ["demo-node-0", "demo-node-1"], 1, T0)
+
+
+def test_a_pod_failed_before_the_job_ran_is_replaced_like_a_first_pod(
+    kube: Kube, memo: kopf.Memo, ctx: Context, make_job: Any
+) -> None:
+    body = make_job(failurePolicy={"restartBackoffSeconds": 0})
+    kube.add_job(body)
+    patch = kopf.Patch()
+    run(handlers.on_create(body=body, patch=patch, memo=memo))
+    kube.merge_status("ml", "demo", patch["status"])  # Pending: no process group formed yet
+    _set_uid(kube, "demo-node-1", "pod-a")
+    _fail(kube, memo, 1)
+    assert kube.job("ml", "demo")["status"]["failures"][0]["state"] == "Waiting"
+    later = T0 + dt.timedelta(days=3650)
+    run(children.replace_failed(ctx, kube.job("ml", "demo"), later))
+    assert run(children.replace_failed(ctx, kube.job("ml", "demo"), later)) == ["demo-node-1"]
+    pod = kube.get("Pod", "ml", "demo-node-1")
+    assert pod is not None
+    command = pod["spec"]["containers"][0]["command"]
+    assert "--join" not in command and "--plan=/etc/malleus/plan.json" in command
+
+
+def test_a_pods_ranks_take_their_global_identity_from_the_node_index() -> None:
+    """What `workers.torchrun_command` relies on: torchrun launches one pod's ranks
+    (``--nnodes=1``); with the job's store, node index and local rank make the global rank."""
+    launch = pytest.importorskip("malleus.trainer.launch")
+    env = {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "MALLEUS_STORE": "demo-store.ml.svc:29400",
+        "MALLEUS_NODE_RANK": "1",
+        "MALLEUS_NODES": "2",
+        "MALLEUS_GPUS_PER_NODE": "2",
+    }
+    dist_env = launch.DistEnv.from_env(env)
+    assert (dist_env.rank, dist_env.world_size, dist_env.local_rank) == (3, 4, 1)
+    del env["MALLEUS_STORE"]  # torchrun's own numbering without the job's store
+    assert launch.DistEnv.from_env(env).rank == 1

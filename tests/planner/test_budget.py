@@ -1,0 +1,166 @@
+"""The planning budget is a deadline every phase honours (issue 13): asserted on counted work.
+
+The clock here is the planner's own work: every pipeline solve and layout score advances it, so
+"how much work happened after the deadline" is a count, not a timing, and a busy machine cannot
+make these tests flaky.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import pytest
+
+from malleus.planner import PlanningProblem, default_budget, evaluate, plan, validate_plan
+from malleus.planner import search as search_mod
+from malleus.planner.deadline import Deadline
+from malleus.planner.evaluate import Evaluator
+
+MEM_70B = {
+    "capacity_mb": 77156,
+    "layer_mb": 1470,
+    "activation_mb": 178,
+    "embedding_mb": 600,
+    "fixed_mb": 4700,
+}
+
+
+def spread(world: int, share: float, seed: int = 0) -> PlanningProblem:
+    """The 70B setting at `world` GPUs with `share` of them straggling at 1.2-3x."""
+    rng = random.Random(seed)
+    n = max(1, round(world * share))
+    rates = {r: round(rng.uniform(1.2, 3.0), 2) for r in rng.sample(range(world), n)}
+    return PlanningProblem.load(
+        {
+            "nodes": world // 8,
+            "gpus_per_node": 8,
+            "model": {"layers": 80, "tp": 8, "alpha": [1.0, 1.9, 3.66, 7.22]},
+            "micro_batches": world,
+            "memory": MEM_70B,
+            "rates": rates,
+        }
+    )
+
+
+class WorkClock:
+    """A clock that ticks once per pipeline solved (stage order, layer split) and per layout
+    scored: the planner's real units of work, patched into the evaluator."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.ticks = 0
+
+        def counted(f: Any) -> Any:
+            def g(*args: Any, **kw: Any) -> Any:
+                self.ticks += 1
+                return f(*args, **kw)
+
+            return g
+
+        for name in ("best_order", "solve_pipeline"):
+            monkeypatch.setattr(evaluate, name, counted(getattr(evaluate, name)))
+        monkeypatch.setattr(Evaluator, "score", counted(Evaluator.score))
+
+    def __call__(self) -> float:
+        return float(self.ticks)
+
+
+def test_deadline_children_never_outlive_their_parent() -> None:
+    now = [0.0]
+    dl = Deadline(10.0, clock=lambda: now[0], work=100)
+    half = dl.until(0.5)
+    assert not half.expired()
+    now[0] = 5.0
+    assert half.expired() and not dl.expired()
+    share = dl.share(0.5)  # half of the 5 s left
+    now[0] = 7.4
+    assert not share.expired()
+    now[0] = 7.6
+    assert share.expired()
+    # work: a child spends its parent's units too, and ends when the parent's run out
+    child = dl.share(1.0)
+    child.spend(100)
+    assert dl.work_done == 100 and dl.expired() and child.expired()
+    # once expired, always expired (a phase asking again does not restart)
+    now[0] = 0.0
+    assert dl.expired()
+
+
+def test_work_budget_alone_stops_the_search() -> None:
+    dl = Deadline(work=5)
+    for _ in range(5):
+        assert not dl.expired()
+        dl.spend()
+    assert dl.expired()
+    assert math.isinf(Deadline().left())
+
+
+@pytest.mark.parametrize("share", [0.2, 0.5])
+def test_every_phase_stops_at_the_deadline(monkeypatch: pytest.MonkeyPatch, share: float) -> None:
+    # 512 GPUs with many stragglers, a deadline of 150 ticks of the work clock: every phase
+    # asks before each unit of work (a node, a pipeline, a layout, a neighbour), so the
+    # overrun is a few units, not the thousands a search left to run does
+    p = spread(512, share)
+    clock = WorkClock(monkeypatch)
+    dl = Deadline(150.0, clock=clock)
+    result = plan(p, deadline=dl)
+    assert validate_plan(p, result) == []
+    assert dl.expired()
+    assert clock.ticks <= 150 + 100, clock.ticks
+    # the same search with ten times the work does far more: the deadline is what stopped it
+    clock.ticks = 0
+    plan(p, deadline=Deadline(work=1500))
+    assert clock.ticks > 2 * (150 + 100), clock.ticks
+
+
+def test_the_deadline_is_checked_inside_the_grouping_enumeration() -> None:
+    # an expired deadline before grouping: every node keeps full groups, one grouping comes
+    # back, and a valid plan still does
+    p = spread(512, 0.5)
+    dl = Deadline(work=0)
+    result = plan(p, deadline=dl)
+    assert validate_plan(p, result) == []
+    assert result.estimate is not None and result.estimate.uniform_step_time is not None
+    assert result.estimate.step_time <= result.estimate.uniform_step_time
+
+
+def test_a_work_budget_gives_the_same_plan_on_any_machine() -> None:
+    p = spread(256, 0.2, seed=3)
+    a = plan(p, deadline=Deadline(work=400))
+    b = plan(p, deadline=Deadline(work=400))
+    assert a.estimate is not None and b.estimate is not None
+    assert a.estimate.step_time == b.estimate.step_time
+    assert [q.micro_batches for q in a.pipelines] == [q.micro_batches for q in b.pipelines]
+
+
+def test_default_budget_meets_the_targets() -> None:
+    # issue 13: <= 1 s at 1024 GPUs, <= 10 s at 8192, whatever the spread; the budget leaves
+    # room for what runs after the search (materialising, validating, scoring)
+    assert default_budget(64) <= 0.6 + 1e-9
+    assert default_budget(1024) <= 0.9
+    assert default_budget(8192) <= 9.0
+    assert all(default_budget(w) <= default_budget(2 * w) for w in (8, 64, 1024, 4096))
+
+
+def test_many_distinct_rates_are_bucketed_upwards() -> None:
+    p = spread(1024, 0.2)
+    sp = search_mod._bucketed(p)
+    assert sp is not p
+    assert all(sp.rates[r] >= v for r, v in p.rates.items() if v is not None)
+    assert all(
+        sp.rates[r] <= v * (1 + search_mod._BUCKET_STEP) + 1e-9 for r, v in p.rates.items() if v
+    )
+    assert len(set(sp.rates.values())) < len(set(p.rates.values())) / 3
+    few = spread(64, 0.05)
+    assert search_mod._bucketed(few) is few  # few distinct rates: planned as they are
+
+
+def test_bucketed_search_is_scored_with_the_true_rates() -> None:
+    p = spread(512, 0.5, seed=1)
+    result = plan(p, deadline=Deadline(work=600))
+    assert validate_plan(p, result) == []
+    from malleus.planner import plan_step_time
+
+    assert result.estimate is not None
+    assert result.estimate.step_time == pytest.approx(plan_step_time(p, result))

@@ -1,0 +1,159 @@
+"""Helpers for the failure tests: a spawned fault-tolerant job that trains through failures.
+
+Not collected by pytest (no test_ prefix); imported by path so spawned children can unpickle it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from malleus.job import ResolvedJob
+from malleus.planner import Plan
+from malleus.trainer import membership
+from malleus.trainer.config import RunOptions
+from malleus.trainer.launch import DistEnv, init_distributed
+from malleus.trainer.loop import run_rank
+from malleus.trainer.recovery import hang_timeout_s
+from malleus.trainer.services import Services
+
+
+def run(
+    job: ResolvedJob,
+    plan: Plan,
+    opts: RunOptions,
+    out: str,
+    ports: list[int] | None = None,
+    replace: int | None = None,
+) -> int:
+    """Spawned-job body: `run_rank` under `plan`; every rank that finishes writes
+    OUT/rank-G.json (its step, members, recoveries, the plan in force, the status' `out` and
+    `last_recovery`; with `ports`, what its own control endpoint serves at /status and /plan
+    when it is the coordinator); the coordinator writes the final model to `opts.save_model`."""
+    env = DistEnv.from_env()
+    timeout = hang_timeout_s(job)
+    membership.set_collective_timeout(timeout)
+    admission = None
+    if replace is not None:  # spawned one more than the job: the last is GPU `replace` again
+        joiner = env.rank == job.world
+        os.environ.update(WORLD_SIZE=str(job.world), RANK=str(replace if joiner else env.rank))
+        env = DistEnv.from_env()
+        if joiner:
+            _wait_for_death(env, replace)
+            device, admission = init_distributed(env, init_timeout_s=120, join=True)
+            plan = Plan.from_json(admission.plan)
+    if admission is None:
+        device = init_distributed(env, init_timeout_s=120, collective_timeout_s=timeout)
+    seen: dict[str, Any] = {}
+    steps = opts.total_steps(job)
+    if ports is None:
+        services = Services.null(job, env.rank, steps=steps)
+    else:
+        services = Services.create(
+            job, env.rank, control_port=ports[env.rank], steps=steps, serve_when_coordinator=True
+        )
+    try:
+        run_rank(
+            job,
+            plan,
+            opts,
+            rank=env.rank,
+            world=env.world_size,
+            device=device,
+            services=services,
+            trainer_hook=lambda t: seen.setdefault("trainer", t),
+            admission=admission,
+        )
+        trainer = seen["trainer"]
+        m = membership.current()
+        status = services.status()
+        result = {
+            "rank": env.rank,
+            "step": trainer.step,
+            "members": list(m.members) if m else None,
+            "epoch": m.epoch if m else 0,
+            "recoveries": trainer.recoveries,
+            "plan": json.loads(trainer.plan.to_json()),
+            "out": {str(g): w for g, w in status.out.items()},
+            "last_recovery": status.last_recovery.model_dump(mode="json")
+            if status.last_recovery
+            else None,
+            "last_failure": status.last_failure.model_dump(mode="json")
+            if status.last_failure
+            else None,
+            "finished": time.time(),
+            "served": _served(services),
+        }
+        (Path(out) / f"rank-{env.rank}.json").write_text(json.dumps(result))
+    finally:
+        services.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _wait_for_death(env: DistEnv, gpu: int) -> None:
+    """A replacement starts once its predecessor is gone (the launcher marks it dead)."""
+    store = dist.PrefixStore(
+        "malleus/0/", dist.TCPStore(env.master_addr, env.master_port, None, False)
+    )
+    deadline = time.monotonic() + 120
+    while not store.check([f"rec/dead/{gpu}"]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"GPU {gpu} never died")
+        time.sleep(0.1)
+
+
+def _served(services: Services) -> dict[str, Any] | None:
+    if services.server is None:
+        return None
+    got = {}
+    for path in ("/status", "/plan"):
+        with urllib.request.urlopen(services.server.url + path, timeout=10) as r:
+            got[path] = json.loads(r.read())
+    return got
+
+
+TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
+MODEL = {"layers": 4, "hidden": 32, "heads": 4, "ffn": 64, "vocab": 256, "sequence": 16}
+TRAINING = {
+    "globalBatchSize": 8,
+    "microBatchSize": 1,
+    "steps": 5,
+    "learningRate": 3e-3,
+    "warmupSteps": 1,
+}
+
+
+def fault_job(
+    failures: list[tuple[int, int, str]] = (),  # type: ignore[assignment]
+    *,
+    hang_timeout: int | None = None,
+    steps: int = 5,
+    layer_ms: float = 2,
+) -> ResolvedJob:
+    """2 nodes x 2 GPUs, tp 2, a 4-layer model, emulated clock (2/4 ms per layer-shard) with
+    these (step, rank, kill|hang) failures, and spec.failurePolicy.hangTimeoutSeconds."""
+    import yaml
+
+    manifest = yaml.safe_load(TINY.read_text())
+    manifest["metadata"]["name"] = "faults"
+    spec = manifest["spec"]
+    spec.update(nodes=2, gpusPerNode=2, parallelism={"tp": 2})
+    spec["model"] = dict(MODEL)
+    spec["training"] = TRAINING | {"steps": steps}
+    spec["emulation"] = {
+        "enabled": True,
+        "layerForwardMs": layer_ms,
+        "layerBackwardMs": 2 * layer_ms,
+        "schedule": [{"step": s, "rank": r, "fail": f} for s, r, f in failures],
+    }
+    if hang_timeout is not None:
+        spec["failurePolicy"] = {"hangTimeoutSeconds": hang_timeout}
+    return ResolvedJob.load(manifest).check()

@@ -1,0 +1,127 @@
+"""The trainer measures the cost model's calibration (issue 13), on a tiny emulated job.
+
+One spawned 4-rank gloo job (2 nodes x 2 GPUs, tp 2), node 1's links 3x slow from step 0 (the
+job's emulation schedule): first two one-stage pipelines (TP groups in both nodes, gradient sync
+across them), then, after a live switch, one two-stage pipeline across the nodes (pipeline
+transfers). Every term comes out positive and plausible, node 1's link rate is about 3, the
+figures are re-measured after the switch, the control status carries them, and the calibrated
+cost model predicts each plan's measured step time within 10%.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+tc = importlib.import_module("trainer_cases")
+cases = importlib.import_module("calibration_cases")
+
+from malleus.planner import plan_step_time  # noqa: E402
+from malleus.trainer.calibration import CAL_STEPS, CAL_WARMUP  # noqa: E402
+from malleus.trainer.profiling import (  # noqa: E402
+    CostSample,
+    median_calibration,
+    reduce_calibration,
+)
+from malleus.trainer.spawn import spawn_local  # noqa: E402
+
+FORWARD, BACKWARD = 0.030, 0.060
+LINK = 3.0
+STEPS = 7
+emulation = tc.emulation(FORWARD, BACKWARD)
+emulation["schedule"] = [{"step": 0, "node": 1, "link": LINK}]
+JOB = tc.small_job(
+    nodes=2,
+    gpus=2,
+    model={"layers": 2},
+    training={"globalBatchSize": 4, "steps": 20},
+    emulation=emulation,
+)
+DP = tc.plan([(2, [([0, 1], (0, 2))]), (2, [([2, 3], (0, 2))])])
+PP = tc.plan([(4, [([0, 1], (0, 1)), ([2, 3], (1, 2))])])
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("calibration")
+    spawn_local(4, cases.run, (JOB, [DP, PP], STEPS, str(out)))
+    return json.loads((out / "result.json").read_text())
+
+
+def test_terms_are_positive_and_plausible(result: list[dict]) -> None:
+    dp, pp = result[0]["calibration"], result[1]["calibration"]
+    assert dp is not None and pp is not None
+    for cal in (dp, pp):
+        assert cal["layer_seconds"] == pytest.approx(FORWARD + BACKWARD)
+        tp2 = cal["tp_comm"]["2"]
+        assert 0 < tp2 < 0.5, cal  # a few gloo all-reduces against 90 ms of layer
+        assert 0 < cal["embedding"] < 0.5 and 0 < cal["head"] < 0.5, cal
+        assert cal["optimizer"] > 0 and 0 <= cal["fixed"] < 2, cal
+    assert dp["grad_sync_inter"] > 0 and dp["p2p"] == 0, dp  # DP across nodes, no stages
+    assert pp["p2p"] > 0 and pp["grad_sync_inter"] == 0, pp  # one pipeline: no DP
+
+
+def test_slow_link_shows_as_its_nodes_rate(result: list[dict]) -> None:
+    for r in result:
+        links = {int(n): v for n, v in r["link_rates"].items()}
+        assert links[0] < 1.5, links
+        assert 0.6 * LINK < links[1] < 1.4 * LINK, links
+
+
+def test_remeasured_after_a_switch_and_published(result: list[dict]) -> None:
+    assert [r["generation"] for r in result] == [DP.generation, DP.generation + 1]
+    for r in result:
+        assert r["status_calibration"]["layer_seconds"] == pytest.approx(FORWARD + BACKWARD)
+        assert {int(n): v for n, v in r["status_links"].items()} == pytest.approx(
+            {int(n): v for n, v in r["link_rates"].items()}
+        )
+
+
+def test_calibrated_prediction_within_10_percent(result: list[dict]) -> None:
+    for plan, r in zip((DP, PP), result, strict=True):
+        problem = JOB.problem({}, calibration=r["calibration"], link_rates=r["link_rates"])
+        predicted = plan_step_time(problem, plan) * problem.calibration.layer_seconds
+        measured = statistics.median(r["seconds"][CAL_WARMUP:])
+        plain = plan_step_time(JOB.problem(), plan) * (FORWARD + BACKWARD)
+        assert abs(measured / predicted - 1) <= 0.10, (measured, predicted, plain)
+
+
+def test_reduction_divides_out_slow_links() -> None:
+    """Two TP groups of two, one per node; node 1's collectives take 3x: its link rate is 3,
+    tp_comm is the healthy group's, and the gradient sync across nodes is a healthy link's."""
+    unit = 0.1
+
+    def sample(tp_s: float, best: float, grad_s: float) -> CostSample:
+        return CostSample(
+            steps=1, step_s=1.0, units=8, compute_s=0.4, calls=8, tp_s=tp_s, tp_best=best,
+            group=2, emb_s=0.01, emb_mb=2, head_s=0.02, head_mb=2, grad_inter_s=grad_s,
+            grad_inter_bytes=float(1 << 20), opt_s=0.01, opt_bytes=float(1 << 20), run_s=0.8,
+            end_s=0.85,
+        )  # fmt: skip
+
+    samples = [sample(0.04, 0.002, 0.03)] * 2 + [sample(0.12, 0.006, 0.03)] * 2
+    cal, links = reduce_calibration(samples, [[[0, 1]], [[2, 3]]], 2, unit)
+    assert links == pytest.approx({0: 1.0, 1: 3.0})
+    assert cal is not None
+    assert cal["tp_comm"][2] == pytest.approx(2 * 0.04 / 8 / unit)
+    assert cal["grad_sync_inter"] == pytest.approx(0.03 / 3 / unit)
+    assert cal["embedding"] == pytest.approx(0.005 / unit)
+    assert cal["fixed"] == pytest.approx((1.0 - 0.8 - 0.03 - 0.01) / unit)
+    assert CAL_STEPS >= 2
+
+
+def test_one_slow_step_does_not_make_the_figures() -> None:
+    steps = [
+        ({"layer_seconds": 0.1, "fixed": f, "tp_comm": {1: 0.0, 2: t}}, {0: 1.0, 1: lk})
+        for f, t, lk in ((0.2, 0.05, 3.0), (5.0, 0.9, 9.0), (0.3, 0.07, 2.8))
+    ]
+    cal, links = median_calibration(steps)
+    assert cal == {"layer_seconds": 0.1, "fixed": 0.3, "tp_comm": {1: 0.0, 2: 0.07}}
+    assert links == {0: 1.0, 1: 3.0}
+    assert median_calibration([(None, {})]) == (None, {})

@@ -1,0 +1,108 @@
+"""The pure parts of failure handling: membership translation, the boundary's join word,
+fault arming, and which survivors hold what (trainer/membership.py, recovery.py, faults.py)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+tc = importlib.import_module("trainer_cases")
+fc = importlib.import_module("fault_cases")
+
+from malleus.trainer import membership  # noqa: E402
+from malleus.trainer.faults import Faults  # noqa: E402
+from malleus.trainer.membership import Membership  # noqa: E402
+from malleus.trainer.recovery import PeerFailure, as_failure  # noqa: E402
+from malleus.trainer.recovery_restore import _survivor_holders  # noqa: E402
+from malleus.trainer.switch import Boundary  # noqa: E402
+
+REPLICAS = tc.plan([(4, [([0, 1], (0, 4))]), (4, [([2, 3], (0, 4))])])
+ONE_PIPELINE = tc.plan([(8, [([0, 1], (0, 2)), ([2, 3], (2, 4))])])
+
+
+def test_membership_translates_gpu_ids_to_process_group_ranks() -> None:
+    m = Membership(2, (0, 2, 3, 5))
+    assert [m.pg(g) for g in m.members] == [0, 1, 2, 3] and m.gpu(2) == 3
+    assert m.coordinator == 0 and 5 in m and 1 not in m
+    with pytest.raises(KeyError, match="GPU 1 is not in the job"):
+        m.pg(1)
+    with pytest.raises(ValueError):
+        Membership(1, (3, 1))
+
+
+def test_the_coordinator_stays_while_alive_and_moves_to_the_lowest_survivor() -> None:
+    assert Membership(3, (0, 1, 2, 3), lead=1).coordinator == 1  # GPU 0 rejoined: 1 stays
+    assert Membership(4, (0, 2, 3), lead=1).coordinator == 0  # 1 failed: the lowest
+
+
+def test_pg_is_the_identity_before_any_membership() -> None:
+    membership.reset()
+    assert membership.pg(7) == 7 and membership.coordinator() == 0
+    assert membership.store() is None
+
+
+def test_boundary_words_carry_joins() -> None:
+    b = Boundary(plan_bytes=10, stop=1, joins=2)
+    assert Boundary.decode(b.words()) == b and len(b.words()) == 3
+    assert Boundary.decode([5.0, 0.0]) == Boundary(5, 0, 0)  # two words: no joins
+
+
+def test_faults_arm_at_their_step_only() -> None:
+    faults = Faults([(2, 3, "kill"), (4, 1, "hang")], rank=3)
+    assert faults.due == {2: "kill"}
+    faults.arm(1)
+    assert faults.armed is None
+    faults.arm(2)
+    assert faults.armed == "kill"
+    faults.after("backward")  # only a forward fires it
+    assert faults.armed == "kill"
+    clock = object()
+    assert Faults([], rank=0).clock(clock) is clock  # nothing scheduled: the clock as it is
+
+
+def test_failures_are_peer_failures_only_with_a_store() -> None:
+    membership.reset()
+    e = RuntimeError("Connection closed by peer")
+    assert as_failure(e, "step 1") is e  # no store: fatal, as before
+    membership.install(Membership.full(2), rendezvous=object())
+    try:
+        f = as_failure(RuntimeError("Timed out waiting 8000ms for recv"), "step 1")
+        assert isinstance(f, PeerFailure) and f.timeout and "during step 1" in str(f)
+    finally:
+        membership.reset()
+
+
+def test_surviving_holders() -> None:
+    job = fc.fault_job()
+    have = _survivor_holders(job, {g: REPLICAS for g in (0, 1, 2)})  # GPU 3 died
+    assert all(have.values())  # every piece has a replica
+    assert any(h == (1,) for h in have.values())  # shard 1: 3 held it with 1, now 1 alone
+    lost = _survivor_holders(job, {g: ONE_PIPELINE for g in (2, 3)})  # 0 and 1 died
+    assert not all(lost.values())  # layers 0-1 and the embedding are gone: roll back
+
+
+def test_malleus_store_makes_a_rank_a_client_of_an_external_store(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch.distributed as dist
+
+    from malleus.trainer.launch import DistEnv, fault_tolerant, init_distributed
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)  # no rank hosts it
+    monkeypatch.setenv("MALLEUS_STORE", f"127.0.0.1:{store.port}")
+    monkeypatch.delenv("MALLEUS_EXTERNAL_STORE", raising=False)
+    membership.reset()
+    try:
+        # MASTER_PORT points nowhere: the rank meets at MALLEUS_STORE, as rank 0 too
+        init_distributed(DistEnv(0, 1, 0, "127.0.0.1", 1), init_timeout_s=10)
+        assert fault_tolerant() and membership.store() is not None
+        assert membership.current() == Membership.full(1)
+        assert dist.PrefixStore("malleus/0/", store).check(["joined/0"])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        membership.reset()

@@ -1,0 +1,280 @@
+"""Live recovery: the survivors of a failed rank re-form the job among themselves and go on.
+
+Detection. Every collective is bounded by the process group's timeout (the hang timeout); a
+rank that dies closes its sockets, so its peers' collectives fail at once, and a rank that
+hangs makes them time out. Either way the collective raises on the survivors, which turn it
+into a `PeerFailure` (only when failures are survivable: a store no rank hosts,
+trainer/launch.py `fault_tolerant`); the first survivor out destroys its process group, which
+breaks its peers' collectives in turn, so every survivor is in recovery within moments.
+
+Commit rule. A step's optimizer update is applied only after the step's world all-reduce (the
+vector of trainer/worker.py) completed, and a rank enters that all-reduce only after its own
+gradient sync: if any survivor holds the vector of step s, every rank finished the gradient sync
+of s. So step s commits iff some survivor completed its vector: survivors still inside it apply
+the update with the vector that survivor posts; if nobody completed it, every survivor discards
+the step's gradients and redoes it after recovery, with the same samples (a function of the
+step), so no sample is skipped or seen twice.
+
+Rendezvous (no rank hosts it: keys of the job's store, under `rec/EPOCH/`). Each survivor:
+destroys its process group, `add("arrive", 1)`, posts `alive/GPU` (its step, the vector it
+holds, the plan in force, the newest generation it knows, its rates). The first to arrive, the
+leader, waits until every previous member has arrived or is known dead (`rec/dead/GPU`, written
+by a launcher that saw the process exit) or `JOIN_WINDOW_S` passed, decides (members, the step,
+the vector, the recovery plan, where the lost shards come from) and writes `decision`. Everyone
+then forms the process group `rec/EPOCH/pg/` among the members. A leader that dies before
+deciding leaves the others waiting at most `DECISION_WAIT_S`; they then start epoch + 1. A rank
+that arrives after the decision and is not a member (a hung rank that woke up) prints why and
+exits with `LEFT_OUT_EXIT` (3).
+
+Restoring. The recovery plan is the planner's for the survivors (the dead GPUs unusable), one
+generation above the newest known. Each piece of the new layout comes from a surviving holder
+(data-parallel replicas hold the same pieces) through the migration machinery; when some piece
+has no surviving holder, every survivor rebuilds its state under the new plan from the latest
+plan-independent checkpoint (or the seeded initial state) instead: steps lost = the steps since.
+
+Joining. A replacement (`--join`) posts `join/GPU` and waits; the coordinator announces it at a
+step boundary (a control word), every member and the joiner re-form at the next epoch (no step
+lost) and the joiner receives the plan in force, the step and the `out` set; it holds nothing
+(an excluded GPU) until a later plan re-admits it.
+
+Where it lives. This module is the protocol: the failure types, the survivors' rendezvous and
+the leader's decision. Applying a decision (restoring every piece from replicas or a
+checkpoint, the coordinator's office, the record of the recovery) is trainer/recovery_restore.py;
+letting go of the process groups and forming the next one is trainer/recovery_groups.py;
+replacements joining a running job is trainer/recovery_join.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from malleus.planner import Plan, check_plan
+
+from . import membership
+from .membership import Membership
+from .recovery_groups import _form, _release, _wait_json
+from .recovery_restore import _apply, _redo, _survivor_holders
+
+if TYPE_CHECKING:
+    from .worker import Trainer
+
+__all__ = [
+    "DECISION_WAIT_S",
+    "JOIN_WINDOW_S",
+    "LEFT_OUT_EXIT",
+    "PeerFailure",
+    "RecoveryError",
+    "as_failure",
+    "recover",
+]
+
+log = logging.getLogger(__name__)
+
+JOIN_WINDOW_S = 5.0
+"""After its own arrival, how long the leader waits for the other survivors (a hung rank never
+arrives; a dead one known to a launcher is not waited for)."""
+DECISION_WAIT_S = 60.0
+"""How long a survivor waits for the leader's decision before starting the next epoch."""
+LEFT_OUT_EXIT = 3
+SPURIOUS_TRIES = 3
+"""Recoveries in which every rank arrived (a collective timed out on a slow machine, say) that
+one step may take before its error is taken for a real one and raised."""
+DEAD_KEY = "rec/dead/"
+
+
+class PeerFailure(RuntimeError):
+    """A collective failed on this rank because some other rank died or hung."""
+
+    def __init__(self, what: str, cause: BaseException) -> None:
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        self.timeout = "timed out" in str(cause).lower() or "timeout" in str(cause).lower()
+        self.detected = time.time()
+        super().__init__(f"a collective failed during {what}: {first}")
+
+
+class RecoveryError(RuntimeError):
+    """The survivors could not go on (no plan fits them, a real error on every rank, ...)."""
+
+
+def hang_timeout_s(job: Any) -> float:
+    """The collectives' bound to start with: spec.failurePolicy.hangTimeoutSeconds, else
+    `DEFAULT_HANG_TIMEOUT_S` until the step time is measured (then 10 steps, trainer/loop.py)."""
+    given = job.spec.failure_policy.hang_timeout_seconds
+    return float(given) if given is not None else membership.DEFAULT_HANG_TIMEOUT_S
+
+
+def as_failure(e: BaseException, what: str) -> BaseException:
+    """`e` as a PeerFailure when failures are survivable, else `e` itself."""
+    if isinstance(e, PeerFailure) or membership.store() is None:
+        return e
+    return PeerFailure(what, e)
+
+
+# ---- the survivors' side ------------------------------------------------------------------------
+def recover(trainer: Trainer, failure: PeerFailure, checkpoint_dir: str | None) -> None:
+    """Collective among the survivors: re-form the job without the failed ranks and restore
+    every piece; on return the trainer is at the step to run next (the failed one redone, or
+    the one after it)."""
+    store = membership.store()
+    old = membership.current()
+    assert store is not None and old is not None
+    log.warning("rank %d: %s; recovering", trainer.rank, failure)
+    _dbg(trainer.rank, f"enter recovery: {failure}")
+    epoch = old.epoch + 1
+    previous = old.members
+    while True:
+        _release(trainer, failure)
+        prefix = f"rec/{epoch}/"
+        _dbg(trainer.rank, "aborted")
+        n = store.add(prefix + "arrive", 1)
+        _dbg(trainer.rank, f"arrived {n}")
+        store.set(prefix + f"alive/{trainer.rank}", json.dumps(_arrival(trainer, failure)))
+        if n == 1:
+            _lead(store, prefix, previous, trainer)
+        decision = _wait_json(store, prefix + "decision", DECISION_WAIT_S)
+        if decision is None:  # the leader died before deciding
+            log.warning(
+                "rank %d: no decision at recovery epoch %d; next epoch", trainer.rank, epoch
+            )
+            epoch += 1
+            continue
+        members = tuple(decision["members"])
+        if trainer.rank not in members:
+            _left_out(trainer.rank, epoch, "the others went on without it (it did not arrive)")
+        if decision.get("error"):
+            raise RecoveryError(f"recovery epoch {epoch}: {decision['error']}") from failure
+        lead = old.coordinator if old.coordinator in members else None
+        try:
+            _form(store, prefix, Membership(epoch, members, lead), trainer.rank)
+        except RuntimeError as e:  # a member died while the group formed
+            log.warning("rank %d: re-forming epoch %d failed: %s", trainer.rank, epoch, e)
+            previous, epoch = members, epoch + 1
+            continue
+        if decision.get("spurious"):  # every rank alive: slow, not failed; or a real error
+            tries = trainer.spurious.get(trainer.step, 0) + 1
+            trainer.spurious[trainer.step] = tries
+            if tries > SPURIOUS_TRIES:
+                raise failure.__cause__ or failure
+            log.warning("rank %d: every rank is alive; redoing step %d", trainer.rank, trainer.step)
+            _redo(trainer, decision)
+            return
+        try:
+            _apply(trainer, decision, epoch, failure, checkpoint_dir)
+        except RuntimeError as e:  # another failure while restoring: recover again
+            failure = PeerFailure(f"recovery epoch {epoch}", e)
+            previous, epoch = members, epoch + 1
+            continue
+        return
+
+
+def _dbg(rank: int, what: str) -> None:
+    if os.environ.get("MALLEUS_DEBUG_RECOVERY"):
+        print(
+            f"[recovery] {time.time() % 1000:.2f} rank {rank}: {what}", file=sys.stderr, flush=True
+        )
+
+
+def _left_out(gpu: int, epoch: int, why: str) -> None:
+    print(
+        f"[malleus] rank {gpu} was left out of the job at recovery epoch {epoch}: {why}",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    os._exit(LEFT_OUT_EXIT)  # no cleanup: its process group is gone, the job goes on
+
+
+def _arrival(trainer: Trainer, failure: PeerFailure) -> dict[str, Any]:
+    svc = trainer.services
+    inbox = svc.inbox
+    newest = trainer.plan.generation
+    if inbox is not None:  # a switch that failed with this failure counts: it is superseded
+        newest = max(newest, inbox._newest())
+        if inbox.last_failure is not None:
+            newest = max(newest, inbox.last_failure.generation)
+    rates = svc.state.snapshot().rates
+    return {
+        "gpu": trainer.rank,
+        "step": trainer.step,
+        "vec": trainer.last_vec[1]
+        if trainer.last_vec is not None and trainer.last_vec[0] == trainer.step - 1
+        else None,
+        "plan": trainer.plan.to_json(),
+        "newest": newest,
+        "timeout": failure.timeout,
+        "detected": failure.detected,
+        "rates": {str(g): r for g, r in rates.items()},
+        "out": {str(g): w for g, w in trainer.out.items()},
+    }
+
+
+def _lead(store: Any, prefix: str, previous: tuple[int, ...], trainer: Trainer) -> None:
+    """The first survivor to arrive decides who goes on, at which step, under which plan."""
+    deadline = time.monotonic() + JOIN_WINDOW_S
+    while True:
+        arrived = [g for g in previous if store.check([prefix + f"alive/{g}"])]
+        dead = [g for g in previous if store.check([DEAD_KEY + str(g)])]
+        if len(set(arrived) | set(dead)) >= len(previous) or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    arrivals = {g: json.loads(store.get(prefix + f"alive/{g}")) for g in arrived}
+    try:
+        decision = _decide(trainer, arrivals, previous, store)
+    except Exception as e:
+        log.exception("recovery decision failed")
+        decision = {"members": sorted(arrivals), "error": f"{type(e).__name__}: {e}"}
+    store.set(prefix + "decision", json.dumps(decision))
+
+
+def _decide(
+    trainer: Trainer, arrivals: dict[int, dict[str, Any]], previous: tuple[int, ...], store: Any
+) -> dict[str, Any]:
+    from malleus.planner.search import plan as planner
+
+    members = sorted(arrivals)
+    gone = [g for g in previous if g not in arrivals]
+    step = max(a["step"] for a in arrivals.values())
+    vec = next((a["vec"] for a in arrivals.values() if a["step"] == step and a["vec"]), None)
+    if not gone:
+        return {"members": members, "spurious": True, "step": step, "vec": vec}
+    hung = any(a["timeout"] for a in arrivals.values())
+    failed: dict[int, str] = {}
+    for g in gone:
+        key = DEAD_KEY + str(g)
+        known = store.get(key).decode() if store.check([key]) else None
+        failed[g] = known if known in ("killed", "left") else ("hung" if hung else "killed")
+    out = {int(g): w for a in arrivals.values() for g, w in a["out"].items()}
+    out.update(failed)
+    for g in members:
+        out.pop(g, None)
+    plans = {g: Plan.from_json(a["plan"]) for g, a in arrivals.items()}
+    in_force = max(plans.values(), key=lambda p: p.generation)
+    job = trainer.job
+    rates: dict[int, float | None] = {g: None for g in out}
+    for g in members:
+        r = arrivals[trainer.rank]["rates"].get(str(g))
+        rates[g] = r if r is not None else 1.0
+    problem = job.problem(rates, previous_plan=in_force)
+    budget = min(5.0, float(job.policy.planning_timeout_seconds))
+    new = planner(problem, time_limit=budget)
+    generation = max(a["newest"] for a in arrivals.values()) + 1
+    new = new.model_copy(update={"generation": generation})
+    check_plan(problem, new)
+    have = _survivor_holders(job, plans)
+    mode = "replicas" if all(have.values()) else "checkpoint"
+    return {
+        "members": members,
+        "failed": {str(g): w for g, w in failed.items()},
+        "out": {str(g): w for g, w in out.items()},
+        "step": step,
+        "vec": vec,
+        "plan": new.to_json(),
+        "plans": {str(g): p.to_json() for g, p in plans.items()},
+        "mode": mode,
+        "detected": min(a["detected"] for a in arrivals.values()),
+    }

@@ -1,0 +1,127 @@
+"""Live recovery, replacements joining: a `--join` process enters the running job.
+
+A replacement posts `join/GPU` and waits (`await_admission`); the coordinator finds it before a
+step's world vector (`joiners`) and announces it in a control word, and at that step boundary
+every member and the joiner re-form the process group at the next epoch (`admit`), no step
+lost. Apart from trainer/recovery.py because no rank failed here: nothing is decided or
+restored, the joiner only learns the plan in force, the step and the `out` set (`joined`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import membership
+from .membership import Membership
+from .recovery_groups import _form, _release, _wait_json
+from .recovery_restore import _restart_calibration
+
+if TYPE_CHECKING:
+    from .worker import Trainer
+
+__all__ = ["Admission", "admit", "await_admission", "joined", "joiners"]
+
+log = logging.getLogger(__name__)
+
+JOIN_KEY = "join/"
+
+
+# ---- replacements joining ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Admission:
+    """What a replacement learns when the running job admits it."""
+
+    epoch: int
+    members: tuple[int, ...]
+    step: int
+    plan: str  # the plan in force (JSON)
+    out: dict[int, str]
+
+
+def await_admission(store: Any, gpu: int, timeout_s: float) -> Admission:
+    """A replacement for `gpu` (started with `--join`): ask to join, wait until the coordinator
+    admits it at a step boundary, then form the process group with the members."""
+    from .launch import LaunchError
+
+    n = store.add(f"{JOIN_KEY}{gpu}/n", 1)
+    store.set(f"{JOIN_KEY}{gpu}/{n}", json.dumps({"at": time.time()}))
+    admit = _wait_json(store, f"{JOIN_KEY}{gpu}/{n}/admit", timeout_s)
+    if admit is None:
+        raise LaunchError(f"rank {gpu}: the running job did not admit it within {timeout_s:g}s")
+    membership.set_collective_timeout(admit["timeout"])
+    m = Membership(admit["epoch"], tuple(admit["members"]), admit["lead"])
+    membership.install(m, store)
+    _form(store, f"rec/{m.epoch}/", m, gpu)
+    return Admission(
+        m.epoch,
+        m.members,
+        admit["step"],
+        admit["plan"],
+        {int(g): w for g, w in admit["out"].items()},
+    )
+
+
+def joined(trainer: Trainer, admission: Admission) -> None:
+    """The replacement's Trainer (built under the plan in force, holding nothing) takes the step
+    and the `out` set; collective with the members' `admit`."""
+    trainer.step = admission.step
+    trainer.out = dict(admission.out)
+    trainer.services.state.update(step=admission.step, out=dict(trainer.out))
+    print(f"[malleus] rank {trainer.rank} joined at step {trainer.step}", flush=True)
+
+
+def joiners(trainer: Trainer) -> int:
+    """The coordinator, before a step's world vector: replacements waiting to join (posted
+    under `rec/NEXT_EPOCH/joiners` for the members to read after the vector); their count."""
+    store, m = membership.store(), membership.current()
+    if store is None or m is None:
+        return 0
+    found = []
+    for g in range(trainer.world):
+        if g in m:
+            continue
+        n = store.add(f"{JOIN_KEY}{g}/n", 0)
+        if n > trainer.admitted.get(g, 0):
+            found.append([g, n])
+    if found:
+        store.set(f"rec/{m.epoch + 1}/joiners", json.dumps(found))
+    return len(found)
+
+
+def admit(trainer: Trainer) -> None:
+    """Collective at a step boundary that announced replacements: every member and the
+    joiners re-form the process group at the next epoch (no step is lost)."""
+    store, m = membership.store(), membership.current()
+    assert store is not None and m is not None
+    epoch = m.epoch + 1
+    found = json.loads(store.get(f"rec/{epoch}/joiners"))
+    new = Membership(epoch, tuple(sorted({*m.members, *(g for g, _ in found)})), m.coordinator)
+    for g, n in found:
+        trainer.admitted[g] = n
+        trainer.out.pop(g, None)
+    if trainer.rank == m.coordinator:
+        admission = {
+            "epoch": epoch,
+            "members": list(new.members),
+            "lead": new.lead,
+            "step": trainer.step,
+            "plan": trainer.plan.to_json(),
+            "out": {str(g): w for g, w in trainer.out.items()},
+            "timeout": membership.collective_timeout_s(),
+        }
+        for g, n in found:
+            store.set(f"{JOIN_KEY}{g}/{n}/admit", json.dumps(admission))
+        inbox = trainer.services.inbox
+        if inbox is not None:
+            inbox.replan(trainer.job.problem({g: None for g in trainer.out}))
+    _release(trainer, None)
+    _form(store, f"rec/{epoch}/", new, trainer.rank)
+    trainer.groups.ensure(trainer.layout.member_sets())  # as the joiner's Trainer does
+    trainer.pipeline = trainer._pipeline(trainer.layout.place) if trainer.layout.place else None
+    _restart_calibration(trainer)
+    trainer.services.state.update(out=dict(trainer.out))
+    log.info("rank %d: admitted %s at step %d", trainer.rank, [g for g, _ in found], trainer.step)
