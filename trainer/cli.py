@@ -324,12 +324,17 @@ def worker_main(argv: list[str] | None = None) -> int:
         )
         return 2
     from .checkpoint import CheckpointError
+    from .recovery import NO_PLAN_EXIT, NoValidPlan
 
     try:
         return _run(job, plan, _options(args), env, port, args.init_timeout, args.join)
     except CheckpointError as e:  # every rank refuses together (state.resume), naming the fault
         print(f"malleus trainer: {e}", file=sys.stderr)
         return 2
+    except NoValidPlan as e:  # the end of the job, not one more failure: nothing fits the rest
+        print(f"[malleus] rank {env.rank}: {e}", flush=True)
+        print(f"malleus trainer: {e}", file=sys.stderr)
+        return NO_PLAN_EXIT
     except LaunchError as e:
         print(f"malleus trainer: {e}", file=sys.stderr)
         return 1

@@ -53,6 +53,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from malleus.errors import BadInput
 from malleus.planner import Plan, check_plan
 
 from . import membership
@@ -67,6 +68,8 @@ __all__ = [
     "DECISION_WAIT_S",
     "JOIN_WINDOW_S",
     "LEFT_OUT_EXIT",
+    "NO_PLAN_EXIT",
+    "NoValidPlan",
     "PeerFailure",
     "RecoveryError",
     "as_failure",
@@ -99,6 +102,17 @@ class PeerFailure(RuntimeError):
 
 class RecoveryError(RuntimeError):
     """The survivors could not go on (no plan fits them, a real error on every rank, ...)."""
+
+
+class NoValidPlan(RecoveryError):
+    """No valid plan exists on the GPUs left (the planner refused the survivors' problem): the
+    job cannot go on. Every survivor exits `NO_PLAN_EXIT`, which the operator (reason
+    `NoValidPlan`) and `malleus run` read as the end of the job, not as one more failure."""
+
+
+NO_PLAN_EXIT = 4
+"""Exit code of a rank when no valid plan exists on the GPUs left (operator/failures.py
+`NO_PLAN_EXIT` is the same number, read from the pod's exit code)."""
 
 
 def hang_timeout_s(job: Any) -> float:
@@ -146,6 +160,11 @@ def recover(trainer: Trainer, failure: PeerFailure, checkpoint_dir: str | None) 
         members = tuple(decision["members"])
         if trainer.rank not in members:
             _left_out(trainer.rank, epoch, "the others went on without it (it did not arrive)")
+        if decision.get("no_plan"):
+            raise NoValidPlan(
+                f"no valid plan exists on the GPUs left at recovery epoch {epoch}: "
+                f"{decision['error']}"
+            ) from failure
         if decision.get("error"):
             raise RecoveryError(f"recovery epoch {epoch}: {decision['error']}") from failure
         lead = old.coordinator if old.coordinator in members else None
@@ -225,6 +244,9 @@ def _lead(store: Any, prefix: str, previous: tuple[int, ...], trainer: Trainer) 
     arrivals = {g: json.loads(store.get(prefix + f"alive/{g}")) for g in arrived}
     try:
         decision = _decide(trainer, arrivals, previous, store)
+    except BadInput as e:  # the planner refused the survivors' problem: nothing fits them
+        log.error("no valid plan on the GPUs left: %s", e)
+        decision = {"members": sorted(arrivals), "error": str(e), "no_plan": True}
     except Exception as e:
         log.exception("recovery decision failed")
         decision = {"members": sorted(arrivals), "error": f"{type(e).__name__}: {e}"}

@@ -135,7 +135,9 @@ CASES: dict[str, dict[str, Any]] = {
 def test_within_two_percent_of_the_optimum(name: str) -> None:
     p = PlanningProblem.load(CASES[name])
     best = optimum(p)
-    result = plan(p)
+    # Quality, not speed, is asserted here: a wall-time budget far above the default keeps the
+    # answer independent of how busy the machine is (the budget itself is tests/planner/test_budget).
+    result = plan(p, time_limit=20.0)
     assert validate_plan(p, result) == []
     assert result.estimate is not None
     assert result.estimate.step_time >= best - 1e-9  # the enumerator really is exhaustive
