@@ -57,6 +57,7 @@ from malleus.errors import BadInput
 from malleus.planner import Plan, check_plan
 
 from . import membership
+from .launch import DEAD_KEY  # what launchers write when a GPU's process ends
 from .membership import Membership
 from .recovery_groups import _form, _release, _wait_json
 from .recovery_restore import _apply, _redo, _survivor_holders
@@ -87,7 +88,6 @@ LEFT_OUT_EXIT = 3
 SPURIOUS_TRIES = 3
 """Recoveries in which every rank arrived (a collective timed out on a slow machine, say) that
 one step may take before its error is taken for a real one and raised."""
-DEAD_KEY = "rec/dead/"
 
 
 class PeerFailure(RuntimeError):
