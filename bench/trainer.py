@@ -1,7 +1,8 @@
 """Trainer benchmark: the planner's plan against the uniform plan, run side by side on the
 emulated GPU clock, measured speedup against the cost model's prediction.
 
-Run: .venv/bin/python bench/trainer.py [--quick] [--no-write]
+Run: .venv/bin/python bench/trainer.py [--quick] [--scales N ...] [--only SITUATION ...]
+[--no-write] [--dump DIR]
 
 Per scale, one spawned gloo job (one process per emulated GPU) trains every straggler situation
 in turn. For each situation two Trainers share the process group: one under the uniform
@@ -13,7 +14,8 @@ cost.plan_step_time(uniform) / cost.plan_step_time(planner's plan) under the cal
 model: the calibration (and link rates) the uniform plan's trainers measured in their first steps
 (trainer/calibration.py), as the controller would predict a re-plan from the plan in force;
 target within 10%. The uncalibrated model's prediction (layer compute only) is shown beside it.
-Writes the "Trainer" section of docs/benchmarks.md.
+Writes the "Trainer" section of docs/benchmarks.md. The cases and the spawned job are
+bench/trainer_cases.py's, the section's text bench/trainer_report.py's.
 """
 
 from __future__ import annotations
@@ -26,202 +28,17 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from benchdoc import LoadSampler, replace_section  # bench/ is on sys.path when run as a script
+from trainer_cases import SCALES, Job, Scale, make_jobs, run_scale, situations
 from trainer_report import TARGET, render
-
-if TYPE_CHECKING:
-    from malleus.job import ResolvedJob
-    from malleus.planner import Plan
 
 ROOT = Path(__file__).resolve().parent.parent
 
 DOC = ROOT / "docs" / "benchmarks.md"
 
 
-@dataclass(frozen=True)
-class Scale:
-    """A cluster shape, the benchmark model's depth and the micro-batches per step."""
-
-    nodes: int
-    gpus_per_node: int
-    tp: int
-    layers: int
-    micro_batches: int
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-    @property
-    def label(self) -> str:
-        return (
-            f"{self.world} ({self.nodes}x{self.gpus_per_node}, tp {self.tp}, {self.layers} "
-            f"layers, {self.micro_batches} micro-batches)"
-        )
-
-
-SCALES = {
-    8: Scale(nodes=2, gpus_per_node=4, tp=2, layers=2, micro_batches=16),
-    16: Scale(nodes=4, gpus_per_node=4, tp=2, layers=4, micro_batches=32),
-}
-
-
-def situations(s: Scale) -> dict[str, dict[int, float]]:
-    """Injected straggling rates: one 2x, one 4x, and a 2x and a 4x in different nodes."""
-    return {
-        "one 2x": {1: 2.0},
-        "one 4x": {1: 4.0},
-        "2x + 4x, 2 nodes": {1: 2.0, s.gpus_per_node + 2: 4.0},
-    }
-
-
-@dataclass(frozen=True)
-class Job:
-    """One situation as the spawned ranks run it (plans made by the parent, once)."""
-
-    name: str
-    resolved: ResolvedJob
-    plans: dict[str, Plan]  # "uniform" / "planner" -> Plan
-
-
-def config(s: Scale, rates: dict[int, float], forward_s: float, backward_s: float) -> ResolvedJob:
-    """The job: a small model, `rates` injected from step 0 by the emulation schedule."""
-    from malleus.job import ResolvedJob
-
-    model = {"layers": s.layers, "hidden": 32, "heads": 4, "ffn": 64, "vocab": 256, "sequence": 16}
-    schedule = [{"step": 0, "rank": r, "factor": f} for r, f in sorted(rates.items())]
-    manifest = {
-        "apiVersion": "malleus.io/v1alpha1",
-        "kind": "MalleusJob",
-        "metadata": {"name": "bench-trainer"},
-        "spec": {
-            "image": "malleus:bench",
-            "nodes": s.nodes,
-            "gpusPerNode": s.gpus_per_node,
-            "model": model,
-            "training": {
-                "globalBatchSize": s.micro_batches,
-                "microBatchSize": 1,
-                "steps": 1000,  # only the LR schedule sees this
-                "learningRate": 1e-3,
-            },
-            "parallelism": {"tp": s.tp},
-            "emulation": {
-                "enabled": True,
-                "layerForwardMs": forward_s * 1000,
-                "layerBackwardMs": backward_s * 1000,
-                "schedule": schedule,
-            },
-        },
-    }
-    return ResolvedJob.load(manifest).check()
-
-
-def make_jobs(s: Scale, forward_s: float, backward_s: float) -> list[Job]:
-    """Every situation of a scale, with its uniform plan and the planner's plan."""
-    from malleus.planner import plan, uniform_plan
-
-    jobs = []
-    for name, rates in situations(s).items():
-        resolved = config(s, rates, forward_s, backward_s)
-        problem = resolved.problem(rates)
-        uniform = uniform_plan(problem)
-        assert uniform is not None
-        jobs.append(Job(name, resolved, {"uniform": uniform, "planner": plan(problem)}))
-    return jobs
-
-
-# ---- the spawned job -----------------------------------------------------------------------
-def run_scale(jobs: list[Job], warmup: int, steps: int, out: str) -> None:
-    """Spawned-job body: per job, alternate the two plans' steps; rank 0 writes OUT/<i>.json."""
-    import torch.distributed as dist
-
-    from malleus.trainer.launch import DistEnv, init_distributed
-    from malleus.trainer.parallel.groups import GroupCache
-    from malleus.trainer.services import Services
-    from malleus.trainer.worker import Trainer
-
-    env = DistEnv.from_env()
-    device = init_distributed(env, init_timeout_s=120)
-    groups = GroupCache()
-    world = env.world_size
-    try:
-        for index, job in enumerate(jobs):
-            trainers = {
-                name: Trainer(
-                    job.resolved,
-                    p,
-                    rank=env.rank,
-                    world=world,
-                    device=device,
-                    services=Services.null(job.resolved, env.rank),
-                    groups=groups,
-                )
-                for name, p in job.plans.items()
-            }
-            seconds: dict[str, list[float]] = {name: [] for name in trainers}
-            pipeline: dict[str, list[float]] = {name: [] for name in trainers}
-            for name, t in trainers.items():
-                _time_pipeline(t, pipeline[name])
-            rates: dict[str, dict[int, float | None]] = {}
-            order = list(trainers)
-            for i in range(warmup + steps):
-                for name in order if i % 2 == 0 else order[::-1]:
-                    report = trainers[name].train_step()
-                    if i >= warmup:
-                        seconds[name].append(report.seconds)
-                    rates[name] = report.rates
-                if env.rank == 0:
-                    phase = "warm-up" if i < warmup else f"step {i - warmup + 1}/{steps}"
-                    last = "  ".join(f"{n} {seconds[n][-1]:.3f}s" for n in order if seconds[n])
-                    print(f"  [{job.name}] {phase} {last}", flush=True)
-            mine = {
-                "clock": {name: t.services.clock.stats() for name, t in trainers.items()},
-                "pipeline": {name: v[warmup:] for name, v in pipeline.items()},
-            }
-            gathered: list[Any] = [None] * world
-            dist.all_gather_object(gathered, mine)
-            if env.rank == 0:
-                calibration = {
-                    name: {
-                        "calibration": t.calibrator.calibration,
-                        "link_rates": t.calibrator.link_rates,
-                    }
-                    for name, t in trainers.items()
-                }
-                result = {
-                    "seconds": seconds,
-                    "rates": rates,
-                    "ranks": gathered,
-                    "calibration": calibration,
-                }
-                (Path(out) / f"{index}.json").write_text(json.dumps(result))
-            del trainers
-    finally:
-        dist.destroy_process_group()
-
-
-def _time_pipeline(trainer: Any, sink: list[float]) -> None:
-    """Append the seconds of every `pipeline.run()` (this rank's 1F1B schedule, without the
-    step's gradient sync, world all-reduce and optimizer) to `sink`."""
-    stage = getattr(trainer, "pipeline", None)
-    if stage is None:  # an excluded rank
-        return
-    run = stage.run
-
-    def timed() -> float:
-        t0 = time.perf_counter()
-        try:
-            return run()
-        finally:
-            sink.append(time.perf_counter() - t0)
-
-    stage.run = timed
-
-
-# ---- analysis and report -------------------------------------------------------------------
 @dataclass
 class Row:
     scale: Scale
@@ -355,10 +172,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--forward-ms", type=float, default=50.0, help="per layer-shard forward")
     ap.add_argument("--backward-ms", type=float, default=100.0, help="per layer-shard backward")
     ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    ap.add_argument(
+        "--only", nargs="+", metavar="SITUATION", help="situations to run, e.g. 'one 2x'"
+    )
+    ap.add_argument("--dump", type=Path, help="also write each situation's raw result (JSON)")
     args = ap.parse_args(argv)
     from malleus.trainer.calibration import CAL_STEPS, CAL_WARMUP
 
     scales = args.scales or ([8] if args.quick else sorted(SCALES))
+    known = {name for w in scales for name in situations(SCALES[w])}
+    if args.only and not set(args.only) <= known:
+        ap.error(f"--only: unknown situation(s) {sorted(set(args.only) - known)}; {sorted(known)}")
     args.steps = args.steps or (4 if args.quick else 5)
     if args.warmup + args.steps < CAL_WARMUP + CAL_STEPS + 1:
         ap.error(f"--warmup + --steps must be >= {CAL_WARMUP + CAL_STEPS + 1}: the calibration")
@@ -372,12 +196,18 @@ def main(argv: list[str] | None = None) -> int:
     with LoadSampler() as load:
         for world in scales:
             s = SCALES[world]
-            jobs = make_jobs(s, args.forward_ms / 1000, args.backward_ms / 1000)
+            jobs = make_jobs(s, args.forward_ms / 1000, args.backward_ms / 1000, args.only)
+            if not jobs:
+                continue
             print(f"{s.label}: {len(jobs)} situations, spawning {world} ranks", flush=True)
             with tempfile.TemporaryDirectory() as out:
                 spawn_local(world, run_scale, (jobs, args.warmup, args.steps, out))
                 for i, job in enumerate(jobs):
                     result = json.loads((Path(out) / f"{i}.json").read_text())
+                    if args.dump is not None:
+                        args.dump.mkdir(parents=True, exist_ok=True)
+                        name = f"{world}-{job.name.replace(' ', '_')}.json"
+                        (args.dump / name).write_text(json.dumps(result))
                     row = analyse(s, job, result)
                     rows.append(row)
                     jobs_by_key[(world, job.name)] = job

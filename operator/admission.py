@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from malleus.errors import BadInput
 from malleus.job import MalleusJobStatus, Phase
-from malleus.job.control import AsyncControlClient, ControlError, ControlTLS
+from malleus.job.control import AsyncControlClient, ControlError
 from malleus.job.spec import MalleusJobSpec, SchedulingSpec
 from malleus.planner.plan import Plan
 
@@ -147,16 +147,23 @@ def _since(stored: Mapping[str, Any]) -> dt.datetime | None:
     return None
 
 
-async def _ask_stop(ctx: Context, ref: resources.JobRef, port: int, checkpoint: bool) -> bool:
-    """``POST /stop`` to the coordinator; False when it cannot be asked (then the pods go now)."""
+async def _ask_stop(
+    ctx: Context, ref: resources.JobRef, port: int, checkpoint: bool, gpus_per_node: int = 1
+) -> bool:
+    """``POST /stop`` to the coordinator; False when it cannot be asked (then the pods go now).
+
+    The coordinator is found as the daemon finds it (`trainers.Endpoints.coordinator`: the
+    lowest running rank that answers ``/status``), not taken to be node 0: after a failure of
+    rank 0 it is the lowest survivor, and node 0 may serve nothing or be gone."""
     name = resources.secret_name(ref.name)
     token = await ctx.cluster.read_secret_value(ref.namespace, name, resources.TOKEN_KEY)
     ca = await ctx.cluster.read_secret_value(ref.namespace, name, tls.CA_KEY)
-    trust = ControlTLS(ca, server_name=resources.coordinator_host(ref)) if ca else None
+    template = ctx.settings.endpoint_template
+    endpoints = Endpoints(ctx.cluster, ref, port, template, gpus_per_node=gpus_per_node, ca=ca)
+    timeout = ctx.settings.http_timeout_seconds
     try:
-        url = await Endpoints(ctx.cluster, ref, port, ctx.settings.endpoint_template).url(0)
-        timeout = ctx.settings.http_timeout_seconds
-        async with AsyncControlClient(url, token, timeout=timeout, tls=trust) as client:
+        found = await endpoints.coordinator(timeout)
+        async with AsyncControlClient(found.url, token, timeout=timeout, tls=found.tls) as client:
             await client.stop(checkpoint=checkpoint)
     except (ConnectionError, ControlError) as e:
         log.warning("%s/%s: could not ask the trainers to stop: %s", ref.namespace, ref.name, e)
@@ -303,7 +310,8 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], at: dt.datetime) -> A
         await ctx.cluster.post_event(ref, "Normal", SUSPENDED, message)
         running = any(o.state == "Running" for o in outcomes)
         port = int(spec.get("controlPort") or 8040)
-        if not (running and await _ask_stop(ctx, ref, port, checkpoint)):
+        gpus = int(spec.get("gpusPerNode") or 1)
+        if not (running and await _ask_stop(ctx, ref, port, checkpoint, gpus)):
             await children.delete_children(ctx, ref, nodes, kinds=("Pod",))
     elif action == "delete-pods":
         await children.delete_children(ctx, ref, nodes, kinds=("Pod",))

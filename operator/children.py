@@ -5,7 +5,8 @@ name that the job does not control may have been planted (a ``<job>-control`` Se
 token someone knows, a ``<job>-config`` ConfigMap with a plan of their choosing), so it is
 neither used (`k8s.NameConflict` stops the creation) nor deleted.
 
-`replace_failed` acts on `failures`: it replaces the worker pods whose backoff is over.
+`replace_failed` acts on `failures`: it replaces the worker pods whose backoff is over;
+`follow_out` keeps the PodDisruptionBudget at the nodes still in the job.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import datetime as dt
 import json
 import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from malleus.errors import BadInput
@@ -30,6 +31,7 @@ __all__ = [
     "child_kinds",
     "delete_children",
     "ensure_children",
+    "follow_out",
     "network_policy",
     "replace_failed",
     "started_job",
@@ -177,11 +179,39 @@ async def sync_pods(
         await cluster.patch_job_status(namespace, job_name, status.dump(transition.status))
         if transition.status.phase is not None:
             ctx.metrics.phases.set(namespace, job_name, transition.status.phase)
+    records = transition.status.failures if transition.status is not None else None
+    if records is None:  # as stored: a restarted operator catches up on a budget not yet lowered
+        stored = {"failures": (job_body.get("status") or {}).get("failures") or []}
+        records = MalleusJobStatus.model_validate(stored).failures
+    if any(r.state == "Out" for r in records or []):
+        await follow_out(ctx, ref, len(expected), records or [])
     for event in transition.events:
         if event.reason == "PodFailed":
             ctx.metrics.pod_failures.labels(namespace=namespace, job=job_name).inc()
         await cluster.post_event(ref, event.type, event.reason, event.message)
     return transition
+
+
+async def follow_out(
+    ctx: Context, ref: resources.JobRef, nodes: int, records: Sequence[NodeFailure]
+) -> bool:
+    """Lower the job's PodDisruptionBudget to the nodes still in the job once one is ``Out``:
+    its pod is gone for good, and a budget kept at ``nodes`` would block every drain forever.
+    True when patched; a budget the job does not control is left alone."""
+    if not ctx.settings.disruption_budgets:
+        return False
+    out = [r.node for r in records if r.state == "Out"]
+    want = resources.disruption_min_available(nodes, out)
+    name = resources.disruption_budget_name(ref.name)
+    budget = await ctx.cluster.read("PodDisruptionBudget", ref.namespace, name)
+    if budget is None or not resources.owned_by(budget, ref.uid):
+        return False
+    if (budget.get("spec") or {}).get("minAvailable") == want:
+        return False
+    patch = {"spec": {"minAvailable": want}}
+    await ctx.cluster.patch("PodDisruptionBudget", ref.namespace, name, patch)
+    log.info("%s/%s: %s minAvailable %d (nodes %s out)", ref.namespace, ref.name, name, want, out)
+    return True
 
 
 # ---- replacing failed workers ---------------------------------------------------------------

@@ -17,8 +17,9 @@ cluster, and keeps `k8s.py` the one place that talks to the API. A job of ``N`` 
   own pods reach its pods at all (the rendezvous store and the collectives' sockets have no
   authentication), and besides them only the operator (and configured peers such as a
   Prometheus) reach the control ports;
-- a PodDisruptionBudget ``<job>-workers`` with ``minAvailable: N``: a node drain (a voluntary
-  disruption) waits instead of evicting a worker (a lost worker is recovered from, at a cost);
+- a PodDisruptionBudget ``<job>-workers`` with ``minAvailable``: the nodes in the job (N, less
+  those ``Out`` for good: `disruption_min_available`): a node drain (a voluntary disruption)
+  waits instead of evicting a worker (a lost worker is recovered from, at a cost);
 - ``N`` worker Pods ``<job>-node-<i>``, one per node, each running ``torchrun`` with
   ``gpusPerNode`` processes (built in `workers`).
 
@@ -65,6 +66,7 @@ __all__ = [
     "coordinator_host",
     "describe_owner",
     "disruption_budget_name",
+    "disruption_min_available",
     "job_labels",
     "job_manifest",
     "metadata",
@@ -284,16 +286,22 @@ def build_secret(ref: JobRef, token: str, files: Mapping[str, str] | None = None
     }
 
 
+def disruption_min_available(nodes: int, out: Sequence[int] = ()) -> int:
+    """Every node still in the job: one ``Out`` has no pod for good (counted, no drain ends)."""
+    return max(0, nodes - len(set(out)))
+
+
 def build_disruption_budget(job: ResolvedJob, ref: JobRef) -> dict[str, Any]:
     """A PodDisruptionBudget asking that all ``nodes`` workers stay: an eviction (``kubectl
     drain``, a cluster autoscaler) waits rather than costing the job a recovery. Involuntary
-    failures are recovered from (`failures`)."""
+    failures are recovered from (`failures`); a node that goes ``Out`` lowers it
+    (`children.follow_out`)."""
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": metadata(ref, disruption_budget_name(ref.name)),
         "spec": {
-            "minAvailable": job.spec.nodes,
+            "minAvailable": disruption_min_available(job.spec.nodes),
             "selector": {
                 "matchLabels": {
                     **worker_selector(ref.name),

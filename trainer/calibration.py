@@ -1,34 +1,50 @@
 """The cost model's calibration, measured by the trainers (the planner's `calibration` section).
 
 In the first steps under a plan (after the start and after each switch) every rank files what
-its steps cost besides layer compute (`profiling.CostSample`: TP collectives inside layer calls,
-embedding and head per micro-batch, pipeline transfers, gradient sync per byte inside and across
-nodes, the optimizer per byte held, the rest of the step); at the window's last step one world
-all-reduce carries every rank's samples (each rank writes its own slot), and every rank reduces
-them alike, step by step (`profiling.reduce_calibration`), to the terms in layer-time units and a
-link rate per node, then takes each term's median over the steps (a loaded host's one slow step
-does not make the figures). The coordinator's control endpoint publishes both (GET /status `calibration` and
+its steps cost besides layer compute (`calibration_terms.CostSample`: TP collectives inside
+layer calls, embedding and head per micro-batch, pipeline transfers and the transfer probe,
+gradient sync per byte inside and across nodes, the optimizer per byte held, the rest of the
+step); at the window's last step one world all-reduce carries every rank's samples (each rank
+writes its own slot), and every rank reduces them alike, step by step
+(`calibration_terms.reduce_calibration`), to the terms in layer-time units and a link rate per
+node, then takes each term's median over the steps (a loaded host's one slow step does not make
+the figures). The coordinator's control endpoint publishes both (GET /status `calibration` and
 `link_rates`; /metrics `malleus_cost_seconds`, `malleus_link_rate`), where the controller reads
 them into the PlanningProblem.
 
 The window is the same on every rank: it follows the plan generation in force and the step
 counter, which every rank shares.
+
+A plan without stage boundaries (one-stage pipelines) has no pipeline transfer to time, yet the
+planner's next plan may have several stages: so after each measured step every rank also probes
+one (`probe`): a ping-pong of one micro-batch's activation (micro-batch x sequence x hidden, the
+compute dtype: what a stage boundary carries each way, the activation forward and its gradient
+back) with a partner inside its node, then with one in the paired node (nodes 0-1, 2-3, ...),
+through the same `CommMeter` (an emulated slow link charges it as it charges the pipeline's
+transfers). Pairs are disjoint and every rank runs the inside-node probe before the cross-node
+one, so no rank waits on one that is busy elsewhere; the probe runs between steps (outside every
+step's time) on its own buffers and tag, so the training math is untouched. It is the p2p
+figure under every plan, so one-stage and multi-stage calibrations measure it alike.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
+import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from .profiling import CostSample, median_calibration, reduce_calibration
+from . import membership
+from .calibration_terms import CostSample, median_calibration, reduce_calibration
 
 if TYPE_CHECKING:
     from .worker import Trainer
 
-__all__ = ["CAL_STEPS", "CAL_WARMUP", "Calibrator"]
+__all__ = ["CAL_STEPS", "CAL_WARMUP", "PROBE_CALLS", "Calibrator", "probe", "probe_peers"]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +52,11 @@ CAL_WARMUP = 1
 """Steps under a new plan left out: they pay one-off costs (allocations, new groups)."""
 CAL_STEPS = 4
 """Steps measured after them; the exchange runs after the last."""
+PROBE_CALLS = 3
+"""Timed probe round trips per partner and measured step, after one untimed one that lines the
+pair up (so a partner's late arrival is not counted); their median is the figure: each hop's
+wake-up of a waiting rank is what a pipeline boundary costs, and a lucky one is not typical."""
+PROBE_TAG = 3  # apart from the pipeline's ACT_TAG / GRAD_TAG (trainer/parallel/pipeline.py)
 
 
 class Calibrator:
@@ -66,7 +87,8 @@ class Calibrator:
             k = step - self._first
             if not CAL_WARMUP <= k < CAL_WARMUP + CAL_STEPS:
                 return False
-            self.window.append(_sample(trainer, started, seconds, optimizer_s))
+            probes = probe(trainer)
+            self.window.append(_sample(trainer, started, seconds, optimizer_s, probes))
             if k < CAL_WARMUP + CAL_STEPS - 1:
                 return False
             self._close(trainer)
@@ -111,8 +133,72 @@ class Calibrator:
             )
 
 
-def _sample(trainer: Trainer, started: float, seconds: float, optimizer_s: float) -> CostSample:
+def probe_peers(
+    gpu: int, members: Sequence[int], gpus_per_node: int
+) -> tuple[int | None, int | None]:
+    """`gpu`'s probe partners among the job's live GPUs `members`: inside its node (its live
+    GPUs paired in order: 1st-2nd, 3rd-4th, ...) and in the paired node (node n ^ 1, the GPU of
+    the same position among that node's live ones). Symmetric, so every pair agrees; None
+    where there is no partner (an odd one out, an unpaired last node)."""
+    node = gpu // gpus_per_node
+
+    def live(n: int) -> list[int]:
+        return sorted(g for g in members if g // gpus_per_node == n)
+
+    mine = live(node)
+    i = mine.index(gpu)
+    intra = mine[i ^ 1] if (i ^ 1) < len(mine) else None
+    theirs = live(node ^ 1)
+    inter = theirs[i] if i < len(theirs) else None
+    return intra, inter
+
+
+def probe(trainer: Trainer) -> tuple[tuple[int, float] | None, tuple[int, float] | None]:
+    """Time one stage boundary's transfers with each partner (`probe_peers`): a ping-pong, the
+    lower GPU of the pair sending one activation and waiting for one back, the other waiting for
+    it and answering, so that each message reaches a rank blocked on it, as the pipeline's do.
+    Returns (partner, seconds) inside the node and across: the median of the lower GPU's timed
+    round trips (the higher GPU's seconds are 0: it waited for each ping, which is not a cost).
+    Collective over the pairs: every live rank calls it at the same step."""
+    now = membership.current()
+    members = now.members if now is not None else tuple(range(trainer.world))
+    peers = probe_peers(trainer.rank, members, trainer.job.gpus_per_node)
+    send = torch.zeros(trainer.act_shape, dtype=trainer.precision.compute, device=trainer.device)
+    recv = torch.empty_like(send)
+    nbytes = 2 * send.numel() * send.element_size()  # one each way, as the pipeline counts
+    out: list[tuple[int, float] | None] = []
+    for kind, peer in zip(("probe_intra", "probe_inter"), peers, strict=True):
+        if peer is None:
+            out.append(None)
+            continue
+        dst, lead = membership.pg(peer), trainer.rank < peer
+        trips = []
+        for i in range(1 + PROBE_CALLS):
+            if not lead:
+                dist.recv(recv, dst, tag=PROBE_TAG)
+                dist.send(send, dst, tag=PROBE_TAG)
+                continue
+            t0 = time.perf_counter()
+            # The first round trip lines the pair up (the partner may still be finishing its
+            # step): not timed. The meter charges an emulated slow link inside the timing.
+            with trainer.meter.timed(kind if i else "probe_lineup", (trainer.rank, peer), nbytes):
+                dist.send(send, dst, tag=PROBE_TAG)
+                dist.recv(recv, dst, tag=PROBE_TAG)
+            if i:
+                trips.append(time.perf_counter() - t0)
+        out.append((peer, statistics.median(trips) if trips else 0.0))
+    return out[0], out[1]
+
+
+def _sample(
+    trainer: Trainer,
+    started: float,
+    seconds: float,
+    optimizer_s: float,
+    probes: tuple[tuple[int, float] | None, tuple[int, float] | None] = (None, None),
+) -> CostSample:
     t, m = trainer.timer, trainer.meter
+    pi, px = probes[0] or (-1, 0.0), probes[1] or (-1, 0.0)
     place = trainer.layout.place
     emb = t.ends.get("embedding", [0.0, 0])
     head = t.ends.get("head", [0.0, 0])
@@ -142,4 +228,8 @@ def _sample(trainer: Trainer, started: float, seconds: float, optimizer_s: float
         opt_bytes=float(sum(p.numel() * p.element_size() for p in trainer.params.values())),
         run_s=(t.ended - t.started) if ran else 0.0,  # type: ignore[operator]
         end_s=(t.ended - started) if ran else 0.0,  # type: ignore[operator]
+        probe_intra_s=pi[1],
+        probe_intra_peer=pi[0],
+        probe_inter_s=px[1],
+        probe_inter_peer=px[0],
     )

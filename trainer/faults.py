@@ -7,6 +7,10 @@ benchmark forward included), so its peers are left inside the step's collectives
 SIGKILL (the process is gone, its sockets close at once); `hang` is SIGSTOP (the process stays,
 silent, until someone sends SIGCONT or SIGKILL): the survivors detect it only by timeout.
 
+`$MALLEUS_FAULT=lead:RANK:EPOCH` (`at_lead`; RANK may be `*`, any rank) kills the survivor that
+took the lead of recovery epoch EPOCH right after it claimed it, before it decides: who leads
+is a race among the survivors, so a test cannot name that rank in advance.
+
 Before acting the rank writes the wall time into the job's store (`rec/fault/GPU`), so a test
 can measure how long the survivors took to notice.
 """
@@ -25,7 +29,7 @@ from typing import Any
 from . import membership
 from .switch import FAULT_ENV
 
-__all__ = ["FAULT_KEY", "Faults", "die"]
+__all__ = ["FAULT_KEY", "Faults", "at_lead", "die"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,14 @@ def die(rank: int, how: str, where: str) -> None:
         "fault injection: rank %d %s at %s", rank, "dies" if how == "kill" else "hangs", where
     )
     os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+
+
+def at_lead(rank: int, epoch: int) -> None:
+    """Die here (SIGKILL) when `$MALLEUS_FAULT` is `lead:RANK:EPOCH` (or `lead:*:EPOCH`): this
+    rank has just claimed the lead of recovery epoch `epoch` (trainer/recovery.py)."""
+    want = os.environ.get(FAULT_ENV, "").split(":")
+    if want[:1] == ["lead"] and want[1:] in (["*", str(epoch)], [str(rank), str(epoch)]):
+        die(rank, "kill", f"the lead of recovery epoch {epoch}")
 
 
 class Faults:

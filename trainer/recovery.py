@@ -17,12 +17,14 @@ step), so no sample is skipped or seen twice.
 
 Rendezvous (no rank hosts it: keys of the job's store, under `rec/EPOCH/`). Each survivor:
 destroys its process group, `add("arrive", 1)`, posts `alive/GPU` (its step, the vector it
-holds, the plan in force, the newest generation it knows, its rates). The first to arrive, the
-leader, waits until every previous member has arrived or is known dead (`rec/dead/GPU`, written
-by a launcher that saw the process exit) or `JOIN_WINDOW_S` passed, decides (members, the step,
+holds, the plan in force, the newest generation it knows, its rates). The first to claim the
+lead (`compare_set` of `leader`: atomic, and names it), the leader, waits until every
+previous member has arrived or is known dead (`rec/dead/GPU`, written by a launcher that saw
+the process exit) or `JOIN_WINDOW_S` passed, decides (members, the step,
 the vector, the recovery plan, where the lost shards come from) and writes `decision`. Everyone
 then forms the process group `rec/EPOCH/pg/` among the members. A leader that dies before
-deciding leaves the others waiting at most `DECISION_WAIT_S`; they then start epoch + 1. A rank
+deciding sends the others to epoch + 1 as soon as a launcher marks it dead (`rec/dead/GPU`),
+else after `DECISION_WAIT_S`; a replacement clears its GPU's mark when it is admitted. A rank
 that arrives after the decision and is not a member (a hung rank that woke up) prints why and
 exits with `LEFT_OUT_EXIT` (3).
 
@@ -57,9 +59,10 @@ from malleus.errors import BadInput
 from malleus.planner import Plan, check_plan
 
 from . import membership
+from .faults import at_lead
 from .launch import DEAD_KEY  # what launchers write when a GPU's process ends
 from .membership import Membership
-from .recovery_groups import _form, _release, _wait_json
+from .recovery_groups import _form, _release
 from .recovery_restore import _apply, _redo, _survivor_holders
 
 if TYPE_CHECKING:
@@ -70,6 +73,7 @@ __all__ = [
     "JOIN_WINDOW_S",
     "LEFT_OUT_EXIT",
     "NO_PLAN_EXIT",
+    "QUIET_AFTER_TIMEOUT_S",
     "NoValidPlan",
     "PeerFailure",
     "RecoveryError",
@@ -82,6 +86,12 @@ log = logging.getLogger(__name__)
 JOIN_WINDOW_S = 5.0
 """After its own arrival, how long the leader waits for the other survivors (a hung rank never
 arrives; a dead one known to a launcher is not waited for)."""
+QUIET_AFTER_TIMEOUT_S = 2.0
+"""When a survivor's collective timed out (a rank hung), how long the leader waits after the
+last arrival before deciding without the ranks still missing. A timeout fires only after every
+rank is blocked on the hung one (the step-boundary all-reduce waits for all), so the other
+survivors fail within moments of the first ones letting go of their groups: once arrivals stop,
+the missing rank is the hung one, and the rest of `JOIN_WINDOW_S` would only be waited out."""
 DECISION_WAIT_S = 60.0
 """How long a survivor waits for the leader's decision before starting the next epoch."""
 LEFT_OUT_EXIT = 3
@@ -142,18 +152,29 @@ def recover(trainer: Trainer, failure: PeerFailure, checkpoint_dir: str | None) 
     epoch = old.epoch + 1
     previous = old.members
     while True:
-        _release(trainer, failure)
         prefix = f"rec/{epoch}/"
-        _dbg(trainer.rank, "aborted")
+        # Counted in before letting go of the groups (which takes a collection: tenths of a
+        # second on a busy host), so that the leader and the peers still computing (whose
+        # alarm watches `arrive`, trainer/alarm.py) hear of this survivor at once.
+        store.set(prefix + f"alive/{trainer.rank}", json.dumps(_arrival(trainer, failure)))
         n = store.add(prefix + "arrive", 1)
         _dbg(trainer.rank, f"arrived {n}")
-        store.set(prefix + f"alive/{trainer.rank}", json.dumps(_arrival(trainer, failure)))
-        if n == 1:
+        _release(trainer, failure)
+        _dbg(trainer.rank, "released")
+        # The lead goes to whoever claims it first, atomically and by name, so that the others
+        # can tell when the leader is known dead before it decided (`_await_decision`).
+        leader = int(store.compare_set(prefix + "leader", "", str(trainer.rank)))
+        if leader == trainer.rank:
+            at_lead(trainer.rank, epoch)  # fault injection (tests): it dies before deciding
             _lead(store, prefix, previous, trainer)
-        decision = _wait_json(store, prefix + "decision", DECISION_WAIT_S)
+        decision = _await_decision(store, prefix, leader)
+        _dbg(trainer.rank, "decided")
         if decision is None:  # the leader died before deciding
             log.warning(
-                "rank %d: no decision at recovery epoch %d; next epoch", trainer.rank, epoch
+                "rank %d: no decision at recovery epoch %d (leader rank %d); next epoch",
+                trainer.rank,
+                epoch,
+                leader,
             )
             epoch += 1
             continue
@@ -174,6 +195,7 @@ def recover(trainer: Trainer, failure: PeerFailure, checkpoint_dir: str | None) 
             log.warning("rank %d: re-forming epoch %d failed: %s", trainer.rank, epoch, e)
             previous, epoch = members, epoch + 1
             continue
+        _dbg(trainer.rank, "formed")
         if decision.get("spurious"):  # every rank alive: slow, not failed; or a real error
             tries = trainer.spurious.get(trainer.step, 0) + 1
             trainer.spurious[trainer.step] = tries
@@ -188,7 +210,23 @@ def recover(trainer: Trainer, failure: PeerFailure, checkpoint_dir: str | None) 
             failure = PeerFailure(f"recovery epoch {epoch}", e)
             previous, epoch = members, epoch + 1
             continue
+        _dbg(trainer.rank, "applied")
         return
+
+
+def _await_decision(store: Any, prefix: str, leader: int) -> dict[str, Any] | None:
+    """The leader's decision; None when it did not come within `DECISION_WAIT_S`, or at once
+    when the leader is known dead (a launcher wrote `rec/dead/LEADER`) without having written
+    it: a leader killed mid-recovery costs the others one epoch, not the whole wait."""
+    key, dead = prefix + "decision", DEAD_KEY + str(leader)
+    deadline = time.monotonic() + DECISION_WAIT_S
+    while time.monotonic() < deadline:
+        if store.check([key]):
+            return json.loads(store.get(key))
+        if store.check([dead]):  # its decision may have landed just before it died
+            return json.loads(store.get(key)) if store.check([key]) else None
+        time.sleep(0.02)
+    return None
 
 
 def _dbg(rank: int, what: str) -> None:
@@ -234,14 +272,21 @@ def _arrival(trainer: Trainer, failure: PeerFailure) -> dict[str, Any]:
 
 def _lead(store: Any, prefix: str, previous: tuple[int, ...], trainer: Trainer) -> None:
     """The first survivor to arrive decides who goes on, at which step, under which plan."""
-    deadline = time.monotonic() + JOIN_WINDOW_S
+    start = last = time.monotonic()
+    seen = 0
     while True:
         arrived = [g for g in previous if store.check([prefix + f"alive/{g}"])]
         dead = [g for g in previous if store.check([DEAD_KEY + str(g)])]
-        if len(set(arrived) | set(dead)) >= len(previous) or time.monotonic() > deadline:
+        now = time.monotonic()
+        if len(arrived) > seen:
+            seen, last = len(arrived), now
+        if len(set(arrived) | set(dead)) >= len(previous) or now - start > JOIN_WINDOW_S:
+            break
+        if now - last > QUIET_AFTER_TIMEOUT_S and _timed_out(store, prefix, arrived):
             break
         time.sleep(0.02)
     arrivals = {g: json.loads(store.get(prefix + f"alive/{g}")) for g in arrived}
+    _dbg(trainer.rank, f"lead: waited, arrived {arrived} dead {dead}")
     try:
         decision = _decide(trainer, arrivals, previous, store)
     except BadInput as e:  # the planner refused the survivors' problem: nothing fits them
@@ -250,7 +295,13 @@ def _lead(store: Any, prefix: str, previous: tuple[int, ...], trainer: Trainer) 
     except Exception as e:
         log.exception("recovery decision failed")
         decision = {"members": sorted(arrivals), "error": f"{type(e).__name__}: {e}"}
+    _dbg(trainer.rank, "lead: decided")
     store.set(prefix + "decision", json.dumps(decision))
+
+
+def _timed_out(store: Any, prefix: str, arrived: list[int]) -> bool:
+    """Whether some survivor's collective timed out (rather than failing on a closed socket)."""
+    return any(json.loads(store.get(prefix + f"alive/{g}"))["timeout"] for g in arrived)
 
 
 def _decide(

@@ -3,7 +3,7 @@
 A replacement posts `join/GPU` and waits (`await_admission`); the coordinator finds it before a
 step's world vector (`joiners`) and announces it in a control word, and at that step boundary
 every member and the joiner re-form the process group at the next epoch (`admit`), no step
-lost. Apart from trainer/recovery.py because no rank failed here: nothing is decided or
+lost; the joiner clears its predecessor's death mark (`rec/dead/GPU`) on the way in. Apart from trainer/recovery.py because no rank failed here: nothing is decided or
 restored, the joiner only learns the plan in force, the step and the `out` set (`joined`).
 """
 
@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import membership
+from .launch import DEAD_KEY
 from .membership import Membership
 from .recovery_groups import _form, _release, _wait_json
 from .recovery_restore import _restart_calibration
@@ -23,11 +25,19 @@ from .recovery_restore import _restart_calibration
 if TYPE_CHECKING:
     from .worker import Trainer
 
-__all__ = ["Admission", "admit", "await_admission", "joined", "joiners"]
+__all__ = ["AWAIT_JOIN_ENV", "Admission", "admit", "await_admission", "joined", "joiners"]
 
 log = logging.getLogger(__name__)
 
 JOIN_KEY = "join/"
+AWAIT_JOIN_ENV = "MALLEUS_AWAIT_JOIN"
+"""Test hook: `GPU`. The coordinator, at each step boundary while GPU is out of the job, waits
+(at most `AWAIT_JOIN_S`) until a replacement of it has asked to join, so that a test of
+re-admission does not depend on how fast the replacement's interpreter starts on a loaded
+machine. A wait outside any compute charge (unlike stopping the process), so the emulated clock
+has nothing to catch up afterwards. Only where the coordinator is the only member: the others
+would wait for it in the world all-reduce."""
+AWAIT_JOIN_S = 120.0
 
 
 # ---- replacements joining ------------------------------------------------------------------------
@@ -52,6 +62,10 @@ def await_admission(store: Any, gpu: int, timeout_s: float) -> Admission:
     admit = _wait_json(store, f"{JOIN_KEY}{gpu}/{n}/admit", timeout_s)
     if admit is None:
         raise LaunchError(f"rank {gpu}: the running job did not admit it within {timeout_s:g}s")
+    # Its predecessor's death mark (`rec/dead/GPU`) must not outlive it: the recovery reads it
+    # as "this GPU's process is gone" (the leader waits for no arrival of it, the others stop
+    # waiting for a decision of it), which is no longer true of this process.
+    store.delete_key(DEAD_KEY + str(gpu))
     membership.set_collective_timeout(admit["timeout"])
     m = Membership(admit["epoch"], tuple(admit["members"]), admit["lead"])
     membership.install(m, store)
@@ -80,6 +94,7 @@ def joiners(trainer: Trainer) -> int:
     store, m = membership.store(), membership.current()
     if store is None or m is None:
         return 0
+    _await_join(store, m, trainer)
     found = []
     for g in range(trainer.world):
         if g in m:
@@ -90,6 +105,17 @@ def joiners(trainer: Trainer) -> int:
     if found:
         store.set(f"rec/{m.epoch + 1}/joiners", json.dumps(found))
     return len(found)
+
+
+def _await_join(store: Any, m: Membership, trainer: Trainer) -> None:
+    """`AWAIT_JOIN_ENV` (tests): wait for the named GPU's replacement to ask to join."""
+    want = os.environ.get(AWAIT_JOIN_ENV, "")
+    if not want.isdigit() or int(want) in m or int(want) >= trainer.world:
+        return
+    key, seen = f"{JOIN_KEY}{want}/n", trainer.admitted.get(int(want), 0)
+    deadline = time.monotonic() + AWAIT_JOIN_S
+    while store.add(key, 0) <= seen and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def admit(trainer: Trainer) -> None:

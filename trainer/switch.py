@@ -50,7 +50,8 @@ even where no launcher watches the processes."""
 FAULT_ENV = "MALLEUS_FAULT"
 """Test hook: `POINT:RANK` (or `POINT:RANK:STEP`) makes GPU RANK kill itself (SIGKILL) at POINT:
 `migration` (in the middle of a migration), `checkpoint` (its checkpoint file written, the
-manifest not yet), `step` (mid-step, after its first layer forward; trainer/faults.py)."""
+manifest not yet), `step` (mid-step, after its first layer forward; trainer/faults.py), `lead`
+(`lead:RANK:EPOCH`, RANK may be `*`: the leader of a recovery, before it decides; faults.py)."""
 
 
 @dataclass(frozen=True)

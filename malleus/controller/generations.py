@@ -82,7 +82,12 @@ class Generations:
                 log.warning("looking up the plan of generation %d failed: %r", generation, e)
         if plan is not None and plan.generation == generation:
             why = f"the trainers run generation {generation}, not published by this controller"
-            return Pending(plan, {}, why, 0.0)
+            # GPUs that plan leaves out altogether (a recovery's plan drops the failed ones, it
+            # does not exclude them) count as failed: a healthy rate of theirs later (a
+            # replacement joined) is then a return, and a later plan re-admits them.
+            kept = {*plan.active_ranks(), *plan.excluded}
+            dropped = {*self.plan.active_ranks(), *self.plan.excluded} - kept
+            return Pending(plan, dict.fromkeys(sorted(dropped)), why, 0.0)
         log.warning(
             "the trainers run generation %d, whose plan is not on record: planning from the "
             "layout of generation %d",

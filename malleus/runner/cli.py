@@ -134,6 +134,7 @@ def make_report(
         initial_plan=json.loads(prepared.plan.to_json()),
         ideal_step_seconds=ideal_step_seconds(prepared),
         problem_of=prepared.job.problem,
+        calibration=session.record.calibrations().get(prepared.plan.generation),
     )
 
 

@@ -4,8 +4,10 @@
 ended (an exit code, a signal, exit 3 = the job left it out) or that the trainers report hung
 (`ControlStatus.out`) counts one failure; it is replaced (the same command plus `--join`) after
 `restartBackoffSeconds`, doubled for each earlier failure of the same rank and capped at 300 s,
-at most `maxRestarts` times; after that it stays out and the trainers plan around it. Nothing
-here starts a process: the session asks `due()` which replacements to start now.
+at most `maxRestarts` times; after that it stays out and the trainers plan around it. A rank
+that exits `NO_PLAN_EXIT` (4) did not fail: no valid plan exists on the GPUs left, the job is
+over (`why_no_plan` quotes the trainers' verdict). Nothing here starts a process: the session
+asks `due()` which replacements to start now.
 
 `FailureLog` keeps the run's failures, the replacements and the recoveries the coordinator
 measured (`RecoveryRecord`), each with the runner's own measurement: seconds from the fault (the
@@ -26,6 +28,7 @@ from malleus.job.control import RecoveryRecord
 
 __all__ = [
     "BACKOFF_CAP_SECONDS",
+    "NO_PLAN_EXIT",
     "Failure",
     "FailureLog",
     "Recovery",
@@ -37,6 +40,9 @@ __all__ = [
 ]
 
 BACKOFF_CAP_SECONDS = 300.0
+NO_PLAN_EXIT = 4
+"""A trainer's exit code when no valid plan exists on the GPUs left (trainer/recovery.py
+`NO_PLAN_EXIT`, the same number): the end of the job, not a failure to replace."""
 
 
 def backoff_seconds(policy: FailurePolicy, failures: int) -> float:
@@ -151,12 +157,22 @@ def parse_trainer_event(line: str) -> tuple[str, dict[str, Any]] | None:
 
 
 def why_no_plan(tails: Mapping[int, Sequence[str]]) -> str | None:
-    """The first `no valid plan ...` (or `RecoveryError: ...`) line in any rank's last lines:
-    the trainers' verdict that the GPUs left cannot go on."""
+    """The trainers' verdict that the GPUs left cannot go on: the last `no valid plan ...` (or
+    `RecoveryError: ...`) line in any rank's last lines, with the planner's faults that follow it
+    (`  - memory: ...` lines) joined on; None when no rank printed one."""
     for _, lines in sorted(tails.items()):
-        for line in lines:
-            if _NO_PLAN.search(line):
-                return line.strip()
+        found = [i for i, line in enumerate(lines) if _NO_PLAN.search(line)]
+        if not found:
+            continue
+        # The last one is the trainer's own exit message (trainer/cli.py); the earlier ones are
+        # the same verdict logged on the way (the leader's decision).
+        at = found[-1]
+        parts = [lines[at].strip()]
+        for line in lines[at + 1 :]:
+            if not line.startswith("  - "):
+                break
+            parts.append(line.strip().removeprefix("- "))
+        return " ".join(parts)
     return None
 
 

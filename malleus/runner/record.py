@@ -122,6 +122,7 @@ class RunRecord:
         self.last_generation = initial_generation
         """The newest generation the trainers reported (scrapes and acknowledgements)."""
         self.total_steps: int | None = None
+        self._calibrations: dict[int, dict[str, Any]] = {}  # generation -> the latest measured
 
     def _step(self, index: int) -> StepRecord:
         rec = self._steps.get(index)
@@ -151,6 +152,12 @@ class RunRecord:
             if rec.time is None:
                 rec.time = self._clock() - self.started
             self.last_generation = max(self.last_generation, obs.generation)
+            if obs.calibration is not None:  # the cost model's terms, as /status carried them
+                self._calibrations[obs.generation] = {
+                    "generation": obs.generation,
+                    "calibration": dict(obs.calibration),
+                    "link_rates": {int(n): float(v) for n, v in obs.link_rates.items()},
+                }
 
     def add_switch(self, switch: PlanSwitch) -> None:
         with self._lock:
@@ -161,6 +168,13 @@ class RunRecord:
     def switches(self) -> list[PlanSwitch]:
         with self._lock:
             return sorted(self._switches.values(), key=lambda s: s.generation)
+
+    def calibrations(self) -> dict[int, dict[str, Any]]:
+        """Per plan generation, the latest calibration observed while it ran (`generation`,
+        `calibration`, `link_rates`); the trainers re-measure in each generation's first steps,
+        so until then a generation's observations can still carry the previous one's."""
+        with self._lock:
+            return {g: dict(c) for g, c in sorted(self._calibrations.items())}
 
     def generation_at(self, index: int) -> int:
         """The plan generation step `index` ran under (the newest switch at or before it)."""

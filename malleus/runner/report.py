@@ -17,10 +17,12 @@ Two views of the whole run sit beside the per-change figures:
   the window before the switch against the new plan on the steps after it, so that a re-plan is
   compared with what it replaced under the same rates (a straggler never makes it look a loss);
 - *static baseline*: what the job's first plan, held all run (what a framework without
-  re-planning does), would have taken on the same steps: its cost-model time under each step's
-  measured rates, in seconds by this run's own steps (seconds = overhead + seconds per unit x
-  units: the emulated clock's unit and the median overhead, or a least-squares fit against the
-  cost-model time of the plan each step ran). A prediction, labelled so everywhere.
+  re-planning does), would have taken on the same steps: its calibrated cost-model time under
+  each step's measured rates, with the terms the trainers measured under that plan (the
+  report's `calibration`, from /status); without them its layer-compute time in seconds by this
+  run's own steps (seconds = overhead + seconds per unit x units: the emulated clock's unit and
+  the median overhead, or a least-squares fit against the cost-model time of the plan each step
+  ran). A prediction, labelled so everywhere.
 
 Layout: this module holds the report's facts (`RunFacts`) and its assembly (`build_report`);
 the per-change and per-window figures are `malleus.runner.report_figures`'s, the static
@@ -90,9 +92,12 @@ def build_report(
     initial_plan: Mapping[str, Any] | None = None,
     ideal_step_seconds: Sequence[float] | None = None,
     problem_of: ProblemOf | None = None,
+    calibration: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON run report. `ideal_step_seconds[i]`: the cost model's ideal time of step i;
-    `problem_of` (the job's planning problem under given rates): for the static baseline."""
+    `problem_of` (the job's planning problem under given rates) and `calibration` (what the
+    trainers measured under the first plan, `RunRecord.calibrations`): for the static
+    baseline."""
     timed = [r for r in rows if r.get("seconds")]
     training = None
     if timed and timed[0].get("time") is not None and timed[-1].get("time") is not None:
@@ -128,6 +133,7 @@ def build_report(
         "ideal_ratio": _ratio(ideal, training),
         "schedule": [{"step": s, "rank": r, "factor": f} for s, r, f in facts.schedule],
         "initial_plan": dict(initial_plan) if initial_plan is not None else None,
+        "calibration": dict(calibration) if calibration is not None else None,
         "generations": generation_segments(rows, facts.tokens_per_step),
         "static_baseline": None,
         "windows": replan_windows(

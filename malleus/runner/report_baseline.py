@@ -1,11 +1,16 @@
 """The run report's static baseline: the job's first plan, held all run, predicted on its steps.
 
 What a framework without re-planning would have taken on the same steps: the first plan's
-cost-model time under each step's measured rates, in seconds by this run's own steps (seconds =
-overhead + seconds per unit x units: the emulated clock's unit and the median overhead, or a
-least-squares fit against the cost-model time of the plan each step ran). A prediction,
-labelled so everywhere. `static_baseline_of` gives one to a report as `build_report` writes it
-(a saved report, or one of an older version, too).
+cost-model time under each step's measured rates. With the calibration the trainers measured
+under the first plan (the report's `calibration`: what /status carried while that plan ran,
+the cost model's TP, end, pipeline-transfer, gradient-sync, optimizer and fixed terms and the
+links' rates) the prediction is the **calibrated** cost model's, in seconds by its own
+`layer_seconds`, as the controller predicts a plan; nothing is fitted. Without one (a run too
+short to calibrate, or an older report) it falls back to the layer-compute model in seconds by
+this run's own steps (seconds = overhead + seconds per unit x units: the emulated clock's unit
+and the median overhead, or a least-squares fit against the cost-model time of the plan each
+step ran). A prediction, labelled so everywhere. `static_baseline_of` gives one to a report as
+`build_report` writes it (a saved report, or one of an older version, too).
 
 Apart from `malleus.runner.report` because it alone needs the planner's cost model and a
 planning problem per set of rates (`ProblemOf`).
@@ -18,6 +23,7 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from malleus.controller.decision import calibrated
 from malleus.planner.cost import plan_step_time
 from malleus.planner.plan import Plan
 from malleus.planner.problem import PlanningProblem
@@ -66,6 +72,7 @@ def static_baseline(
     warmups: set[int] | frozenset[int] = frozenset({0}),
     elapsed: float | None = None,
     unit_seconds: float | None = None,
+    calibration: Mapping[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """The predicted time of `static` (the first plan, held all run) on this run's steps.
 
@@ -78,7 +85,19 @@ def static_baseline(
     first (which both pay alike) with `elapsed`, the run's time over the same steps (end of the first step to the
     last: switches, restarts and their warm-ups count against the re-planning run), else with the
     sum of their step times. None without timed, rated steps.
+
+    `calibration` (`{"generation", "calibration", "link_rates"}`, as `RunRecord.calibrations`
+    keeps them): the trainers' measurement under `static`; with it every step is the
+    calibrated model's seconds of `static` (its terms carry the overhead: no fit).
     """
+    measured_under = _usable(calibration, problem_of({}), static)
+    problem_at = problem_of
+    if measured_under is not None:
+        terms, links = measured_under
+
+        def problem_at(rates: Mapping[int, float | None]) -> PlanningProblem:
+            return calibrated(problem_of(rates), terms, links)
+
     first = min((r["step"] for r in rows), default=0)
     known: dict[int, float | None] = {}
     cache: dict[tuple[tuple[int, float | None], ...], PlanningProblem] = {}
@@ -92,7 +111,7 @@ def static_baseline(
             continue
         key = tuple(sorted(known.items()))
         if key not in cache:
-            cache[key] = problem_of(dict(known))
+            cache[key] = problem_at(dict(known))
         problem = cache[key]
         ran = plan_step_time(problem, plans[r["generation"]])
         held = plan_step_time(problem, static)
@@ -103,7 +122,18 @@ def static_baseline(
     usable = [(u, s, gen) for u, s, gen in usable if math.isfinite(u)]
     own = [(u, s) for u, s, gen in usable if gen == static.generation]
     on_own = len(own) >= _OWN_STEPS
-    fit = _affine(own if on_own else [(u, s) for u, s, _ in usable], unit_seconds)
+    if measured_under is not None:  # seconds by the calibration's own unit, overhead modelled
+        if not usable:
+            return None
+        fit: tuple[float, float] | None = (0.0, float(measured_under[0]["layer_seconds"]))
+        how = (
+            f"calibrated cost model (measured under plan generation {calibration_of(calibration)})"
+        )
+    else:
+        fit = _affine(own if on_own else [(u, s) for u, s, _ in usable], unit_seconds)
+        how = (
+            "emulated unit + median overhead" if unit_seconds is not None else "least squares"
+        ) + (" of the first plan's steps" if on_own else " of all steps")
     if fit is None:
         return None
     a, b = fit
@@ -111,12 +141,13 @@ def static_baseline(
     measured = elapsed if elapsed is not None else sum(s or 0.0 for _, s, _ in steps)
     predicted = sum(p for _, _, p in steps)  # inf when the static plan cannot run (a dead GPU)
     n = len(steps)
+    model = "calibrated cost model" if measured_under is not None else "cost model"
     return {
-        "label": "predicted: the first plan held all run, cost model at the measured rates",
+        "label": f"predicted: the first plan held all run, {model} at the measured rates",
+        "calibrated": measured_under is not None,
         "intercept_seconds": a,
         "seconds_per_unit": b,
-        "fit": ("emulated unit + median overhead" if unit_seconds is not None else "least squares")
-        + (" of the first plan's steps" if on_own else " of all steps"),
+        "fit": how,
         "steps": n,
         "measured_seconds": measured,
         "measured_is_elapsed": elapsed is not None,
@@ -128,6 +159,27 @@ def static_baseline(
         "gain": predicted / measured if measured and math.isfinite(predicted) else None,
         "per_step": [{"step": step, "predicted_seconds": _finite(p)} for step, _, p in steps],
     }
+
+
+def calibration_of(calibration: Mapping[str, Any] | None) -> int | None:
+    """The plan generation a recorded calibration was measured under."""
+    return None if calibration is None else calibration.get("generation")
+
+
+def _usable(
+    calibration: Mapping[str, Any] | None, problem: PlanningProblem, static: Plan
+) -> tuple[dict[str, Any], dict[int, float]] | None:
+    """(terms, link rates) of a calibration measured under `static`, if the planner takes
+    them; None otherwise (measured under another plan, absent, or out of bounds)."""
+    if calibration is None or calibration_of(calibration) != static.generation:
+        return None
+    terms = calibration.get("calibration")
+    if not terms:
+        return None
+    links = {int(n): float(v) for n, v in (calibration.get("link_rates") or {}).items()}
+    if calibrated(problem, terms, links).calibration is None:  # refused: logged there
+        return None
+    return dict(terms), links
 
 
 def static_baseline_of(report: Mapping[str, Any], problem_of: ProblemOf) -> dict[str, Any] | None:
@@ -156,4 +208,5 @@ def static_baseline_of(report: Mapping[str, Any], problem_of: ProblemOf) -> dict
         warmups=_warmups(changes),
         elapsed=elapsed,
         unit_seconds=report.get("unit_seconds"),
+        calibration=report.get("calibration"),
     )

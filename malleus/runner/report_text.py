@@ -38,18 +38,22 @@ def summary_text(report: Mapping[str, Any]) -> str:
     base = report.get("static_baseline")
     if base is not None and report["mode"] != "static":
         fit = f"{base['intercept_seconds']:.3f} s + {base['seconds_per_unit'] * 1000:.1f} ms/unit"
+        model, kind = "cost model", "predicted"
+        if base.get("calibrated"):  # the terms measured in the run carry the overhead: no fit
+            fit = f"{base['seconds_per_unit'] * 1000:.1f} ms/unit with the measured terms"
+            model, kind = "calibrated cost model", "predicted, calibrated"
         if base["predicted_seconds"] is None:
             lines.append(
-                "static baseline (predicted): the first plan cannot run at the measured rates"
+                f"static baseline ({kind}): the first plan cannot run at the measured rates"
             )
         else:
             lines += [
-                f"static baseline (predicted): {base['predicted_seconds']:.1f} s, "
+                f"static baseline ({kind}): {base['predicted_seconds']:.1f} s, "
                 f"{_num(base['predicted_tokens_per_second'], ',.0f')} tok/s on {base['steps']} "
                 f"steps; measured {base['measured_seconds']:.1f} s, "
                 f"{_num(base['measured_tokens_per_second'], ',.0f')} tok/s -> gain "
                 f"{_x(base['gain'])}",
-                f"  (the first plan held all run, cost model at the measured rates, step = {fit}: "
+                f"  (the first plan held all run, {model} at the measured rates, step = {fit}: "
                 f"{base.get('fit', 'fitted')} in this run; every step after the first, switches "
                 "included)",
             ]

@@ -141,6 +141,17 @@ class LiveSink(HttpPlanSink):
             (self._plans_dir / f"gen-{plan.generation}.json").write_text(plan.to_json())
         return await super().publish(plan)
 
+    async def recorded_plan(self, generation: int) -> Plan | None:
+        """The plan of `generation` as the trainers serve it (`GET /plan`, the plan in force),
+        or None: the trainers made it themselves (a recovery's plan, never published here),
+        and the controller must re-plan from the layout really in force (`PlanRecords`)."""
+        try:
+            response = await self.client._call("GET", "/plan")
+            plan = Plan.model_validate(response.json()) if response.status_code == 200 else None
+        except (ControlError, ValueError):
+            return None
+        return plan if plan is not None and plan.generation == generation else None
+
     async def wait_applied(self, generation: int, timeout: float) -> Ack:
         ack = await super().wait_applied(generation, timeout)
         self._record.add_switch(

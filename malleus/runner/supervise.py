@@ -12,9 +12,10 @@ fault to the first step committed after it).
 
 The run fails only when no member of the job is left (every process that took part has ended,
 and the replacements that are waiting cannot be admitted by anyone) without training every
-step; the reason names every rank and why, and quotes the trainers' `no valid plan` line if
-they printed one. In restart mode a failure restarts every process from the latest checkpoint
-instead (what TorchElastic does; `bench/faults.py`'s baseline).
+step; the reason names every rank and why. A survivor's exit 4 (`NO_PLAN_EXIT`) is the end of
+the job, not a failure: nothing is replaced after it, and the reason begins `no valid plan on
+the GPUs left:` with the trainers' verdict. In restart mode a failure restarts every process
+from the latest checkpoint instead (what TorchElastic does; `bench/faults.py`'s baseline).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import yaml
 from malleus.job.control import ControlError, RecoveryRecord
 
 from .failures import (
+    NO_PLAN_EXIT,
     Failure,
     FailureLog,
     Recovery,
@@ -100,6 +102,8 @@ class Supervisor:
         self.hang_seconds = float(self.policy.hang_timeout_seconds or 30)
         self._restart_for: Failure | None = None
         """Restart mode: the failure every process is to be restarted for."""
+        self.no_plan: set[int] = set()
+        """Ranks that exited `NO_PLAN_EXIT`: no valid plan on the GPUs left, the job is over."""
 
     # ---- clocks ------------------------------------------------------------------------------
     def now(self) -> float:
@@ -146,8 +150,11 @@ class Supervisor:
                 continue
             if rp.proc.pid in self._handled or code == 0:
                 continue
+            if code == NO_PLAN_EXIT and self.live:
+                self._no_plan(rank, rp.proc.pid)
+                continue
             self._failed(rank, describe_exit(code), now)
-        if not self.live or self.restarting or not self.members_alive():
+        if not self.live or self.restarting or self.no_plan or not self.members_alive():
             return  # no job left to join: `gone()` ends the run
         for rank in self.supervision.due(self.clock()):
             if self.finishing():
@@ -192,6 +199,16 @@ class Supervisor:
             self._restart_for = self.log.failures[-1]
         self.messages.put(f"step {step}: rank {rank} {why}: {action}")
 
+    def _no_plan(self, rank: int, pid: int) -> None:
+        """No valid plan on the GPUs left: the job's end (every survivor exits so), no failure."""
+        self._handled.add(pid)
+        self._fates[rank] = "no valid plan"
+        self.no_plan.add(rank)
+        self.supervision.pending.clear()
+        self.messages.put(
+            f"step {self.record.steps_done()}: rank {rank} exited: no valid plan on the GPUs left"
+        )
+
     def finishing(self) -> bool:
         """Every step has been trained (what is left is the end of the run)."""
         return self.record.steps_done() >= self.prepared.total_steps
@@ -232,14 +249,18 @@ class Supervisor:
         for rank in range(self.prepared.world):
             code = codes[rank]
             fate = describe_exit(code) if code is not None else "waiting to join"
+            if code == NO_PLAN_EXIT and rank in self.no_plan:
+                fate += " (no valid plan)"
             if rank in self.supervision.out:
                 fate += f" (left out: {self.supervision.out[rank]})"
             fates.append(f"rank {rank} {fate}")
         first = self.first_failure or "every trainer ended"
         reason = f"{first}\nevery rank is gone after {self.record.steps_done()} steps: "
         reason += "; ".join(fates)
-        if verdict is not None:
-            reason = f"no valid plan on the GPUs left ({verdict})\n{reason}"
+        if self.no_plan or verdict is not None:
+            # The trainers' own words when they printed them: the planner's faults say why.
+            said = verdict or f"ranks {sorted(self.no_plan)} exited {NO_PLAN_EXIT}"
+            reason = f"no valid plan on the GPUs left: {said}\n{reason}"
         return reason
 
     # ---- /status (event loop, every _STATUS_EVERY s) -----------------------------------------

@@ -135,17 +135,19 @@ def test_suspending_a_running_job_that_cannot_be_asked_deletes_its_pods_at_once(
 def test_suspending_asks_the_trainers_to_checkpoint_and_waits_for_them(
     kube: Kube, memo: kopf.Memo, ctx: Context, make_job: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    asked: list[tuple[int, bool]] = []
+    asked: list[tuple[int, bool, int]] = []
 
-    async def ask_stop(_ctx: Context, _ref: JobRef, port: int, checkpoint: bool) -> bool:
-        asked.append((port, checkpoint))
+    async def ask_stop(
+        _ctx: Context, _ref: JobRef, port: int, checkpoint: bool, gpus_per_node: int
+    ) -> bool:
+        asked.append((port, checkpoint, gpus_per_node))
         return True
 
     monkeypatch.setattr(admission, "_ask_stop", ask_stop)
     _running(kube, memo, make_job(checkpoint={"intervalSteps": 10}))
     job = _set_suspend(kube, True)
     assert run(admission.reconcile(ctx, job, T0)) == "suspend"
-    assert asked == [(8040, True)]
+    assert asked == [(8040, True, 4)]
     assert _workers(kube) == PODS  # checkpointing, not killed
     # node 0 exits after its checkpoint: deleted at the next tick; node 1 hangs.
     kube.set_pod_phase("ml", PODS[0], "Succeeded")

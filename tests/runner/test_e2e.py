@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from malleus.job import INITIAL_GENERATION
+from malleus.job import INITIAL_GENERATION, ResolvedJob
 
 from .conftest import manifest, write_job
 
@@ -50,10 +50,13 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     cmd += ["--save-model", str(tmp / "model.pt"), "--progress", "lines"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    reference = [sys.executable, "-m", "malleus.cli", "train", job, "--reference", "--quiet"]
-    reference += ["--save-model", str(tmp / "reference.pt")]
-    ref = subprocess.run(reference, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert ref.returncode == 0, ref.stderr
+    # The reference in this process: `malleus train --reference` saves exactly this state
+    # (tests/trainer/test_cli.py checks it), without another interpreter and torch to start.
+    import torch
+
+    from malleus.trainer.reference import train_reference
+
+    torch.save(train_reference(ResolvedJob.load(job)).full_state(), tmp / "reference.pt")
     report = json.loads((tmp / "report.json").read_text())
     return {"report": report, "dir": tmp, "stdout": proc.stdout}
 
@@ -94,6 +97,15 @@ def test_the_slow_gpu_is_set_apart_then_readmitted(run: dict[str, Any]) -> None:
     # group of one can be the faster layout on these CPUs, so its size is the planner's call).
     back = groups_of(recovered["plan"], RANK)
     assert RANK not in recovered["plan"]["excluded"] and len(back) == 1
+
+
+def test_the_static_baseline_is_the_calibrated_prediction(run: dict[str, Any]) -> None:
+    """The trainers calibrated under the first plan (/status): the baseline is its calibrated
+    time, and the summary says so."""
+    base = run["report"]["static_baseline"]
+    assert run["report"]["calibration"]["generation"] == INITIAL_GENERATION
+    assert base["calibrated"] and "calibrated cost model" in base["label"], base
+    assert "static baseline (predicted, calibrated): " in run["stdout"]
 
 
 def test_each_new_plan_delivers_most_of_its_predicted_throughput(run: dict[str, Any]) -> None:

@@ -103,3 +103,15 @@ def test_failed_reads_are_retried_quietly_then_raised_or_ended() -> None:
     assert inner.calls > 3
     ended = True
     assert asyncio.run(source.read()) is None
+
+
+def test_calibrations_are_kept_per_generation() -> None:
+    """What /status carried: the latest calibration seen while each generation ran."""
+    rec = RunRecord(tokens_per_step=1, initial_generation=0)
+    rec.add_observation(Observation(1, 1.0, {}, generation=0))  # not measured yet
+    cal = {"layer_seconds": 0.1, "p2p": 0.02}
+    rec.add_observation(Observation(5, 1.0, {}, generation=0, calibration=cal, link_rates={1: 2}))
+    rec.add_observation(Observation(9, 1.0, {}, generation=1, calibration={"layer_seconds": 0.2}))
+    got = rec.calibrations()
+    assert got[0] == {"generation": 0, "calibration": cal, "link_rates": {1: 2.0}}
+    assert got[1]["calibration"] == {"layer_seconds": 0.2} and got[1]["link_rates"] == {}

@@ -166,7 +166,7 @@ def test_a_failed_run_says_why_in_the_summary() -> None:
     assert "stopped: trainer rank 2 killed by SIGKILL" in summary_text(report)
 
 
-def full_report(simulated: Any, **over: Any) -> dict:
+def full_report(simulated: Any, calibration: dict[str, Any] | None = None, **over: Any) -> dict:
     """The report as `malleus run` builds it: with the first plan and the job's problems."""
     events, switches, rows = simulated
     job = ResolvedJob.load(manifest(policy={"windowSteps": 3, "cooldownSeconds": 2}))
@@ -177,6 +177,7 @@ def full_report(simulated: Any, **over: Any) -> dict:
         events,
         initial_plan=json.loads(job.initial_plan().to_json()),
         problem_of=job.problem,
+        calibration=calibration,
     )
 
 
@@ -259,3 +260,62 @@ def test_static_baseline_without_an_emulated_clock_is_fitted(simulated: Any) -> 
     saved = json.loads(json.dumps(emulated))
     job = ResolvedJob.load(manifest(policy={"windowSteps": 3, "cooldownSeconds": 2}))
     assert static_baseline_of(saved, job.problem) == emulated["static_baseline"]
+
+
+TERMS = {  # as the trainers publish them (JSON: string keys)
+    "layer_seconds": 0.15,
+    "embedding": 0.03,
+    "head": 0.07,
+    "tp_comm": {"2": 0.08},
+    "p2p": 0.01,
+    "grad_sync_intra": 0.5,
+    "grad_sync_inter": 3.0,
+    "optimizer": 0.2,
+    "fixed": 0.6,
+}
+
+
+def test_static_baseline_uses_the_calibration_measured_under_the_first_plan(
+    simulated: Any,
+) -> None:
+    """The run measured the cost model's terms under the first plan: the baseline is that
+    plan's calibrated time at each step's rates, in the calibration's own seconds (no fit)."""
+    from malleus.controller.decision import calibrated
+    from malleus.planner.cost import plan_step_time
+    from malleus.runner.report import static_baseline_of
+
+    job = ResolvedJob.load(manifest(policy={"windowSteps": 3, "cooldownSeconds": 2}))
+    first = job.initial_plan()
+    measured = {"generation": first.generation, "calibration": TERMS, "link_rates": {"0": 1.5}}
+    report = full_report(simulated, calibration=measured)
+    base = report["static_baseline"]
+    assert base["calibrated"] and "calibrated cost model" in base["label"]
+    assert base["fit"].startswith("calibrated cost model (measured under plan generation")
+    known: dict[int, float | None] = {}
+    expected = 0.0
+    warm = {0} | {c["step_applied"] for c in report["plan_changes"]}
+    for r in simulated[2]:
+        if r["step"] not in warm:
+            known.update({int(k): v for k, v in r["rates"].items()})
+        if r["step"] > 0:
+            problem = calibrated(job.problem(known), TERMS, {0: 1.5})
+            expected += 0.15 * plan_step_time(problem, first)
+    assert base["predicted_seconds"] == pytest.approx(expected)
+    plain = full_report(simulated)["static_baseline"]
+    assert not plain["calibrated"] and base["predicted_seconds"] != pytest.approx(
+        plain["predicted_seconds"]
+    )
+    text = summary_text(report)
+    assert "static baseline (predicted, calibrated): " in text
+    assert "calibrated cost model at the measured rates" in text
+    saved = json.loads(json.dumps(report))  # a saved report gets the same baseline again
+    assert static_baseline_of(saved, job.problem) == base
+
+
+def test_a_calibration_of_another_plan_is_not_the_static_baseline(simulated: Any) -> None:
+    """Terms measured under a later plan do not describe the first one: the fallback fit."""
+    job = ResolvedJob.load(manifest(policy={"windowSteps": 3, "cooldownSeconds": 2}))
+    later = {"generation": job.initial_plan().generation + 1, "calibration": TERMS}
+    base = full_report(simulated, calibration=later)["static_baseline"]
+    assert not base["calibrated"] and base["fit"].startswith("emulated unit")
+    assert "(predicted): " in summary_text(full_report(simulated, calibration=later))

@@ -95,6 +95,33 @@ def test_a_rank_killed_mid_step_is_survived_from_replicas(tmp_path: Path) -> Non
     print(f"kill mid-step: {rec}, run {seconds:.1f}s")
 
 
+def test_the_leader_killed_before_deciding_the_others_go_on_at_the_next_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GPU 3 dies mid-step; the survivor that takes the lead of that recovery (epoch 1, whichever
+    # wins the race) dies too before it decides. The launcher marks it dead, so the other two
+    # go to epoch 2 at once instead of waiting out DECISION_WAIT_S, and recover without both.
+    from malleus.trainer.recovery import DECISION_WAIT_S
+
+    monkeypatch.setenv("MALLEUS_FAULT", "lead:*:1")
+    job = fc.fault_job([(2, 3, "kill")])
+    codes, results, full, seconds = _train(tmp_path, job, REPLICAS)
+    assert codes[3] == -9 and codes[:3].count(-9) == 1 and codes[:3].count(0) == 2, codes
+    leader = codes.index(-9)
+    survivors = [g for g in range(4) if codes[g] == 0]
+    rec = _one_recovery(results, survivors)
+    assert rec["failed"] == {str(leader): "killed", "3": "killed"}
+    assert all(r["epoch"] == 2 for r in results.values())  # epoch 1 had no decision
+    assert rec["seconds"] < DECISION_WAIT_S, rec  # not the decision's timeout
+    coord = results[survivors[0]]
+    assert coord["out"] == {str(leader): "killed", "3": "killed"}
+    # Either replicas or (GPUs 1 and 3: shard 1 has no holder left) the seeded initial state:
+    # the model is the reference's for the same committed steps either way.
+    assert rec["mode"] == ("checkpoint" if leader == 1 else "replicas"), rec
+    assert tc.rel_diff(full, reference(STEPS)) <= TOL
+    print(f"leader {leader} killed: {rec}, run {seconds:.1f}s")
+
+
 def _free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
     for s in socks:

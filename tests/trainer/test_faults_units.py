@@ -110,9 +110,11 @@ def test_malleus_store_makes_a_rank_a_client_of_an_external_store(
 
 def test_no_valid_plan_exit_code_is_the_one_the_operator_reads() -> None:
     """A trainer that finds no plan for the survivors exits NO_PLAN_EXIT; the operator turns
-    exactly that exit code into the job's `Failed` condition with reason `NoValidPlan`."""
+    exactly that exit code into the job's `Failed` condition with reason `NoValidPlan`, and
+    `malleus run` into the end of the run (tests/runner/test_faults.py)."""
     from malleus.operator import failures as operator_failures
+    from malleus.runner import failures as runner_failures
     from malleus.trainer.recovery import NO_PLAN_EXIT, NoValidPlan, RecoveryError
 
-    assert NO_PLAN_EXIT == operator_failures.NO_PLAN_EXIT == 4
+    assert NO_PLAN_EXIT == operator_failures.NO_PLAN_EXIT == runner_failures.NO_PLAN_EXIT == 4
     assert issubclass(NoValidPlan, RecoveryError)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from .. import membership
+from .. import alarm, membership
 from .layout import Place
 from .stage import StageModel
 from .tensor import CommMeter
@@ -97,6 +97,7 @@ class LayerTimer:
         return out
 
     def __call__(self, kind: str, shards: int, fn: Callable[[], Tensor]) -> Tensor:
+        alarm.check()  # a peer entered recovery: this step is lost anyway (trainer/alarm.py)
         self._sync()
         t0, c0 = time.perf_counter(), self.meter.seconds
         out = fn()

@@ -1,0 +1,294 @@
+"""The cost model's calibration from every rank's figures (torch-free; the window, the probe and
+the exchange are trainer/calibration.py's).
+
+`CostSample` is one rank's figures for what the rest of a step costs (TP collectives inside
+layer calls, embedding and head per micro-batch, pipeline transfers and the transfer probe,
+gradient sync per byte inside and across nodes, the optimizer per byte held, the rest of the
+step); `reduce_calibration` turns the job's samples, alike on every rank, into the cost model's
+`calibration` terms (layer-time units) and a link rate per node (`link_rates`: its collectives
+over the healthy figure for the same kind); `median_calibration` takes each term's median over
+the window's steps. Waiting on a slower peer is not counted: a group's TP figure is its layer
+calls' wall time less its slowest member's compute, a transfer's the shortest call.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import astuple, dataclass, fields
+from typing import Any
+
+from .profiling import healthy_reference
+
+__all__ = ["MIB", "CostSample", "link_rates", "median_calibration", "reduce_calibration"]
+
+MIB = float(1 << 20)
+
+
+@dataclass
+class CostSample:
+    """One rank's figures over a calibration window (sums over its steps unless said).
+
+    Seconds are wall seconds; `tp_best` and `p2p_best` are the shortest single call (0 when
+    none). `group`: the rank's TP group size (0: excluded). `run_s`: its 1F1B schedule;
+    `end_s`: when the schedule ended, from the step's start. `probe_*`: the transfer probe
+    (trainer/calibration.py) with the partner inside the node / in the paired node (`*_peer`,
+    -1: none), its median round trip (0 on the pair's answering side), so that p2p is measured
+    whether or not the plan has stage boundaries.
+    """
+
+    steps: int = 0
+    step_s: float = 0.0
+    units: int = 0
+    compute_s: float = 0.0
+    calls: int = 0
+    tp_s: float = 0.0
+    tp_best: float = 0.0
+    group: int = 0
+    emb_s: float = 0.0
+    emb_mb: int = 0
+    head_s: float = 0.0
+    head_mb: int = 0
+    p2p_best: float = 0.0
+    p2p_calls: int = 0
+    grad_intra_s: float = 0.0
+    grad_intra_bytes: float = 0.0
+    grad_inter_s: float = 0.0
+    grad_inter_bytes: float = 0.0
+    opt_s: float = 0.0
+    opt_bytes: float = 0.0
+    run_s: float = 0.0
+    end_s: float = 0.0
+    probe_intra_s: float = 0.0
+    probe_intra_peer: int = -1
+    probe_inter_s: float = 0.0
+    probe_inter_peer: int = -1
+
+    @classmethod
+    def width(cls) -> int:
+        return len(fields(cls))
+
+    def values(self) -> list[float]:
+        return [float(v) for v in astuple(self)]
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> CostSample:
+        kinds = [f.type for f in fields(cls)]
+        return cls(
+            *(int(v) if k == "int" else float(v) for v, k in zip(values, kinds, strict=True))
+        )
+
+    def add(self, other: CostSample) -> None:
+        """Fold another step in: sums add, shortest calls take the minimum."""
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name in _BEST:
+                v = min(x for x in (a, b) if x > 0) if a > 0 or b > 0 else 0.0
+            elif f.name in ("group", "probe_intra_peer", "probe_inter_peer"):
+                v = b
+            else:
+                v = a + b
+            setattr(self, f.name, v)
+
+
+_BEST = ("tp_best", "p2p_best", "probe_intra_s", "probe_inter_s")
+
+
+def _healthy(xs: Iterable[float]) -> float | None:
+    values = [x for x in xs if math.isfinite(x) and x > 0]
+    return healthy_reference(values) if values else None
+
+
+def reduce_calibration(
+    samples: Sequence[CostSample],
+    pipelines: Sequence[Sequence[Sequence[int]]],
+    gpus_per_node: int,
+    unit_s: float | None = None,
+) -> tuple[dict[str, Any] | None, dict[int, float]]:
+    """The job's `calibration` terms (layer-time units) and per-node link rates.
+
+    `samples[r]`: rank r's window. `pipelines`: the plan in force, each pipeline's stages' TP
+    groups in order. `unit_s`: seconds of one layer-time unit (one layer, forward + backward,
+    one micro-batch, a healthy full group: twice the profiler's reference); None: from the
+    samples' layer compute. None for the calibration when nothing ran.
+
+    The terms are a healthy link's: a figure measured across a slow link is divided by that
+    link's rate (the cost model multiplies it back where a group touches the node).
+    """
+    if unit_s is None:
+        per_unit = [s.compute_s / s.units for s in samples if s.units]
+        if not per_unit:
+            return None, {}
+        unit_s = 2 * healthy_reference(per_unit)
+    L, gpn = unit_s, gpus_per_node
+    stages = [(tuple(g), j == 0, j == len(p) - 1) for p in pipelines for j, g in enumerate(p)]
+
+    def fastest(ranks: Sequence[int], value: Callable[[CostSample], float | None]) -> float | None:
+        xs = [v for r in ranks if (v := value(samples[r])) is not None and v > 0]
+        return min(xs) if xs else None
+
+    best: dict[int, list[tuple[tuple[int, ...], float]]] = {}
+    for ranks, _, _ in stages:
+        if len(ranks) > 1 and (b := fastest(ranks, lambda s: s.tp_best)) is not None:
+            best.setdefault(len(ranks), []).append((ranks, b))
+    links = link_rates(samples, best, gpn)
+
+    def link(ranks: Iterable[int]) -> float:
+        return max((links.get(r // gpn, 1.0) for r in ranks), default=1.0)
+
+    def group_tp(ranks: Sequence[int]) -> float | None:
+        """The group's layer calls' wall time (its slowest member's) less its slowest member's
+        compute, per layer and micro-batch: the TP collectives' cost to the group's pace. A
+        member faster than its peers waits in them, which is not counted; equal members' wake-up
+        jitter, which the group does pay, is."""
+        xs = [samples[r] for r in ranks if samples[r].calls]
+        if not xs:
+            return None
+        calls = max(s.calls for s in xs)
+        wall = max(s.compute_s + s.tp_s for s in xs)
+        return 2 * max(0.0, wall - max(s.compute_s for s in xs)) / calls
+
+    tp_comm: dict[int, float] = {1: 0.0}
+    by_size: dict[int, list[float]] = {}
+    for ranks, _, _ in stages:
+        if len(ranks) > 1 and (v := group_tp(ranks)) is not None and v > 0:
+            by_size.setdefault(len(ranks), []).append(v / link(ranks))
+    for g, vs in sorted(by_size.items()):
+        if (h := _healthy(vs)) is not None:
+            tp_comm[g] = h / L
+
+    def end(first: bool, seconds: str, count: str) -> float:
+        def per_mb(s: CostSample) -> float | None:
+            n = getattr(s, count)
+            return getattr(s, seconds) / n if n else None
+
+        vs = [
+            v
+            for ranks, f, la in stages
+            if (f if first else la) and (v := fastest(ranks, per_mb)) is not None
+        ]
+        h = _healthy(vs)
+        return h / L if h is not None else 0.0
+
+    neighbours: dict[int, set[int]] = {}  # rank -> ranks of its stage and the adjacent ones
+    for p in pipelines:
+        for j, g in enumerate(p):
+            near = {r for k in (j - 1, j, j + 1) if 0 <= k < len(p) for r in p[k]}
+            for r in g:
+                neighbours[r] = near
+    # The probe (trainer/calibration.py: a round trip of one activation, each hop to a rank
+    # waiting for it, in and across nodes) is the figure whenever it ran, so that every plan in
+    # force measures p2p alike; the pipeline's shortest exchange (which can be a lone send;
+    # twice, for the two directions) only without it.
+    probes = [
+        (r, trip, peer)
+        for r, s in enumerate(samples)
+        for trip, peer in (
+            (s.probe_intra_s, s.probe_intra_peer),
+            (s.probe_inter_s, s.probe_inter_peer),
+        )
+        if trip > 0 and peer >= 0
+    ]
+    p2p = _healthy(trip / link((r, peer)) for r, trip, peer in probes)
+    if p2p is None:
+        p2p = _healthy(
+            2 * s.p2p_best / link(neighbours.get(r, ()))
+            for r, s in enumerate(samples)
+            if s.p2p_calls
+        )
+    ran = [r for r, s in enumerate(samples) if s.steps and s.run_s > 0]
+    critical = max(ran, key=lambda r: samples[r].end_s) if ran else None
+    serving = [r for p in pipelines for g in p for r in g]
+
+    def per_mib(seconds: str, nbytes: str, slow: float) -> float:
+        if critical is not None and getattr(samples[critical], nbytes) > 0:
+            c = samples[critical]
+            return getattr(c, seconds) / (getattr(c, nbytes) / MIB) / slow / L
+        vs = [
+            getattr(s, seconds) / (getattr(s, nbytes) / MIB)
+            for s in samples
+            if getattr(s, nbytes) > 0
+        ]
+        return min(vs) / slow / L if vs else 0.0
+
+    optimizer = _healthy(s.opt_s / (s.opt_bytes / MIB) for s in samples if s.opt_bytes > 0)
+    fixed = 0.0
+    if critical is not None:
+        c = samples[critical]
+        rest = c.step_s - c.run_s - c.grad_intra_s - c.grad_inter_s - c.opt_s
+        fixed = max(0.0, rest / c.steps) / L
+    calibration: dict[str, Any] = {
+        "layer_seconds": L,
+        "embedding": end(True, "emb_s", "emb_mb"),
+        "head": end(False, "head_s", "head_mb"),
+        "tp_comm": tp_comm,
+        "p2p": p2p / L if p2p is not None else 0.0,
+        "grad_sync_intra": per_mib(
+            "grad_intra_s", "grad_intra_bytes", link([critical] if critical is not None else [])
+        ),
+        "grad_sync_inter": per_mib("grad_inter_s", "grad_inter_bytes", link(serving)),
+        "optimizer": optimizer / L if optimizer is not None else 0.0,
+        "fixed": fixed,
+    }
+    return calibration, links
+
+
+def link_rates(
+    samples: Sequence[CostSample],
+    tp_best: Mapping[int, Sequence[tuple[tuple[int, ...], float]]],
+    gpus_per_node: int,
+) -> dict[int, float]:
+    """Per node, its collectives' time over the healthy figure of the same kind (>= 1.0).
+
+    A node's TP groups (their shortest call, over the healthy groups' of that size) speak for
+    its links, the fastest of them: every group there crosses the node's links, and one can only
+    read slower than them (a straggling member's waits), so a median would let one slow GPU
+    slow the node's link. A node without one is judged by its ranks' shortest pipeline transfers
+    (their median: a boundary may cross to another node's slow link), and without those by its
+    in-node probe exchanges (both ends on the node, the fastest again; a cross-node probe cannot
+    tell which end is slow). A node with no evidence is healthy.
+    """
+    nodes = (len(samples) + gpus_per_node - 1) // gpus_per_node
+    ratios: dict[int, list[float]] = {}
+    for vs in tp_best.values():
+        h = _healthy(v for _, v in vs)
+        if h is None:
+            continue
+        for ranks, v in vs:
+            ratios.setdefault(ranks[0] // gpus_per_node, []).append(v / h)
+    p2p = _healthy(s.p2p_best for s in samples if s.p2p_calls)
+    probe = _healthy(s.probe_intra_s for s in samples if s.probe_intra_peer >= 0)
+    out: dict[int, float] = {}
+    for n in range(nodes):
+        mine = samples[n * gpus_per_node : (n + 1) * gpus_per_node]
+        rate = min(ratios[n]) if ratios.get(n) else None
+        if rate is None and p2p is not None:
+            rs = [s.p2p_best / p2p for s in mine if s.p2p_calls and s.p2p_best > 0]
+            rate = statistics.median(rs) if rs else None
+        if rate is None and probe is not None:
+            rs = [s.probe_intra_s / probe for s in mine if s.probe_intra_s > 0]
+            rate = min(rs) if rs else None
+        out[n] = max(1.0, rate) if rate is not None else 1.0
+    return out
+
+
+def median_calibration(
+    per_step: Sequence[tuple[dict[str, Any] | None, dict[int, float]]],
+) -> tuple[dict[str, Any] | None, dict[int, float]]:
+    """Each term's (and each node's link rate's) median over the steps' reductions."""
+    cals = [c for c, _ in per_step if c is not None]
+    nodes = sorted({n for _, links in per_step for n in links})
+    links = {n: statistics.median(lk[n] for _, lk in per_step if n in lk) for n in nodes}
+    if not cals:
+        return None, links
+    out: dict[str, Any] = {}
+    for term, value in cals[0].items():
+        if isinstance(value, dict):
+            sizes = sorted({g for c in cals for g in c[term]})
+            out[term] = {
+                g: statistics.median(c[term][g] for c in cals if g in c[term]) for g in sizes
+            }
+        else:
+            out[term] = statistics.median(c[term] for c in cals)
+    return out, links
