@@ -320,7 +320,7 @@ def _decide(
     for g in gone:
         key = DEAD_KEY + str(g)
         known = store.get(key).decode() if store.check([key]) else None
-        failed[g] = known if known in ("killed", "left") else ("hung" if hung else "killed")
+        failed[g] = known if known in ("killed", "left", "hung") else ("hung" if hung else "killed")
     out = {int(g): w for a in arrivals.values() for g, w in a["out"].items()}
     out.update(failed)
     for g in members:

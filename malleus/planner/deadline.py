@@ -126,6 +126,13 @@ class Deadline:
     def work_left(self) -> int | None:
         return None if self.work is None else max(0, self.work - self.work_done)
 
+    def used(self) -> float:
+        """Fraction of this deadline's span (or of its work) already gone, whichever is more."""
+        span = self.end - self.start
+        t = (self.clock() - self.start) / span if math.isfinite(span) and span > 0 else 0.0
+        w = self.work_done / self.work if self.work else 0.0
+        return max(t, w)
+
     def until(self, fraction: float) -> Deadline:
         """A child ending at `fraction` of this deadline's whole span (and of its work)."""
         span = self.end - self.start

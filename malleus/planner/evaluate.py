@@ -56,8 +56,11 @@ class Scored:
 class Evaluator:
     """Caches solved pipelines; scores layouts exactly under the cost model."""
 
-    def __init__(self, problem: PlanningProblem) -> None:
+    def __init__(self, problem: PlanningProblem, quick_orders: bool = False) -> None:
         self.problem = problem
+        # stage orders by the load heuristic alone where it fits (layers.best_order `quick`):
+        # for searches over thousands of distinct pipelines; the winners are re-solved in full
+        self.quick_orders = quick_orders
         self._cache: dict[tuple[PipeKey, int | None], PipeSolution | None] = {}
         self._caps: dict[tuple[int, int | None], list[list[int]]] = {}
         self._orders: dict[tuple[PipeKey, int | None], tuple[Cls, ...] | None] = {}
@@ -82,11 +85,18 @@ class Evaluator:
             mc = None if m is None or m >= len(key) else m
             ok = (key, mc)
             if ok not in self._orders:
-                self._orders[ok] = best_order(self.problem, key, mc, self.caps)
+                self._orders[ok] = best_order(self.problem, key, mc, self.caps, self.quick_orders)
             order = self._orders[ok]
-            self._cache[ck] = (
-                None if order is None else solve_pipeline(self.problem, key, m, order, self.caps)
-            )
+            sol = None if order is None else solve_pipeline(self.problem, key, m, order, self.caps)
+            if sol is None and order is not None and self.quick_orders:
+                # the quick order does not hold the model: search for one that does
+                order = self._orders[ok] = best_order(self.problem, key, mc, self.caps)
+                sol = (
+                    None
+                    if order is None
+                    else solve_pipeline(self.problem, key, m, order, self.caps)
+                )
+            self._cache[ck] = sol
         return self._cache[ck]
 
     def time_at(self, key: PipeKey, m: int) -> float:

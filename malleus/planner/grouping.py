@@ -162,8 +162,11 @@ def candidate_groupings(
         y0 = healthy_pace(problem)
         alphas = [pace(problem, k, 1.0) for k in range(problem.tp.bit_length())]
         caps = (math.inf, max(alphas), alphas[min(1, len(alphas) - 1)])
-        for lam, mu, cap in _policies(caps):
-            if seen and dl.expired():
+        many = len(nodes) > max(_MANY_NODES, problem.nodes // 2)
+        for i, (lam, mu, cap) in enumerate(_policies(caps, many)):
+            # the first prices are cheap and the likeliest to win: when the nodes' options
+            # took the phase's whole share, they still run on the next phase's time
+            if seen and dl.expired() and (i >= _FIRST_POLICIES or _outer_expired(dl)):
                 break
             g = choose_grouping(problem, options, lam / y0, mu / (y0 * problem.tp), cap)
             dl.spend()
@@ -171,9 +174,29 @@ def candidate_groupings(
     return list(seen.values())
 
 
-def _policies(caps: tuple[float, ...]) -> list[tuple[float, float, float]]:
+# Uncapped prices go first (see _policies) when more nodes straggle than this and than half
+# of all nodes: with a minority of straggler nodes, rare very slow GPUs are what caps are for.
+_MANY_NODES = 64
+_FIRST_LAMBDAS = 5  # the middle prices tried uncapped before any cap (see _policies)
+_FIRST_POLICIES = _FIRST_LAMBDAS * len(_MUS)
+
+
+def _outer_expired(dl: Deadline) -> bool:
+    """Whether the deadline this phase's deadline was cut from has passed (or it has none)."""
+    return dl.parent is None or dl.parent.expired()
+
+
+def _policies(caps: tuple[float, ...], uncapped_first: bool) -> list[tuple[float, float, float]]:
     """Every (lam, mu, cap) price, the likeliest first: a deadline that cuts the list short
-    has tried the middle of the lam range at every cap before its extremes."""
+    has tried the middle of the lam range at every cap before its extremes. With stragglers
+    on most nodes of a large cluster (`uncapped_first`), uncapped prices at the middle of the
+    range come first of all: there the nodes' options leave time for a few prices only, and
+    a cap on the slowest group (which pays when a rare very slow GPU would set a pipeline's
+    pace) costs more speed than it saves."""
     mid = len(_LAMBDAS) // 2
     lams = sorted(_LAMBDAS, key=lambda x: (abs(_LAMBDAS.index(x) - mid), x))
-    return [(lam, mu, cap) for lam in lams for mu in _MUS for cap in caps]
+    every = [(lam, mu, cap) for lam in lams for mu in _MUS for cap in caps]
+    if not uncapped_first:
+        return every
+    first = [(lam, mu, caps[0]) for lam in lams[:_FIRST_LAMBDAS] for mu in _MUS]
+    return first + [x for x in every if x not in first]

@@ -24,10 +24,13 @@ def critical(ev: Evaluator, sc: Scored) -> int:
     """Pipelines whose time equals the step time."""
     n = 0
     for (key, count), (m, up) in zip(sc.layout, sc.splits, strict=True):
-        top = ev.time_at(key, m + 1) if up else ev.time_at(key, m)
-        if not sc.refined:
-            sol = ev.pipe(key)
-            top = sol.time(m + (1 if up else 0)) if sol else top
+        # an unrefined score timed every pipeline by its any-m solution: so does this count
+        # (solving each pipeline at its own m for a figure left unused cost a climb dearly)
+        sol = None if sc.refined else ev.pipe(key)
+        if sol is not None:
+            top = sol.time(m + (1 if up else 0))
+        else:
+            top = ev.time_at(key, m + 1) if up else ev.time_at(key, m)
         if top >= sc.time - sc.tail - 1e-9:
             n += up if up else count
     return n
@@ -105,6 +108,15 @@ def _used(layout: Layout) -> Counter[Cls]:
 Stop = Callable[[], bool]  # True once the search must end
 
 
+def _level_time(ev: Evaluator, sc: Scored, i: int) -> float:
+    """Time of the i-th pipeline class one micro-batch above its level, as the score timed it
+    (an unrefined score: by the any-m solution; solving each pipeline at its own m to rank
+    the pipelines cost a climb on a large layout more than its moves did)."""
+    key, m = sc.layout[i][0], sc.splits[i][0] + 1
+    sol = None if sc.refined else ev.pipe(key)
+    return sol.time(m) if sol is not None else ev.time_at(key, m)
+
+
 def improve(
     ev: Evaluator,
     start: Scored,
@@ -124,16 +136,15 @@ def improve(
         improved = False
         idle = available - _used(best.layout)
         # critical pipelines first: they are the ones a move must relieve
-        order = sorted(
-            range(len(best.layout)),
-            key=lambda i: -ev.time_at(best.layout[i][0], best.splits[i][0] + 1),
-        )
+        order = sorted(range(len(best.layout)), key=lambda i: -_level_time(ev, best, i))
+        # every neighbour uses only groups of the layout or idle ones (_neighbours builds
+        # them so): no count of used groups to check, which cost a climb a fifth of its time
         for cand in _neighbours(best.layout, idle, order):
             if stop():
                 break
             if dp is not None and sum(n for _, n in cand) != dp:
                 continue
-            if not cand or _used(cand) - available:
+            if not cand:
                 continue
             sc = ev.score(cand, refine=refine)
             if sc is None or sc.time > best.time + 1e-9:

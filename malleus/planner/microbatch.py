@@ -68,14 +68,25 @@ def split_linear(
     start = [1] * len(lines)
     if _count(lines, lo) < B:
         hi = max(s + (B - 1) * b for b, s, _ in lines)
+        # Above every s, count(T) lies within C of sum c*(T - s)/b (C pipelines, each within
+        # one micro-batch of its line): a bracket about one b wide. The greedy below is exact
+        # from any start under the optimum (it adds micro-batches in order of time, whatever
+        # it starts from), so the bisection stops once the start is within a level or so.
+        inv = sum(c / b for b, _, c in lines)
+        cs = sum(c * s / b for b, s, c in lines)
+        hi = min(hi, max(lo, (B + cs) / inv * (1 + 1e-9)))
+        low = (B - sum(c for _, _, c in lines) + cs) / inv * (1 - 1e-9)
+        if low > lo and _count(lines, low) < B:
+            lo = low
+        step = 0.5 * min(b for b, _, _ in lines)
         for _ in range(100):
+            if hi - lo <= max(step, 1e-9 * hi):
+                break
             mid = (lo + hi) / 2
             if _count(lines, mid) >= B:
                 hi = mid
             else:
                 lo = mid
-            if hi - lo <= 1e-9 * hi:
-                break
         start = [int((lo - s) / b + 1e-9) + 1 for b, s, _ in lines]
     times = [lambda m, b=b, s=s: (m - 1) * b + s for b, s, _ in lines]
     return greedy_split(times, [c for _, _, c in lines], B, start)

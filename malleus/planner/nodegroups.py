@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from functools import cached_property
 
 from .pace import pace
 from .problem import PlanningProblem
@@ -56,15 +57,16 @@ class NodeOption:
     excluded: tuple[int, ...]
     speed: float
 
-    @property
+    # cached: a grouping policy asks every option of every node for these (thousands of times)
+    @cached_property
     def count(self) -> int:
         return len(self.groups)
 
-    @property
+    @cached_property
     def gpus(self) -> int:
         return sum(len(g.ranks) for g in self.groups)
 
-    @property
+    @cached_property
     def slowest(self) -> float:
         return max((g.y for g in self.groups), default=0.0)
 
@@ -173,9 +175,15 @@ def _node_options(
         caps = [caps[round(i * step)] for i in range(_MAX_CAPS)]
     for cap in caps:
         raw.extend(_grouping_dp(n, blocks, ys, cap))
+    memo: dict[tuple[int, ...], float] = {}  # caps repeat each other's groupings
 
     def slowest(cuts: tuple[int, ...]) -> float:
-        return max((ys[(b, _k(tp, b - a))] for a, b in itertools.pairwise(cuts)), default=0.0)
+        y = memo.get(cuts)
+        if y is None:
+            y = memo[cuts] = max(
+                (ys[(b, _k(tp, b - a))] for a, b in itertools.pairwise(cuts)), default=0.0
+            )
+        return y
 
     # Pareto over (fewer groups, more speed, more GPUs = more memory, slowest group faster).
     keyed = [((len(c) - 1, round(v, 12), c[-1], slowest(c)), c, v) for c, v in raw]

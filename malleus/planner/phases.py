@@ -4,8 +4,9 @@ Steps 1-3 of search.py's plan, up to materialising: candidate groupings (groupin
 layouts for every grouping, interleaved (templates.py), partition layouts for the best few
 groupings with few odd groups, then a hill climb from each of the best distinct layouts and a
 kick-and-climb from the best (localsearch.py). Each phase ends by its share of the one
-`Deadline` (`_GROUPING_END`, `_TEMPLATES_END`, `_PARTITIONS_END`; the climbs share the rest)
-and always yields one layout at least. Apart from search.py, which owns what surrounds the
+`Deadline` (`_GROUPING_END`, `_TEMPLATES_END`, `_PARTITIONS_END`, each at least
+`_TEMPLATES_MIN` / `_PARTITIONS_MIN` after the phase before actually ended; the climbs share
+the rest) and always yields one layout at least. Apart from search.py, which owns what surrounds the
 phases: the budget, rate bucketing, materialising, polishing and choosing the plan.
 """
 
@@ -28,7 +29,7 @@ from .pace import healthy_pace
 from .problem import PlanningProblem
 from .templates import TopupMemo, partition_layouts, template_layouts
 
-__all__ = ["Candidate", "debug", "search_layouts"]
+__all__ = ["Candidate", "debug", "score_within", "search_layouts"]
 
 _KEEP = 6  # best distinct template layouts that get a hill climb
 # Partition layouts (templates.partition_layouts): for the best few groupings with at most this
@@ -37,6 +38,7 @@ _PART_GROUPINGS, _PART_MAX_ODD, _PART_MAX = 3, 10, 1500
 # Shares of the budget: groupings end by 35% of it, templates by 50%, partitions by 55%; the
 # hill climbs and the kick-and-climb get the rest.
 _GROUPING_END, _TEMPLATES_END, _PARTITIONS_END = 0.35, 0.5, 0.55
+_TEMPLATES_MIN, _PARTITIONS_MIN = 0.12, 0.03
 
 
 @dataclass
@@ -59,7 +61,7 @@ def _stopper(dl: Deadline) -> Callable[[], bool]:
     return stop
 
 
-def _score(ev: Evaluator, dl: Deadline, lay: Layout, refine: bool) -> Scored | None:
+def score_within(ev: Evaluator, dl: Deadline, lay: Layout, refine: bool) -> Scored | None:
     """Score a layout, its pipelines solved one at a time under the deadline first (a layout
     of many distinct pipelines is many units of work): None once the deadline has passed."""
     for key, _ in lay:
@@ -76,7 +78,9 @@ def search_layouts(problem: PlanningProblem, ev: Evaluator, dl: Deadline) -> lis
     groupings = candidate_groupings(problem, dl.until(_GROUPING_END))
     small = problem.world <= 64
     hc: Cls = (healthy_pace(problem), 0)
-    templates_dl = dl.until(_TEMPLATES_END)
+    # a phase that ran late (the nodes' options of a cluster straggling everywhere) does not
+    # eat the next one: templates get at least _TEMPLATES_MIN of the budget
+    templates_dl = dl.until(max(_TEMPLATES_END, dl.used() + _TEMPLATES_MIN))
     memo: TopupMemo = {}
 
     def generator(g: Grouping, deadline: Deadline | None) -> Iterator[Layout]:
@@ -91,7 +95,7 @@ def search_layouts(problem: PlanningProblem, ev: Evaluator, dl: Deadline) -> lis
         for g, gen in gens:
             batch = list(itertools.islice(gen, 4))
             for lay in batch:
-                sc = _score(ev, templates_dl, lay, small or len(lay) <= 8)
+                sc = score_within(ev, templates_dl, lay, small or len(lay) <= 8)
                 if sc is not None:
                     found.append(Candidate(sc, g))
             if len(batch) == 4:
@@ -101,7 +105,8 @@ def search_layouts(problem: PlanningProblem, ev: Evaluator, dl: Deadline) -> lis
         found = _first_feasible(problem, ev, groupings, generator)
     found.sort(key=lambda c: c.scored.time)
     debug(f"templates: {len(groupings)} groupings, {ev.evaluations} layouts")
-    found.extend(_partition_candidates(problem, ev, found, hc, small, dl.until(_PARTITIONS_END)))
+    parts_dl = dl.until(max(_PARTITIONS_END, dl.used() + _PARTITIONS_MIN))
+    found.extend(_partition_candidates(problem, ev, found, hc, small, parts_dl))
     found.sort(key=lambda c: c.scored.time)
     top: list[Candidate] = []
     for c in found:
@@ -119,11 +124,11 @@ def search_layouts(problem: PlanningProblem, ev: Evaluator, dl: Deadline) -> lis
             out.append(c)
             continue
         if refine and not sc.refined:
-            sc = _score(ev, dl, sc.layout, True) or sc
+            sc = score_within(ev, dl, sc.layout, True) or sc
         stop = _stopper(dl.share(share))
         better = improve(ev, sc, _available(c.grouping), stop, problem.dp, refine=refine)
         if not better.refined and (i == 0 or not dl.expired()):
-            better = _score(ev, dl, better.layout, True) or better
+            better = score_within(ev, dl, better.layout, True) or better
         out.append(Candidate(better, c.grouping))
         debug(f"improve: {sc.time:.2f} -> {better.time:.2f}, {ev.evaluations} layouts")
     if out and not dl.expired():
@@ -133,7 +138,7 @@ def search_layouts(problem: PlanningProblem, ev: Evaluator, dl: Deadline) -> lis
         refine = small or len(c.scored.layout) <= 8
         found_ils = explore(ev, c.scored, _available(c.grouping), _stopper(dl), problem.dp, refine)
         if not found_ils.refined and found_ils is not c.scored:
-            found_ils = _score(ev, dl, found_ils.layout, True) or found_ils
+            found_ils = score_within(ev, dl, found_ils.layout, True) or found_ils
         if found_ils.time < c.scored.time - 1e-9:
             out.insert(0, Candidate(found_ils, c.grouping))
         debug(f"explore: {c.scored.time:.2f} -> {found_ils.time:.2f}, {ev.evaluations} layouts")
@@ -181,7 +186,7 @@ def _partition_candidates(
         for lay in itertools.islice(lays, _PART_MAX):
             if dl.expired():
                 return out
-            sc = _score(ev, dl, lay, small or len(lay) <= 8)
+            sc = score_within(ev, dl, lay, small or len(lay) <= 8)
             if sc is not None:
                 out.append(Candidate(sc, g))
     debug(f"partitions: {len(picked)} groupings, {ev.evaluations} layouts")

@@ -19,8 +19,11 @@
 
 The budget is one `Deadline` (deadline.py) that every phase consults before each unit of work
 (a node grouped, a pipeline solved, a layout scored, a neighbour tried): grouping ends by 35%
-of it, templates by 50%, partitions by 55%, the climbs share the rest. The default budget is
-CPU time of the planning thread (`default_budget`); `time_limit` is wall time.
+of it, templates by 50% (or 12% after a late grouping), partitions by 55%, the climbs share
+the rest. With many distinct rates and many stragglers the phases get 84% of it and score
+pipelines with quick stage orders; the rest re-solves the chosen layouts' orders in full
+(`_full_orders`). The default budget is CPU time of the planning thread (`default_budget`);
+`time_limit` is wall time.
 
 Steps 1-3 up to materialising (the phases and their shares of the budget) live in phases.py;
 this module holds `plan()` and what surrounds the phases: the budget, rate bucketing, choosing
@@ -48,7 +51,7 @@ from .memory import migration_mb, stage_memory_mb
 from .microbatch import split_linear
 from .nodegroups import Group
 from .pace import group_pace, shard_exponent
-from .phases import Candidate, search_layouts
+from .phases import Candidate, score_within, search_layouts
 from .plan import Estimate, Pipeline, Plan, Stage
 from .previous import previous_variants
 from .problem import MAX_RATE, PlanningProblem, ProblemError
@@ -64,6 +67,11 @@ MIGRATION_SLACK = 0.01
 # classes, and nodes with equal rounded rates share their grouping options); the plans it
 # finds are then re-split (layers and micro-batches) under the true rates.
 _BUCKET_ABOVE, _BUCKET_STEP = 48, 0.04
+# Quick stage orders (layers.best_order `quick`) when the rates are bucketed (many distinct
+# ones) and more than this many GPUs straggle: below, layouts have few distinct pipelines and
+# full orders are affordable (and the climbs need them to leave plateaus of equal step times).
+_QUICK_ABOVE = 128
+_QUICK_SEARCH_END = 0.84  # quick-order searches: the rest re-solves the winners' orders
 _MATERIALIZE = 2  # without a previous plan, the best few layouts become plans (and polished)
 
 
@@ -82,6 +90,24 @@ def _worth_materializing(problem: PlanningProblem, found: list[Candidate]) -> li
         if out and c.scored.time > found[0].scored.time * (1 + 2 * MIGRATION_SLACK) + 1e-9:
             break
         out.append(c)
+    return out
+
+
+def _full_orders(
+    problem: PlanningProblem, picked: list[tuple[Candidate, Evaluator]], dl: Deadline
+) -> list[tuple[Candidate, Evaluator]]:
+    """The layouts a quick-order search picked, re-scored with full stage-order searches
+    (`layers.best_order`) while the deadline allows; each keeps the faster of its two scores,
+    with the evaluator that scored it (materialising reads that evaluator's pipelines)."""
+    full = Evaluator(problem)
+    out = []
+    for c, ev in picked:
+        sc = None if dl.expired() else score_within(full, dl, c.scored.layout, c.scored.refined)
+        if sc is not None and sc.time <= c.scored.time + 1e-9:
+            out.append((Candidate(sc, c.grouping), full))
+        else:
+            out.append((c, ev))
+    out.sort(key=lambda x: x[0].scored.time)
     return out
 
 
@@ -262,10 +288,18 @@ def plan(
     else:
         dl = Deadline(default_budget(problem.world), clock=cpu_clock)
     sp = _bucketed(problem)
-    ev = Evaluator(sp)
+    # Many distinct rates: thousands of distinct pipelines, each a stage-order search. The
+    # search takes the load heuristic's orders (ten times cheaper, so it scores ten times the
+    # layouts) and the layouts worth materialising are re-solved with full orders at the end.
+    quick = sp is not problem and sum(1 for v in problem.rates.values() if v != 1.0) > _QUICK_ABOVE
+    ev = Evaluator(sp, quick_orders=quick)
+    found_layouts = search_layouts(sp, ev, dl.until(_QUICK_SEARCH_END) if quick else dl)
+    picked = [(c, ev) for c in _worth_materializing(problem, found_layouts)]
+    if quick:
+        picked = _full_orders(sp, picked, dl)
     cands: list[Plan] = []
-    for c in _worth_materializing(problem, search_layouts(sp, ev, dl)):
-        found = materialize(sp, ev, c.scored, c.grouping)
+    for c, c_ev in picked:
+        found = materialize(sp, c_ev, c.scored, c.grouping)
         cands.append(found)
         if sp is not problem:
             cands.extend(_polish(problem, found))

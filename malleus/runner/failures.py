@@ -67,6 +67,10 @@ class Failure:
     action: str
     """What the runner does: `replace in 10 s`, `left out: 3 restarts used`, `restart all`."""
     log: str = ""
+    seen: float | None = None
+    """Seconds since the run started, when the runner acted on it: `time` for an exit; for a
+    stopped (hung) process the moment the hang was taken for a failure (restart mode: after
+    the hang timeout), so that `seen - time` is the runner's detection time."""
 
 
 @dataclass(frozen=True)
@@ -296,3 +300,15 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
             f"{r['steps_lost']:>10}  {_num(kib, ',.1f'):>12}"
         )
     return lines
+
+
+def recovered_text(r: Recovery) -> str:
+    """The runner's line for one recovery."""
+    failed = ", ".join(f"rank {k} ({v})" for k, v in sorted(r.failed.items()))
+    secs = r.seconds if r.seconds is not None else r.trainer_seconds
+    took = f" {secs:.2f} s after the fault" if secs is not None else ""
+    return (
+        f"step {r.step}: recovered from the failure of {failed}{took}: "
+        f"{r.steps_lost} steps lost, {r.bytes_restored / 1024:,.1f} KiB restored "
+        f"from {r.mode}, plan generation {r.generation}"
+    )

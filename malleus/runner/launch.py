@@ -8,10 +8,13 @@ local run exercises the exact entry point a pod runs. Apart from `malleus.runner
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 __all__ = ["STORE_ENV", "LaunchSpec"]
 
@@ -84,3 +87,21 @@ class LaunchSpec:
             if self.fault_tolerant:
                 env[STORE_ENV] = store
         return env
+
+
+def without_faults(spec: LaunchSpec, step: int, workdir: Path, launch: int) -> LaunchSpec:
+    """`spec` with a copy of the job whose scheduled failures up to `step` are gone (written
+    to `workdir`/job-launch-`launch`.yaml): a restarted rank trains those steps again, and must
+    not fail at them again. `spec` itself when there is nothing to drop."""
+    try:
+        manifest = yaml.safe_load(Path(spec.job).read_text())
+        schedule = manifest["spec"]["emulation"]["schedule"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return spec
+    kept = [e for e in schedule if not ("fail" in e and int(e.get("step", 0)) <= step)]
+    if len(kept) == len(schedule):
+        return spec
+    manifest["spec"]["emulation"]["schedule"] = kept
+    path = workdir / f"job-launch-{launch}.yaml"
+    path.write_text(yaml.safe_dump(manifest, sort_keys=False))
+    return dataclasses.replace(spec, job=str(path.resolve()))

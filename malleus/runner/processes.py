@@ -345,3 +345,12 @@ class TrainerProcesses:
             with contextlib.suppress(OSError):
                 f.close()
         self._files = []
+
+
+def proc_state(pid: int) -> str | None:
+    """The kernel's one-letter state of `pid` (`T` = stopped), None when unreadable."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[-1].split()[0] if ")" in text else None

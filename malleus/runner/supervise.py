@@ -21,13 +21,10 @@ from the latest checkpoint instead (what TorchElastic does; `bench/faults.py`'s 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import queue
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-
-import yaml
 
 from malleus.job.control import ControlError, RecoveryRecord
 
@@ -39,10 +36,12 @@ from .failures import (
     Replacement,
     Supervision,
     parse_trainer_event,
+    recovered_text,
     why_no_plan,
 )
+from .launch import without_faults
 from .prepare import Prepared
-from .processes import TrainerProcesses, describe_exit
+from .processes import TrainerProcesses, describe_exit, proc_state
 from .record import RunRecord
 from .sinks import CoordinatorClient, checkpoint_bytes, latest_checkpoint_step
 
@@ -53,15 +52,6 @@ DEAD_KEY = "malleus/0//rec/dead/"
 (`rec/dead/`) under the job's `PrefixStore("malleus/<attempt>/")`, which joins prefix and key
 with one more "/" (hence the double slash: the raw key the trainers read)."""
 _STATUS_EVERY = 0.5
-
-
-def _proc_state(pid: int) -> str | None:
-    """The kernel's one-letter state of `pid` (`T` = stopped), None when unreadable."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text.rsplit(")", 1)[-1].split()[0] if ")" in text else None
 
 
 class Supervisor:
@@ -90,6 +80,8 @@ class Supervisor:
         """The first failure's full text (with its log's last lines), for the run's reason."""
         self._handled: set[int] = set()
         """Pids whose end (or hang) has been counted."""
+        self._marked: set[int] = set()
+        """Pids of stopped processes already marked dead in the store (live mode)."""
         self._stopped_since: dict[int, float] = {}
         """Pid -> when the runner first saw it stopped (SIGSTOP: an emulated hang)."""
         self._fates: dict[int, str] = {}
@@ -138,15 +130,24 @@ class Supervisor:
             rp = self.procs.process(rank)
             code = rp.code
             if code is None:
-                if _proc_state(rp.proc.pid) != "T":
+                if proc_state(rp.proc.pid) != "T":
                     self._stopped_since.pop(rp.proc.pid, None)
                     continue
                 since = self._stopped_since.setdefault(rp.proc.pid, now)
-                if not self.live and now - since >= self.hang_seconds:
+                if now - since < self.hang_seconds:
+                    continue
+                if not self.live:
                     # Restart mode: the trainers do not detect hangs; a process stopped for
                     # the hang timeout counts as failed (what a torchrun watchdog would do).
                     self.procs.kill(rank)
                     self._failed(rank, "hung", now)
+                elif self.procs.store is not None and rp.proc.pid not in self._marked:
+                    # Live: the survivors' collectives time out about now and their leader
+                    # waits for every member not known dead; the runner knows this one is
+                    # stopped, so it says so (the trainers later list it out, and it is
+                    # killed and replaced then).
+                    self._marked.add(rp.proc.pid)
+                    self.procs.store.set(f"{DEAD_KEY}{rank}", "hung")
                 continue
             if rp.proc.pid in self._handled or code == 0:
                 continue
@@ -191,7 +192,9 @@ class Supervisor:
             action = "restart every process from the latest checkpoint"
             self.supervision.failures[rank] = self.supervision.failures.get(rank, 0) + 1
         self.log.add_failure(
-            Failure(rank, why, step, fault_at, self.supervision.failures[rank], action, str(rp.log))
+            Failure(
+                rank, why, step, fault_at, self.supervision.failures[rank], action, str(rp.log), now
+            )
         )
         if self.procs.store is not None:
             self.procs.store.set(f"{DEAD_KEY}{rank}", "1")
@@ -311,25 +314,14 @@ class Supervisor:
                 if self.finishing() or seen < self.now() - 60:
                     got = self.log.add_record(rec, None, fault)
                     if got is not None:
-                        self.messages.put(self._recovered_text(got))
+                        self.messages.put(recovered_text(got))
                 else:
                     left.append((rec, seen))
                 continue
             got = self.log.add_record(rec, step.time, fault)
             if got is not None:
-                self.messages.put(self._recovered_text(got))
+                self.messages.put(recovered_text(got))
         self._unmatched = left
-
-    @staticmethod
-    def _recovered_text(r: Recovery) -> str:
-        failed = ", ".join(f"rank {k} ({v})" for k, v in sorted(r.failed.items()))
-        secs = r.seconds if r.seconds is not None else r.trainer_seconds
-        took = f" {secs:.2f} s after the fault" if secs is not None else ""
-        return (
-            f"step {r.step}: recovered from the failure of {failed}{took}: "
-            f"{r.steps_lost} steps lost, {r.bytes_restored / 1024:,.1f} KiB restored "
-            f"from {r.mode}, plan generation {r.generation}"
-        )
 
     # ---- restart mode: every process from the latest checkpoint ------------------------------
     def restart_needed(self) -> int | None:
@@ -360,29 +352,15 @@ class Supervisor:
             wait = float(self.policy.restart_backoff_seconds)
             if wait:
                 await sleep(wait)
-            self._forget_faults(failure.step)
+            workdir = Path(self.prepared.workdir)
+            self.procs.spec = without_faults(
+                self.procs.spec, failure.step, workdir, self.procs.launches + 1
+            )
             self.procs.start(plan, resume=True)
             self._pending_restart = (failure, resume, restored)
         finally:
             self.restarting = False
         return None
-
-    def _forget_faults(self, step: int) -> None:
-        """Relaunch with a copy of the job whose scheduled failures up to `step` are gone: a
-        restarted rank trains those steps again, and must not fail at them again."""
-        spec = self.procs.spec
-        try:
-            manifest = yaml.safe_load(Path(spec.job).read_text())
-            schedule = manifest["spec"]["emulation"]["schedule"]
-        except (OSError, yaml.YAMLError, KeyError, TypeError):
-            return
-        kept = [e for e in schedule if not ("fail" in e and int(e.get("step", 0)) <= step)]
-        if len(kept) == len(schedule):
-            return
-        manifest["spec"]["emulation"]["schedule"] = kept
-        path = Path(self.prepared.workdir) / f"job-launch-{self.procs.launches + 1}.yaml"
-        path.write_text(yaml.safe_dump(manifest, sort_keys=False))
-        self.procs.spec = dataclasses.replace(spec, job=str(path.resolve()))
 
     def match_restart(self) -> None:
         """The restart's first committed step: the recovery, timed from the fault."""

@@ -164,3 +164,57 @@ def test_bucketed_search_is_scored_with_the_true_rates() -> None:
 
     assert result.estimate is not None
     assert result.estimate.step_time == pytest.approx(plan_step_time(p, result))
+
+
+class OpClock:
+    """A clock that ticks once per call of the search's costly arithmetic: a layer split's
+    greedy fill and trim, a 1F1B makespan, a micro-batch count, a node's grouping DP, a
+    grouping policy. Unlike WorkClock (one tick per pipeline solved, however it is solved),
+    it charges a stage-order search for every order it tries, so a cheaper way to the same
+    layouts shows as a search that gets further on the same budget: a stand-in for CPU time
+    that no load can move."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from malleus.planner import grouping, layers, layersplit, microbatch, nodegroups, schedule
+
+        self.ticks = 0
+        schedule._pipeline_time_cached.cache_clear()  # cached makespans would not tick
+        targets = (
+            (layers, "min_bottleneck"),
+            (layers, "fill_at"),
+            (layersplit, "min_bottleneck"),
+            (layersplit, "fill_at"),
+            (schedule, "_one_f_one_b"),
+            (microbatch, "_count"),
+            (nodegroups, "_grouping_dp"),
+            (grouping, "choose_grouping"),
+        )
+        for mod, name in targets:
+            f = getattr(mod, name)
+
+            def g(*args: Any, _f: Any = f, **kw: Any) -> Any:
+                self.ticks += 1
+                return _f(*args, **kw)
+
+            monkeypatch.setattr(mod, name, g)
+
+    def __call__(self) -> float:
+        return float(self.ticks)
+
+
+def test_many_stragglers_reach_a_long_search_on_a_short_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # issue 13: with half the GPUs straggling (hundreds of distinct pipelines, a stage-order
+    # search each) a budget of about the default's CPU time (6000 ticks of the op clock)
+    # must come within 0.5% of five times as much. The search as it was reached 1152.8
+    # against 1141.5 here (1% short): every pipeline paid for a full stage-order search and
+    # the climbs ran out of budget.
+    p = spread(512, 0.5)
+    clock = OpClock(monkeypatch)
+    short = plan(p, deadline=Deadline(6000.0, clock=clock))
+    clock.ticks = 0
+    long = plan(p, deadline=Deadline(30000.0, clock=clock))
+    assert validate_plan(p, short) == [] and validate_plan(p, long) == []
+    assert short.estimate is not None and long.estimate is not None
+    assert short.estimate.step_time <= long.estimate.step_time * 1.005
