@@ -177,7 +177,7 @@ def render(
                 f"re-plans (errors {', '.join(f'{e:+.0%}' for e in errors)}).",
             ]
         base = live.get("static_baseline")
-        if base:
+        if base and not base.get("calibrated"):  # calibrated: the units already hold overhead
             lines += [
                 "",
                 "*hindsight x*: the same two (uncalibrated) cost-model times in seconds by the "
@@ -236,6 +236,8 @@ def hindsight(report: dict[str, Any], change: dict[str, Any]) -> float | None:
     )
     if not base or not decision or None in (decision["old_units"], decision["new_units"]):
         return None
+    if base.get("calibrated"):  # seconds = units x the layer time: the units' own ratio
+        return None
     a, b = base["intercept_seconds"], base["seconds_per_unit"]
     return (a + b * decision["old_units"]) / (a + b * decision["new_units"])
 
@@ -261,12 +263,18 @@ def baseline_lines(reports: dict[str, dict[str, Any]]) -> list[str]:
     base = (live or {}).get("static_baseline")
     if not base or base.get("predicted_seconds") is None:
         return []
+    how = (
+        f"calibrated cost model, the terms measured under the first plan, one layer-time unit "
+        f"= {base['seconds_per_unit'] * 1000:.1f} ms"
+        if base.get("calibrated")
+        else f"cost model, step seconds = {base['intercept_seconds']:.3f} + "
+        f"{base['seconds_per_unit'] * 1000:.1f} ms x units: {base.get('fit', 'a fit')} in the "
+        "live run"
+    )
     out = [
         "",
-        f"Static baseline predicted from the live run (the first plan held all run, cost model "
-        f"at the live run's measured rates, step seconds = {base['intercept_seconds']:.3f} + "
-        f"{base['seconds_per_unit'] * 1000:.1f} ms x units: {base.get('fit', 'a fit')} in the "
-        "live run): "
+        f"Static baseline predicted from the live run (the first plan held all run, at the live "
+        f"run's measured rates; {how}): "
         f"{base['predicted_seconds']:.1f} s over {base['steps']} steps against "
         f"{base['measured_seconds']:.1f} s measured live: a predicted gain of "
         f"{base['gain']:.2f}x.",

@@ -183,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.dry_run:
         args.global_batch, args.micro = min(args.global_batch, 4), min(args.micro, 2)
+        # A dry run checks that the code runs and reports, not the rate: a median of two
+        # steps after one warm-up is enough (on a loaded CPU a step took up to 2 s).
+        args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
     if args.mode == "solo":
         result = measure(args, args.global_batch)
         if args.child:
