@@ -126,9 +126,7 @@ def static_baseline(
         if not usable:
             return None
         fit: tuple[float, float] | None = (0.0, float(measured_under[0]["layer_seconds"]))
-        how = (
-            f"calibrated cost model (measured under plan generation {calibration_of(calibration)})"
-        )
+        how = f"the terms measured under plan generation {calibration_of(calibration)}"
     else:
         fit = _affine(own if on_own else [(u, s) for u, s, _ in usable], unit_seconds)
         how = (

@@ -37,10 +37,17 @@ def summary_text(report: Mapping[str, Any]) -> str:
     ]
     base = report.get("static_baseline")
     if base is not None and report["mode"] != "static":
-        fit = f"{base['intercept_seconds']:.3f} s + {base['seconds_per_unit'] * 1000:.1f} ms/unit"
+        fit = (
+            f"step = {base['intercept_seconds']:.3f} s + "
+            f"{base['seconds_per_unit'] * 1000:.1f} ms/unit: {base.get('fit', 'fitted')} in "
+            "this run"
+        )
         model, kind = "cost model", "predicted"
         if base.get("calibrated"):  # the terms measured in the run carry the overhead: no fit
-            fit = f"{base['seconds_per_unit'] * 1000:.1f} ms/unit with the measured terms"
+            fit = (
+                f"{base.get('fit', 'the measured terms')}, "
+                f"{base['seconds_per_unit'] * 1000:.1f} ms per layer-time unit"
+            )
             model, kind = "calibrated cost model", "predicted, calibrated"
         if base["predicted_seconds"] is None:
             lines.append(
@@ -53,9 +60,8 @@ def summary_text(report: Mapping[str, Any]) -> str:
                 f"steps; measured {base['measured_seconds']:.1f} s, "
                 f"{_num(base['measured_tokens_per_second'], ',.0f')} tok/s -> gain "
                 f"{_x(base['gain'])}",
-                f"  (the first plan held all run, {model} at the measured rates, step = {fit}: "
-                f"{base.get('fit', 'fitted')} in this run; every step after the first, switches "
-                "included)",
+                f"  (the first plan held all run, {model} at the measured rates, {fit}; every "
+                "step after the first, switches included)",
             ]
     if report.get("ideal_ratio") is not None:
         lines.append(

@@ -290,7 +290,7 @@ def test_static_baseline_uses_the_calibration_measured_under_the_first_plan(
     report = full_report(simulated, calibration=measured)
     base = report["static_baseline"]
     assert base["calibrated"] and "calibrated cost model" in base["label"]
-    assert base["fit"].startswith("calibrated cost model (measured under plan generation")
+    assert base["fit"].startswith("the terms measured under plan generation")
     known: dict[int, float | None] = {}
     expected = 0.0
     warm = {0} | {c["step_applied"] for c in report["plan_changes"]}
