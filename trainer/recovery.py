@@ -16,12 +16,15 @@ the step's gradients and redoes it after recovery, with the same samples (a func
 step), so no sample is skipped or seen twice.
 
 Rendezvous (no rank hosts it: keys of the job's store, under `rec/EPOCH/`). Each survivor:
-destroys its process group, `add("arrive", 1)`, posts `alive/GPU` (its step, the vector it
-holds, the plan in force, the newest generation it knows, its rates). The first to claim the
+posts `alive/GPU` (its step, the vector it holds, the plan in force, the newest generation it
+knows, its rates), `add("arrive", 1)` (which the peers' alarms watch, trainer/alarm.py), then
+destroys its process group. The first to claim the
 lead (`compare_set` of `leader`: atomic, and names it), the leader, waits until every
 previous member has arrived or is known dead (`rec/dead/GPU`, written by a launcher that saw
-the process exit) or `JOIN_WINDOW_S` passed, decides (members, the step,
-the vector, the recovery plan, where the lost shards come from) and writes `decision`. Everyone
+the process exit, or by `malleus run` for a process it saw stopped for the hang timeout), or,
+when some survivor's collective timed out, `QUIET_AFTER_TIMEOUT_S` passed without a new arrival,
+or `JOIN_WINDOW_S` passed; it decides (members, the step, the vector, the recovery plan, where
+the lost shards come from) and writes `decision`. Everyone
 then forms the process group `rec/EPOCH/pg/` among the members. A leader that dies before
 deciding sends the others to epoch + 1 as soon as a launcher marks it dead (`rec/dead/GPU`),
 else after `DECISION_WAIT_S`; a replacement clears its GPU's mark when it is admitted. A rank
@@ -273,20 +276,22 @@ def _arrival(trainer: Trainer, failure: PeerFailure) -> dict[str, Any]:
 def _lead(store: Any, prefix: str, previous: tuple[int, ...], trainer: Trainer) -> None:
     """The first survivor to arrive decides who goes on, at which step, under which plan."""
     start = last = time.monotonic()
-    seen = 0
+    got: dict[int, dict[str, Any]] = {}  # each arrival, read once (posted whole before `arrive`)
     while True:
-        arrived = [g for g in previous if store.check([prefix + f"alive/{g}"])]
+        for g in previous:
+            if g not in got and store.check([prefix + f"alive/{g}"]):
+                got[g] = json.loads(store.get(prefix + f"alive/{g}"))
+                last = time.monotonic()
         dead = [g for g in previous if store.check([DEAD_KEY + str(g)])]
         now = time.monotonic()
-        if len(arrived) > seen:
-            seen, last = len(arrived), now
-        if len(set(arrived) | set(dead)) >= len(previous) or now - start > JOIN_WINDOW_S:
+        if len(set(got) | set(dead)) >= len(previous) or now - start > JOIN_WINDOW_S:
             break
-        if now - last > QUIET_AFTER_TIMEOUT_S and _timed_out(store, prefix, arrived):
+        # a hang: some survivor's collective timed out (rather than failing on a closed socket)
+        if now - last > QUIET_AFTER_TIMEOUT_S and any(a["timeout"] for a in got.values()):
             break
         time.sleep(0.02)
-    arrivals = {g: json.loads(store.get(prefix + f"alive/{g}")) for g in arrived}
-    _dbg(trainer.rank, f"lead: waited, arrived {arrived} dead {dead}")
+    arrivals = {g: got[g] for g in previous if g in got}
+    _dbg(trainer.rank, f"lead: waited, arrived {list(arrivals)} dead {dead}")
     try:
         decision = _decide(trainer, arrivals, previous, store)
     except BadInput as e:  # the planner refused the survivors' problem: nothing fits them
@@ -297,11 +302,6 @@ def _lead(store: Any, prefix: str, previous: tuple[int, ...], trainer: Trainer) 
         decision = {"members": sorted(arrivals), "error": f"{type(e).__name__}: {e}"}
     _dbg(trainer.rank, "lead: decided")
     store.set(prefix + "decision", json.dumps(decision))
-
-
-def _timed_out(store: Any, prefix: str, arrived: list[int]) -> bool:
-    """Whether some survivor's collective timed out (rather than failing on a closed socket)."""
-    return any(json.loads(store.get(prefix + f"alive/{g}"))["timeout"] for g in arrived)
 
 
 def _decide(
