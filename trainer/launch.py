@@ -155,7 +155,7 @@ def init_distributed(
         admitted = await_admission(store, env.rank, init_timeout_s)
         from . import alarm
 
-        alarm.start(store, env.world_size)
+        alarm.start(store, env.world_size, env.rank)
         return device, admitted
     store.set(f"joined/{env.rank}", "1")
     try:
@@ -182,7 +182,7 @@ def init_distributed(
     if fault_tolerant():
         from . import alarm
 
-        alarm.start(store, env.world_size)
+        alarm.start(store, env.world_size, env.rank)
     return device
 
 

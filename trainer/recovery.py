@@ -21,13 +21,15 @@ knows, its rates), `add("arrive", 1)` (which the peers' alarms watch, trainer/al
 destroys its process group. The first to claim the
 lead (`compare_set` of `leader`: atomic, and names it), the leader, waits until every
 previous member has arrived or is known dead (`rec/dead/GPU`, written by a launcher that saw
-the process exit, or by `malleus run` for a process it saw stopped for the hang timeout), or,
+the process exit, or by `malleus run` for a process it saw stopped for the hang timeout) or
+silent (its heartbeat stopped for a few seconds, trainer/alarm.py: a pod deleted, a node lost,
+with no launcher left to mark it), or,
 when some survivor's collective timed out, `QUIET_AFTER_TIMEOUT_S` passed without a new arrival,
 or `JOIN_WINDOW_S` passed; it decides (members, the step, the vector, the recovery plan, where
 the lost shards come from) and writes `decision`. Everyone
 then forms the process group `rec/EPOCH/pg/` among the members. A leader that dies before
-deciding sends the others to epoch + 1 as soon as a launcher marks it dead (`rec/dead/GPU`),
-else after `DECISION_WAIT_S`; a replacement clears its GPU's mark when it is admitted. A rank
+deciding sends the others to epoch + 1 as soon as a launcher marks it dead (`rec/dead/GPU`)
+or its heartbeat stops, else after `DECISION_WAIT_S`; a replacement clears its GPU's mark when it is admitted. A rank
 that arrives after the decision and is not a member (a hung rank that woke up) prints why and
 exits with `LEFT_OUT_EXIT` (3).
 
@@ -61,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 from malleus.errors import BadInput
 from malleus.planner import Plan, check_plan
 
-from . import membership
+from . import alarm, membership
 from .faults import at_lead
 from .launch import DEAD_KEY  # what launchers write when a GPU's process ends
 from .membership import Membership
@@ -218,15 +220,19 @@ def recover(trainer: Trainer, failure: PeerFailure, checkpoint_dir: str | None) 
 
 
 def _await_decision(store: Any, prefix: str, leader: int) -> dict[str, Any] | None:
-    """The leader's decision; None when it did not come within `DECISION_WAIT_S`, or at once
-    when the leader is known dead (a launcher wrote `rec/dead/LEADER`) without having written
-    it: a leader killed mid-recovery costs the others one epoch, not the whole wait."""
+    """The leader's decision; None when it did not come within `DECISION_WAIT_S`, or as soon
+    as the leader is known dead (a launcher wrote `rec/dead/LEADER`) or silent (its heartbeat
+    stopped, trainer/alarm.py) without having written it: a leader killed mid-recovery costs
+    the others one epoch, not the whole wait."""
     key, dead = prefix + "decision", DEAD_KEY + str(leader)
     deadline = time.monotonic() + DECISION_WAIT_S
+    quiet = alarm.silence(store)
     while time.monotonic() < deadline:
         if store.check([key]):
             return json.loads(store.get(key))
-        if store.check([dead]):  # its decision may have landed just before it died
+        # Known dead, or gone without a launcher to say so (its heartbeat stopped): its
+        # decision may have landed just before it died.
+        if store.check([dead]) or quiet.silent(leader):
             return json.loads(store.get(key)) if store.check([key]) else None
         time.sleep(0.02)
     return None
@@ -277,21 +283,26 @@ def _lead(store: Any, prefix: str, previous: tuple[int, ...], trainer: Trainer) 
     """The first survivor to arrive decides who goes on, at which step, under which plan."""
     start = last = time.monotonic()
     got: dict[int, dict[str, Any]] = {}  # each arrival, read once (posted whole before `arrive`)
+    quiet = alarm.silence(store)
     while True:
         for g in previous:
             if g not in got and store.check([prefix + f"alive/{g}"]):
                 got[g] = json.loads(store.get(prefix + f"alive/{g}"))
                 last = time.monotonic()
         dead = [g for g in previous if store.check([DEAD_KEY + str(g)])]
+        # gone with nobody to mark it (a pod deleted, a node lost): its heartbeat stopped
+        silent = [g for g in previous if g not in got and g not in dead and quiet.silent(g)]
         now = time.monotonic()
-        if len(set(got) | set(dead)) >= len(previous) or now - start > JOIN_WINDOW_S:
+        if len(set(got) | set(dead) | set(silent)) >= len(previous):
+            break
+        if now - start > JOIN_WINDOW_S:
             break
         # a hang: some survivor's collective timed out (rather than failing on a closed socket)
         if now - last > QUIET_AFTER_TIMEOUT_S and any(a["timeout"] for a in got.values()):
             break
         time.sleep(0.02)
     arrivals = {g: got[g] for g in previous if g in got}
-    _dbg(trainer.rank, f"lead: waited, arrived {list(arrivals)} dead {dead}")
+    _dbg(trainer.rank, f"lead: waited, arrived {list(arrivals)} dead {dead} silent {silent}")
     try:
         decision = _decide(trainer, arrivals, previous, store)
     except BadInput as e:  # the planner refused the survivors' problem: nothing fits them

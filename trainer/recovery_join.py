@@ -36,7 +36,8 @@ AWAIT_JOIN_ENV = "MALLEUS_AWAIT_JOIN"
 re-admission does not depend on how fast the replacement's interpreter starts on a loaded
 machine. A wait outside any compute charge (unlike stopping the process), so the emulated clock
 has nothing to catch up afterwards. Only where the coordinator is the only member: the others
-would wait for it in the world all-reduce."""
+would wait for it in the world all-reduce. Not before the first step after a recovery commits
+(`malleus run` starts a replacement only then)."""
 AWAIT_JOIN_S = 120.0
 
 
@@ -112,6 +113,8 @@ def _await_join(store: Any, m: Membership, trainer: Trainer) -> None:
     want = os.environ.get(AWAIT_JOIN_ENV, "")
     if not want.isdigit() or int(want) in m or int(want) >= trainer.world:
         return
+    if getattr(trainer, "recovering", None) is not None:
+        return  # the recovery's first step must commit first: `malleus run` starts it then
     key, seen = f"{JOIN_KEY}{want}/n", trainer.admitted.get(int(want), 0)
     deadline = time.monotonic() + AWAIT_JOIN_S
     while store.add(key, 0) <= seen and time.monotonic() < deadline:

@@ -332,11 +332,14 @@ class Controller:
         self._step_seconds.clear()
         self.detector.rebase(pending.rates)
         self.migration.observe(ack.migration_bytes, ack.migration_seconds)
-        secs = "?" if ack.migration_seconds is None else f"{ack.migration_seconds:.2f}"
-        moved = "?" if ack.migration_bytes is None else f"{ack.migration_bytes / MIB:.1f}"
+        if ack.migration_seconds is None and ack.migration_bytes is None:
+            how = f"adopted ({pending.reason})"  # caught up: nothing measured here
+        else:
+            secs = "?" if ack.migration_seconds is None else f"{ack.migration_seconds:.2f}"
+            moved = "?" if ack.migration_bytes is None else f"{ack.migration_bytes / MIB:.1f}"
+            how = f"migrated {moved} MiB in {secs} s"
         await self._emit(
-            f"trainers run generation {pending.plan.generation} from step {ack.step}: "
-            f"migrated {moved} MiB in {secs} s",
+            f"trainers run generation {pending.plan.generation} from step {ack.step}: {how}",
             Migrated(
                 pending.plan.generation,
                 ack.step,

@@ -20,6 +20,7 @@ from typing import Any
 
 from malleus.controller.events import (
     DecisionEvent,
+    Migrated,
     Replanned,
     ReplanSkipped,
     StragglerDetected,
@@ -64,7 +65,14 @@ def plan_changes(
         e for e in events if isinstance(e.data, ReplanSkipped) and e.data.shift is not None
     ]
     changes = []
+    published = {e.data.generation for e in events if isinstance(e.data, Replanned)}
     for ev in events:
+        if isinstance(ev.data, Migrated) and ev.data.generation not in published:
+            # A plan the trainers made themselves (a recovery's), adopted by the controller:
+            # not a re-plan, but the plan in force that the next one changes.
+            if in_force is not None:
+                in_force = plan_summary(ev.data.plan)
+            continue
         if not isinstance(ev.data, Replanned):
             continue
         gen, decision = ev.data.generation, ev.data.decision
@@ -174,7 +182,10 @@ def replan_windows(
         else:
             c = applied[i - 1]
             new_gen, at, reason = c["generation"], c["step_applied"], c["reason"]
-            old_gen = applied[i - 2]["generation"] if i >= 2 else first_gen
+            # the generation the steps before the switch ran: the previous re-plan's, or a
+            # recovery's plan adopted since (not a re-plan, so not in `applied`)
+            ran = [r for r in rows if r["step"] < at and r["generation"] != new_gen]
+            old_gen = max(ran, key=lambda r: r["step"])["generation"] if ran else first_gen
         before = [r for r in inside if old_gen is not None and r["generation"] == old_gen]
         before = [r for r in before if r["step"] < at]
         after = [r for r in inside if r["generation"] == new_gen and r["step"] >= at]

@@ -4,7 +4,8 @@ Each tick of the session's supervisor loop calls `Supervisor.tick()`: a rank who
 badly (an exit code, a signal, exit 3: the job left it out) counts a failure under
 `spec.failurePolicy` (`failures.Supervision`): it is logged in the progress, the trainers are
 told through the store (`malleus/0//rec/dead/GPU`, so recovery need not wait out its join window),
-and its replacement (`--join`) starts after the backoff, or it stays out. Every few ticks
+and its replacement (`--join`) starts after the backoff and once the survivors committed a step
+after the failure (so that its start does not slow their recovery), or it stays out. Every few ticks
 `poll_status()` reads the coordinator's `/status` (through the `CoordinatorClient`, which
 follows the coordinator): a rank the trainers report hung (`out`) is killed (and then counts as
 a failure like any other), a new `last_recovery` is logged with the runner's own timing (the
@@ -42,7 +43,7 @@ from .failures import (
 from .launch import without_faults
 from .prepare import Prepared
 from .processes import TrainerProcesses, describe_exit, proc_state
-from .record import RunRecord
+from .record import PlanSwitch, RunRecord
 from .sinks import CoordinatorClient, checkpoint_bytes, latest_checkpoint_step
 
 __all__ = ["DEAD_KEY", "Supervisor"]
@@ -52,6 +53,9 @@ DEAD_KEY = "malleus/0//rec/dead/"
 (`rec/dead/`) under the job's `PrefixStore("malleus/<attempt>/")`, which joins prefix and key
 with one more "/" (hence the double slash: the raw key the trainers read)."""
 _STATUS_EVERY = 0.5
+HOLD_REPLACEMENT_S = 30.0
+"""The longest a due replacement waits for the survivors to commit a step after its failure
+(`Supervisor._survivors_recovering`); past it, it starts anyway."""
 
 
 class Supervisor:
@@ -163,6 +167,9 @@ class Supervisor:
             if self.procs.process(rank).code is None:  # a killed hung rank still ending
                 self.supervision.pending[rank] = self.clock() + 0.5
                 continue
+            if self._survivors_recovering(rank):
+                self.supervision.pending[rank] = self.clock() + 0.05
+                continue
             new = self.procs.replace(rank)
             attempt = self.supervision.failures.get(rank, 0)
             self.log.add_replacement(Replacement(rank, attempt, self.now(), new.proc.pid))
@@ -171,6 +178,17 @@ class Supervisor:
                 f"(pid {new.proc.pid}, restart {attempt} of {self.policy.max_restarts}), "
                 "joining at a step boundary"
             )
+
+    def _survivors_recovering(self, rank: int) -> bool:
+        """Whether `rank`'s replacement should wait for the survivors: until they commit a
+        step after its failure (at most `HOLD_REPLACEMENT_S`). A replacement joins only at a
+        step boundary after the recovery anyway, and here every rank shares this host: its
+        start (seconds of CPU importing torch) would slow the very recovery it waits for."""
+        fault = self.log.fault_time([rank])
+        if fault is None or self.now() - fault > HOLD_REPLACEMENT_S:
+            return False
+        latest = self.record.latest()
+        return latest is None or latest.time is None or latest.time <= fault
 
     def _failed(self, rank: int, why: str, now: float) -> None:
         rp = self.procs.process(rank)
@@ -321,6 +339,9 @@ class Supervisor:
             got = self.log.add_record(rec, step.time, fault)
             if got is not None:
                 self.messages.put(recovered_text(got))
+                # the survivors' own plan, from the step they redid or went on with: the
+                # report's per-step generations (the controller never published it)
+                self.record.add_switch(PlanSwitch(rec.generation, rec.step))
         self._unmatched = left
 
     # ---- restart mode: every process from the latest checkpoint ------------------------------

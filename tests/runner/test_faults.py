@@ -190,6 +190,9 @@ def test_killing_the_coordinator_rank_replaces_it_and_a_later_plan_readmits_it(
     (replacement,) = out["replacements"]
     log = (work / "logs" / "launch-1" / "rank-0.join-1.log").read_text()
     assert replacement["rank"] == 0 and replacement["joined_step"] is not None, log[-3000:]
+    # started only once the survivor committed a step after the failure (not to compete with
+    # its recovery for this host's CPUs), and after the backoff
+    assert replacement["time"] >= first["time"] + max(1.0, recovery["seconds"]) - 0.05
     assert f"[malleus] rank 0 joined at step {replacement['joined_step']}" in log
     # ... and re-admitted by a later plan (the controller's, once rank 0's rate is back): it
     # joined holding nothing, so a plan that places it after its join re-admits it.

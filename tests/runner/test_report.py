@@ -195,6 +195,27 @@ def test_every_replan_says_what_it_changed(simulated: Any) -> None:
     assert "rank 1 excluded" in text and "rank 1 re-admitted" in text
 
 
+def test_a_plan_the_trainers_made_themselves_is_the_one_the_next_replan_changes(
+    simulated: Any,
+) -> None:
+    # Drop the controller's Replanned of generation 2, keep its Migrated: generation 2 is now a
+    # plan adopted from the trainers (a recovery's), not a re-plan of this controller.
+    from malleus.controller.events import Replanned
+
+    events, switches, rows = simulated
+    gen2 = [e for e in events if isinstance(e.data, Replanned) and e.data.generation == 2]
+    kept = [e for e in events if e not in gen2]
+    assert gen2 and len(kept) == len(events) - 1
+    whole, adopted = full_report(simulated), full_report((kept, switches, rows))
+    (change,) = adopted["plan_changes"]
+    assert change["generation"] == 3
+    # against generation 2's plan (re-admits rank 1), not the first plan (which had it)
+    assert change["changed"] == whole["plan_changes"][1]["changed"]
+    assert change["changed"]["readmitted"] == [1]
+    assert adopted["windows"][-1]["old_generation"] == 2
+    assert adopted["windows"][-1]["gain"] > 1.0
+
+
 def test_static_baseline_is_predicted_from_the_runs_own_steps(simulated: Any) -> None:
     report = full_report(simulated)
     base = report["static_baseline"]
