@@ -32,12 +32,14 @@ NOTES = [
     "one micro-batch's activation between paired ranks, in and across nodes, after each "
     "calibration step: the p2p column), and the planner's multi-stage pipelines at 16 GPUs are "
     "predicted with it. It weighs little here (milliseconds per boundary against 150 ms of "
-    "layer). What a calibration under the uniform plan still cannot see: the gradient sync "
-    "costs per all-reduce, not only per MiB (gloo all-reduces of these tiny shards are "
-    "latency-bound), and a mixed layout splits a GPU's gradients into more buckets (one per "
-    "holder set: at 16 GPUs up to 6 per GPU where the uniform plan has 2), so the planner's "
-    "plans' own calibrations read up to 3x the uniform's gradient sync per MiB, where the "
-    "cost model has one per-MiB figure (a per-call term is the next fix); a balanced "
+    "layer). The gradient sync costs per all-reduce, not per MiB (gloo all-reduces of these "
+    "tiny shards are latency-bound: one of 4 KiB among 16 processes takes as long as one of "
+    "80 KiB), and a mixed layout splits a GPU's gradients into more buckets (one per holder "
+    "set: at 16 GPUs up to 6 per GPU where the uniform plan has 2), so the trainers time a "
+    "small all-reduce on each of their buckets' groups (the grad call column) and the model "
+    "charges each GPU its buckets' calls beside the per-MiB rest. What a calibration under "
+    "the uniform plan still cannot see: a call's cost grows with its group (gloo's ring takes "
+    "2(n-1) hops), and the model has one figure per call across nodes; a balanced "
     "plan keeps every rank busy at once, so on "
     "two shared cores its real math and wake-ups compete (the load note above); and a TP group "
     "with a straggler pays its collectives without the wake-up jitter of two equal members, so "
@@ -135,15 +137,17 @@ def render(
         "shorter, than on the uniform plan's, which waits on a straggler: the uncalibrated "
         "prediction overstates the speedup. The calibrated model charges each of these terms "
         "as measured. Per situation: the terms the uniform plan's trainers measured (layer-time "
-        f"units of {unit_ms:g} ms; grad sync and optimizer per MiB), each plan's measured step "
+        f"units of {unit_ms:g} ms; grad sync and optimizer per MiB, grad sync also per "
+        "all-reduce call), each plan's measured step "
         "time over its calibrated model time, the calibrated prediction under each plan's own "
         "trainers' calibration (*own*), and the emulated clock's accuracy (layer calls whose "
         "real math overran the budget, over both plans and all ranks; mean wake-up lateness "
         "per layer call):",
         "",
         "| GPUs | stragglers | tp_comm[2] | embedding | head | p2p | grad intra / inter | "
-        "optimizer | fixed | step / model, uniform | planner | own | overruns | lateness ms |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "grad call intra / inter | optimizer | fixed | step / model, uniform | planner | own | "
+        "overruns | lateness ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *(_terms_row(r) for r in rows),
         "",
         *NOTES,
@@ -171,7 +175,8 @@ def _terms_row(r: Row) -> str:
     return (
         f"| {r.scale.world} | {r.situation} | {tp2:.3f} | {c.get('embedding', 0):.3f} | "
         f"{c.get('head', 0):.3f} | {c.get('p2p', 0):.3f} | {c.get('grad_sync_intra', 0):.2f} / "
-        f"{c.get('grad_sync_inter', 0):.2f} | {c.get('optimizer', 0):.3f} | "
+        f"{c.get('grad_sync_inter', 0):.2f} | {c.get('grad_sync_call_intra', 0):.4f} / "
+        f"{c.get('grad_sync_call_inter', 0):.4f} | {c.get('optimizer', 0):.3f} | "
         f"{c.get('fixed', 0):.3f} | {r.step_fidelity('uniform'):.3f} | "
         f"{r.step_fidelity('planner'):.3f} | {own} | {r.overruns} | {r.late_ms:.2f} |"
     )

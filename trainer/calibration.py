@@ -25,6 +25,13 @@ transfers). Pairs are disjoint and every rank runs the inside-node probe before 
 one, so no rank waits on one that is busy elsewhere; the probe runs between steps (outside every
 step's time) on its own buffers and tag, so the training math is untouched. It is the p2p
 figure under every plan, so one-stage and multi-stage calibrations measure it alike.
+
+Gloo all-reduces of small gradient buckets are latency-bound, and a mixed plan splits a GPU's
+gradients into more buckets (one per holder set) than the uniform plan, so the gradient sync is
+fitted as a cost per call plus one per byte: after the transfer probe every rank also times a
+small all-reduce on each of its gradient-sync groups (`probe_grad_calls`: the buckets in
+the layout's global order, the order `sync_gradients` runs them, so every member of a group
+reaches it alike), and the per-byte figure is what the step's sync took beyond its calls.
 """
 
 from __future__ import annotations
@@ -39,12 +46,20 @@ import torch
 import torch.distributed as dist
 
 from . import membership
-from .calibration_terms import CostSample, median_calibration, reduce_calibration
+from .calibration_terms import CostSample, GradCallProbe, median_calibration, reduce_calibration
 
 if TYPE_CHECKING:
     from .worker import Trainer
 
-__all__ = ["CAL_STEPS", "CAL_WARMUP", "PROBE_CALLS", "Calibrator", "probe", "probe_peers"]
+__all__ = [
+    "CAL_STEPS",
+    "CAL_WARMUP",
+    "PROBE_CALLS",
+    "Calibrator",
+    "probe",
+    "probe_grad_calls",
+    "probe_peers",
+]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +72,11 @@ PROBE_CALLS = 3
 pair up (so a partner's late arrival is not counted); their median is the figure: each hop's
 wake-up of a waiting rank is what a pipeline boundary costs, and a lucky one is not typical."""
 PROBE_TAG = 3  # apart from the pipeline's ACT_TAG / GRAD_TAG (trainer/parallel/pipeline.py)
+PROBE_ELEMENTS = 1024
+"""Most elements of an all-reduce probe (4 KiB of float32: latency-bound on any link). Fewer
+would not time a bucket's call: a ring all-reduce skips its empty chunks, so gloo's of one
+element takes a fifth of one of 16 or more among 16 processes (measured on this 2-core host).
+So a probe carries its bucket's elements, up to this or to its member count if larger."""
 
 
 class Calibrator:
@@ -88,7 +108,8 @@ class Calibrator:
             if not CAL_WARMUP <= k < CAL_WARMUP + CAL_STEPS:
                 return False
             probes = probe(trainer)
-            self.window.append(_sample(trainer, started, seconds, optimizer_s, probes))
+            calls = probe_grad_calls(trainer)
+            self.window.append(_sample(trainer, started, seconds, optimizer_s, probes, calls))
             if k < CAL_WARMUP + CAL_STEPS - 1:
                 return False
             self._close(trainer)
@@ -190,13 +211,43 @@ def probe(trainer: Trainer) -> tuple[tuple[int, float] | None, tuple[int, float]
     return out[0], out[1]
 
 
+def probe_grad_calls(trainer: Trainer) -> GradCallProbe:
+    """Time one all-reduce call on each of this rank's gradient-sync groups: a small float32
+    tensor (its bucket's size up to PROBE_ELEMENTS: the call's latency, not its bytes), one
+    untimed call that lines the group up, then PROBE_CALLS timed ones, their median per group.
+    Returns, inside a node and across nodes, the sum of the groups' medians and the number of
+    groups. Collective over each group: the buckets run in the layout's global order, as in
+    `sync_gradients`."""
+    sums, counts = [0.0, 0.0], [0, 0]
+    gpn = trainer.job.gpus_per_node
+    for bucket in trainer.layout.my_buckets():
+        group = trainer.groups.get(bucket.members)
+        inter = int(len({r // gpn for r in bucket.members}) > 1)
+        size = sum(trainer.params[name].numel() for name in bucket.pieces)
+        n = min(size, max(PROBE_ELEMENTS, len(bucket.members)))
+        x = torch.zeros(n, dtype=torch.float32, device=trainer.device)
+        calls = []
+        for i in range(1 + PROBE_CALLS):
+            t0 = time.perf_counter()
+            # Through the meter, so an emulated slow link charges these as the sync's.
+            with trainer.meter.timed("call_probe" if i else "probe_lineup", bucket.members, 4 * n):
+                dist.all_reduce(x, group=group)
+            if i:
+                calls.append(time.perf_counter() - t0)
+        sums[inter] += statistics.median(calls)
+        counts[inter] += 1
+    return GradCallProbe(sums[0], counts[0], sums[1], counts[1])
+
+
 def _sample(
     trainer: Trainer,
     started: float,
     seconds: float,
     optimizer_s: float,
     probes: tuple[tuple[int, float] | None, tuple[int, float] | None] = (None, None),
+    calls: GradCallProbe | None = None,
 ) -> CostSample:
+    calls = calls or GradCallProbe()
     t, m = trainer.timer, trainer.meter
     pi, px = probes[0] or (-1, 0.0), probes[1] or (-1, 0.0)
     place = trainer.layout.place
@@ -222,8 +273,14 @@ def _sample(
         p2p_calls=p2p.calls,
         grad_intra_s=intra.seconds,
         grad_intra_bytes=float(intra.bytes),
+        grad_intra_calls=intra.calls,
         grad_inter_s=inter.seconds,
         grad_inter_bytes=float(inter.bytes),
+        grad_inter_calls=inter.calls,
+        call_intra_s=calls.intra_s,
+        call_intra_groups=calls.intra_groups,
+        call_inter_s=calls.inter_s,
+        call_inter_groups=calls.inter_groups,
         opt_s=optimizer_s,
         opt_bytes=float(sum(p.numel() * p.element_size() for p in trainer.params.values())),
         run_s=(t.ended - t.started) if ran else 0.0,  # type: ignore[operator]

@@ -3,12 +3,16 @@ the exchange are trainer/calibration.py's).
 
 `CostSample` is one rank's figures for what the rest of a step costs (TP collectives inside
 layer calls, embedding and head per micro-batch, pipeline transfers and the transfer probe,
-gradient sync per byte inside and across nodes, the optimizer per byte held, the rest of the
-step); `reduce_calibration` turns the job's samples, alike on every rank, into the cost model's
+gradient sync inside and across nodes and the all-reduce probe of its groups, the optimizer per
+byte held, the rest of the step); `reduce_calibration` turns the job's samples, alike on every rank, into the cost model's
 `calibration` terms (layer-time units) and a link rate per node (`link_rates`: its collectives
 over the healthy figure for the same kind); `median_calibration` takes each term's median over
 the window's steps. Waiting on a slower peer is not counted: a group's TP figure is its layer
 calls' wall time less its slowest member's compute, a transfer's the shortest call.
+
+The gradient sync is a cost per all-reduce call plus one per MiB (`grad_sync_fit`): the call
+figure is the probe's small all-reduce (healthy over ranks), the per-MiB figure what the
+critical rank's sync took beyond its calls at that figure, per MiB it synced (never below 0).
 """
 
 from __future__ import annotations
@@ -17,13 +21,32 @@ import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import astuple, dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 from .profiling import healthy_reference
 
-__all__ = ["MIB", "CostSample", "link_rates", "median_calibration", "reduce_calibration"]
+__all__ = [
+    "MIB",
+    "CostSample",
+    "GradCallProbe",
+    "grad_sync_fit",
+    "link_rates",
+    "median_calibration",
+    "reduce_calibration",
+]
 
 MIB = float(1 << 20)
+
+
+class GradCallProbe(NamedTuple):
+    """One rank's all-reduce probe (trainer/calibration.py `probe_grad_calls`): per kind of
+    gradient-sync group (members in one node / across nodes), the sum of its groups' median
+    small all-reduce seconds and the number of groups."""
+
+    intra_s: float = 0.0
+    intra_groups: int = 0
+    inter_s: float = 0.0
+    inter_groups: int = 0
 
 
 @dataclass
@@ -35,7 +58,8 @@ class CostSample:
     `end_s`: when the schedule ended, from the step's start. `probe_*`: the transfer probe
     (trainer/calibration.py) with the partner inside the node / in the paired node (`*_peer`,
     -1: none), its median round trip (0 on the pair's answering side), so that p2p is measured
-    whether or not the plan has stage boundaries.
+    whether or not the plan has stage boundaries. `grad_*_calls`: the step's gradient-sync
+    all-reduces; `call_*`: the all-reduce probe (`GradCallProbe`).
     """
 
     steps: int = 0
@@ -54,8 +78,10 @@ class CostSample:
     p2p_calls: int = 0
     grad_intra_s: float = 0.0
     grad_intra_bytes: float = 0.0
+    grad_intra_calls: int = 0
     grad_inter_s: float = 0.0
     grad_inter_bytes: float = 0.0
+    grad_inter_calls: int = 0
     opt_s: float = 0.0
     opt_bytes: float = 0.0
     run_s: float = 0.0
@@ -64,6 +90,10 @@ class CostSample:
     probe_intra_peer: int = -1
     probe_inter_s: float = 0.0
     probe_inter_peer: int = -1
+    call_intra_s: float = 0.0
+    call_intra_groups: int = 0
+    call_inter_s: float = 0.0
+    call_inter_groups: int = 0
 
     @classmethod
     def width(cls) -> int:
@@ -201,16 +231,19 @@ def reduce_calibration(
     critical = max(ran, key=lambda r: samples[r].end_s) if ran else None
     serving = [r for p in pipelines for g in p for r in g]
 
-    def per_mib(seconds: str, nbytes: str, slow: float) -> float:
-        if critical is not None and getattr(samples[critical], nbytes) > 0:
-            c = samples[critical]
-            return getattr(c, seconds) / (getattr(c, nbytes) / MIB) / slow / L
-        vs = [
-            getattr(s, seconds) / (getattr(s, nbytes) / MIB)
-            for s in samples
-            if getattr(s, nbytes) > 0
-        ]
-        return min(vs) / slow / L if vs else 0.0
+    # Per call: a rank's in-node groups are on its own node; its cross-node ones are divided
+    # by the job's slowest link, as the per-MiB cross-node figure is.
+    call_intra = _healthy(
+        s.call_intra_s / s.call_intra_groups / link([r])
+        for r, s in enumerate(samples)
+        if s.call_intra_groups
+    )
+    call_inter = _healthy(
+        s.call_inter_s / s.call_inter_groups / link(serving) for s in samples if s.call_inter_groups
+    )
+    critical_link = link([critical] if critical is not None else [])
+    sync_intra = grad_sync_fit(samples, critical, "intra", call_intra or 0.0, critical_link, L)
+    sync_inter = grad_sync_fit(samples, critical, "inter", call_inter or 0.0, link(serving), L)
 
     optimizer = _healthy(s.opt_s / (s.opt_bytes / MIB) for s in samples if s.opt_bytes > 0)
     fixed = 0.0
@@ -224,14 +257,41 @@ def reduce_calibration(
         "head": end(False, "head_s", "head_mb"),
         "tp_comm": tp_comm,
         "p2p": p2p / L if p2p is not None else 0.0,
-        "grad_sync_intra": per_mib(
-            "grad_intra_s", "grad_intra_bytes", link([critical] if critical is not None else [])
-        ),
-        "grad_sync_inter": per_mib("grad_inter_s", "grad_inter_bytes", link(serving)),
+        "grad_sync_intra": sync_intra,
+        "grad_sync_inter": sync_inter,
+        "grad_sync_call_intra": (call_intra or 0.0) / L,
+        "grad_sync_call_inter": (call_inter or 0.0) / L,
         "optimizer": optimizer / L if optimizer is not None else 0.0,
         "fixed": fixed,
     }
     return calibration, links
+
+
+def grad_sync_fit(
+    samples: Sequence[CostSample],
+    critical: int | None,
+    kind: str,
+    call_s: float,
+    slow: float,
+    unit_s: float,
+) -> float:
+    """The gradient sync's per-MiB term (layer-time units) for `kind` ("intra" / "inter"):
+    seconds beyond `call_s` (a healthy link's per-call seconds) per call, per MiB synced, at a
+    healthy link (`slow`: the link rate the measured seconds ran at), never below 0. The
+    critical rank's, whose sync the step waits for; without one, the lowest over the ranks."""
+
+    def per_mib(s: CostSample) -> float | None:
+        nbytes = getattr(s, f"grad_{kind}_bytes")
+        if nbytes <= 0:
+            return None
+        seconds = getattr(s, f"grad_{kind}_s") / slow
+        rest = seconds - getattr(s, f"grad_{kind}_calls") * call_s
+        return max(0.0, rest) / (nbytes / MIB) / unit_s
+
+    if critical is not None and (v := per_mib(samples[critical])) is not None:
+        return v
+    vs = [v for s in samples if (v := per_mib(s)) is not None]
+    return min(vs) if vs else 0.0
 
 
 def link_rates(

@@ -27,6 +27,7 @@ from malleus.job.control import (
     PlanConflict,
 )
 from malleus.planner.plan import Plan
+from malleus.planner.problem import PER_MIB_TERMS, SCALAR_TERMS
 
 from .ports import Ack, AckTimeout, GenerationConflict, Observation, PlanRejected
 
@@ -40,8 +41,6 @@ __all__ = [
 ]
 
 RATE_METRIC = "malleus_gpu_straggling_rate"
-PER_MB_SCALARS = ("embedding", "head", "p2p", "fixed")  # malleus_cost_seconds{term}
-PER_MB_TERMS = ("grad_sync_intra", "grad_sync_inter", "optimizer")  # ..._per_mebibyte{term}
 CALIBRATION_METRICS = (
     "malleus_layer_seconds",
     "malleus_cost_seconds",
@@ -149,16 +148,16 @@ def calibration_from_samples(
             term = labels.get("term", "")
             if term == "tp_comm" and labels.get("group_size", "").isdigit():
                 tp_comm[int(labels["group_size"])] = v
-            elif term in PER_MB_SCALARS:
+            elif term in SCALAR_TERMS:
                 scalars[term] = v
-        elif name == "malleus_cost_seconds_per_mebibyte" and labels.get("term") in PER_MB_TERMS:
+        elif name == "malleus_cost_seconds_per_mebibyte" and labels.get("term") in PER_MIB_TERMS:
             scalars[labels["term"]] = v
         elif name == "malleus_link_rate" and labels.get("node_rank", "").isdigit():
             links[int(labels["node_rank"])] = max(1.0, v)
     if not unit or unit <= 0:
         return None, links
     calibration: dict[str, object] = {"layer_seconds": unit}
-    for term in (*PER_MB_SCALARS, *PER_MB_TERMS):
+    for term in (*SCALAR_TERMS, *PER_MIB_TERMS):
         calibration[term] = scalars.get(term, 0.0) / unit
     calibration["tp_comm"] = {g: v / unit for g, v in sorted(tp_comm.items())}
     return calibration, links

@@ -47,6 +47,7 @@ __all__ = [
     "EXACT_MICRO_BATCHES",
     "INF",
     "StepTerms",
+    "grad_sync_by_gpu",
     "group_pace",
     "group_rate",
     "healthy_pace",
@@ -120,29 +121,37 @@ def _pipeline_step_time(problem: PlanningProblem, p: Pipeline) -> float:
 
 
 def _grad_sync(problem: PlanningProblem, plan: Plan) -> float:
-    """Data-parallel gradient sync: every (layer, shard) is all-reduced among the GPUs that hold
-    it (one per pipeline), at the intra- or inter-node figure, times the slowest link among
-    their nodes; a GPU's sync is the sum over what it holds, the step waits for the slowest."""
+    """Data-parallel gradient sync: the slowest GPU's (`grad_sync_by_gpu`); the step waits."""
+    return max(grad_sync_by_gpu(problem, plan).values(), default=0.0)
+
+
+def grad_sync_by_gpu(problem: PlanningProblem, plan: Plan) -> dict[int, float]:
+    """Each GPU's data-parallel gradient sync (layer-time units; empty when there is none).
+
+    Every (layer, shard) is all-reduced among the GPUs that hold it, one per pipeline: per MB
+    held at the intra- or inter-node figure, plus one per-call figure for every all-reduce the
+    trainer issues, all times the slowest link among the group's nodes. The trainer issues one
+    all-reduce per distinct holder set of a GPU's pieces (trainer/parallel/layout.py `_buckets`).
+    The plan's stage cuts split the layers into segments held by the same stage of every
+    pipeline (a "column"); in a column, a sharded piece's holder set is fixed by which GPU of
+    each stage holds its shard, so a GPU holding 2^k shards meets 2^k / 2^k_min sets, 2^k_min
+    the fewest shards per GPU in the column (shard counts are powers of two: a finer stage's
+    split refines a coarser one's); the replicated RMSNorm weights are held by every GPU of the
+    column's stages, one more set unless every stage there is a single GPU (then it is the
+    shard set). The embedding and head share the first and last column's sets (untied: a tied
+    embedding, or K/V replicated over fewer kv heads than tp, add sets the problem does not
+    describe). A column's stages each lie in one node, so all its sets span the same nodes.
+    """
     cal = problem.calibration
-    if cal is None or plan.dp < 2 or not (cal.grad_sync_intra or cal.grad_sync_inter):
-        return 0.0
+    if cal is None or plan.dp < 2:
+        return {}
+    per_mb = (cal.grad_sync_intra, cal.grad_sync_inter)
+    per_call = (cal.grad_sync_call_intra, cal.grad_sync_call_inter)
+    if not (any(per_mb) or any(per_call)):
+        return {}
     unit, emb = unit_mb(problem)
     tp = plan.tp
     cuts = sorted({0, problem.layers, *(x for _, _, s in plan.stages() for x in s.layers)})
-    tally: dict[int, float] = defaultdict(float)
-
-    def charge(members: list[int], mb: float) -> None:
-        if mb <= 0 or len(members) < 2:
-            return
-        nodes = {problem.node_of(r) for r in members}
-        per = cal.grad_sync_intra if len(nodes) == 1 else cal.grad_sync_inter
-        cost = mb * per * max(problem.link_rate(n) for n in nodes)
-        for r in members:
-            tally[r] += cost
-
-    def holder(stage: Stage, shard: int) -> int:
-        return stage.ranks[shard // stage.shards_per_gpu(tp)]
-
     where = []  # per pipeline: the stage holding each layer segment
     for p in plan.pipelines:
         row, j = [], 0
@@ -151,14 +160,23 @@ def _grad_sync(problem: PlanningProblem, plan: Plan) -> float:
                 j += 1
             row.append(p.stages[j])
         where.append(row)
+    last = len(cuts) - 2
+    tally: dict[int, float] = defaultdict(float)
     for seg, (a, b) in enumerate(itertools.pairwise(cuts)):
-        for shard in range(tp):
-            charge([holder(row[seg], shard) for row in where], (b - a) * unit)
-    if emb > 0:
-        for shard in range(tp):
-            charge([holder(p.stages[0], shard) for p in plan.pipelines], emb)
-            charge([holder(p.stages[-1], shard) for p in plan.pipelines], emb)
-    return max(tally.values(), default=0.0)
+        column = [row[seg] for row in where]
+        nodes = {problem.node_of(s.ranks[0]) for s in column}
+        inter = int(len(nodes) > 1)
+        link = max(problem.link_rate(n) for n in nodes)
+        mb = (b - a) * unit + emb * ((seg == 0) + (seg == last))  # per shard held
+        spgs = [s.shards_per_gpu(tp) for s in column]
+        finest = min(spgs)
+        norms = int(finest < tp)
+        for s, spg in zip(column, spgs, strict=True):
+            calls = spg // finest + norms
+            cost = (spg * mb * per_mb[inter] + calls * per_call[inter]) * link
+            for r in s.ranks:
+                tally[r] += cost
+    return dict(tally)
 
 
 @dataclass(frozen=True)

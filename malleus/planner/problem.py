@@ -18,6 +18,8 @@ __all__ = [
     "MAX_LAYERS",
     "MAX_MICRO_BATCHES",
     "MAX_RATE",
+    "PER_MIB_TERMS",
+    "SCALAR_TERMS",
     "Calibration",
     "MemorySpec",
     "ModelSpec",
@@ -138,6 +140,12 @@ class Calibration(_Strict):
         default=0.0,
         description="The same when the shard group spans nodes.",
     )
+    grad_sync_call_intra: float = Field(
+        default=0.0,
+        description="Data-parallel gradient sync per all-reduce call (one per distinct holder "
+        "set of a GPU's gradients), when every member of the group is in one node.",
+    )
+    grad_sync_call_inter: float = Field(default=0.0, description="The same across nodes.")
     optimizer: float = Field(
         default=0.0,
         description="Optimizer step per MB of master parameters held by one GPU.",
@@ -312,15 +320,12 @@ def problem_faults(p: PlanningProblem) -> list[str]:
     return faults
 
 
-_CALIBRATION_TERMS = (
-    "embedding",
-    "head",
-    "p2p",
-    "grad_sync_intra",
-    "grad_sync_inter",
-    "optimizer",
-    "fixed",
-)
+SCALAR_TERMS = ("embedding", "head", "p2p", "fixed", "grad_sync_call_intra", "grad_sync_call_inter")
+"""Calibration terms that are a time (per micro-batch, call or step): /metrics
+`malleus_cost_seconds{term}` (trainer/metrics.py, read back by malleus/controller/sources.py)."""
+PER_MIB_TERMS = ("grad_sync_intra", "grad_sync_inter", "optimizer")
+"""Calibration terms per MiB held: `malleus_cost_seconds_per_mebibyte{term}`."""
+_CALIBRATION_TERMS = (*SCALAR_TERMS, *PER_MIB_TERMS)
 MAX_TERM = 1e6
 """Largest calibrated term in layer-time units (a million layers' time): beyond it a figure is a
 unit mistake, and unbounded ones overflow the cost model."""

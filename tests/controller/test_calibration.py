@@ -31,6 +31,8 @@ CAL = {
     "p2p": 0.01,
     "grad_sync_intra": 0.5,
     "grad_sync_inter": 2.0,
+    "grad_sync_call_intra": 0.003,
+    "grad_sync_call_inter": 0.02,
     "optimizer": 0.1,
     "fixed": 0.4,
 }

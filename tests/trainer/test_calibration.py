@@ -65,6 +65,10 @@ def test_terms_are_positive_and_plausible(result: list[dict]) -> None:
         assert cal["optimizer"] > 0 and 0 <= cal["fixed"] < 2, cal
     assert dp["grad_sync_inter"] > 0, dp  # DP across nodes
     assert pp["grad_sync_inter"] == 0, pp  # one pipeline: no DP
+    # Each DP GPU all-reduces two buckets across nodes (its shard's, the norms'), probed with
+    # small all-reduces: a few ms of gloo against 90 ms of layer.
+    assert 0 < dp["grad_sync_call_inter"] < 0.5 and dp["grad_sync_call_intra"] == 0, dp
+    assert pp["grad_sync_call_inter"] == 0 == pp["grad_sync_call_intra"], pp
     # No stage boundary under DP, yet the probe measured one (a few gloo exchanges of 2 KiB
     # against 90 ms of layer); PP measures it the same way, so the two agree.
     assert 0 < dp["p2p"] < 0.5 and 0 < pp["p2p"] < 0.5, (dp, pp)
