@@ -13,6 +13,7 @@ of the report's computation reads on its own; the static baseline is
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -154,6 +155,8 @@ def replan_windows(
     A window starts where its shift began: the latest scheduled change of the emulation at or
     before the step the controller decided on (after the previous switch), else `window_steps`
     before that decision (when the shift could first have shown). It ends where the next begins.
+    A plan the trainers made themselves (a recovery's: no re-plan names its generation) starts
+    a window at its first step, with nothing before (the old plan could not run: a GPU failed).
     Warm-up steps (the first of the launch, the first under each plan) are left out of both;
     tokens/s are those of the median step (robust to a busy host's odd slow step).
     """
@@ -162,17 +165,29 @@ def replan_windows(
     )
     if not rows:
         return []
-    warm = _warmups(applied)
-    last = max(r["step"] for r in rows)
-    starts, previous = [], 0
+    ordered = sorted(rows, key=lambda r: r["step"])
+    replanned = {c["generation"] for c in applied}
+    recovered = [  # (first step, generation) of each recovery's plan
+        (r["step"], r["generation"])
+        for prev, r in itertools.pairwise(ordered)
+        if r["generation"] != prev["generation"] and r["generation"] not in replanned
+    ]
+    warm = _warmups(applied) | {step for step, _ in recovered}
+    last = ordered[-1]["step"]
+    cuts: list[tuple[int, int, int | None, str]] = []  # (start, generation, applied at, reason)
+    previous = 0
     for c in applied:
         decided = c["decided_at_step"]
         onsets = [s for s, _, _ in schedule if previous < s <= decided]
         start = max(onsets) if onsets else max(previous + 1, decided - window_steps)
-        starts.append(min(start, c["step_applied"]))
+        cuts.append(
+            (min(start, c["step_applied"]), c["generation"], c["step_applied"], c["reason"])
+        )
         previous = c["step_applied"]
-    first_gen = min(int(r["generation"]) for r in rows)
-    bounds = [0, *starts, last + 1]
+    cuts += [(step, gen, None, f"(recovery: plan generation {gen})") for step, gen in recovered]
+    cuts.sort()
+    first_gen = int(ordered[0]["generation"])
+    bounds = [0, *(c[0] for c in cuts), last + 1]
     out = []
     for i in range(len(bounds) - 1):
         lo, hi = bounds[i], bounds[i + 1]
@@ -180,12 +195,14 @@ def replan_windows(
         if i == 0:
             new_gen, old_gen, at, reason = first_gen, None, lo, "(start)"
         else:
-            c = applied[i - 1]
-            new_gen, at, reason = c["generation"], c["step_applied"], c["reason"]
+            _, new_gen, switched, reason = cuts[i - 1]
+            at = switched if switched is not None else lo
             # the generation the steps before the switch ran: the previous re-plan's, or a
-            # recovery's plan adopted since (not a re-plan, so not in `applied`)
+            # recovery's plan adopted since; none before a recovery's own plan
             ran = [r for r in rows if r["step"] < at and r["generation"] != new_gen]
             old_gen = max(ran, key=lambda r: r["step"])["generation"] if ran else first_gen
+            if switched is None:
+                old_gen = None
         before = [r for r in inside if old_gen is not None and r["generation"] == old_gen]
         before = [r for r in before if r["step"] < at]
         after = [r for r in inside if r["generation"] == new_gen and r["step"] >= at]

@@ -212,8 +212,18 @@ def test_a_plan_the_trainers_made_themselves_is_the_one_the_next_replan_changes(
     # against generation 2's plan (re-admits rank 1), not the first plan (which had it)
     assert change["changed"] == whole["plan_changes"][1]["changed"]
     assert change["changed"]["readmitted"] == [1]
-    assert adopted["windows"][-1]["old_generation"] == 2
-    assert adopted["windows"][-1]["gain"] > 1.0
+    start, recovery, replan = adopted["windows"]
+    # the adopted plan's own window: from its first step, nothing before it to compare with
+    assert recovery["reason"] == "(recovery: plan generation 2)"
+    assert recovery["generation"] == 2 and recovery["old_generation"] is None
+    assert recovery["gain"] is None and recovery["after_steps"] >= 3
+    assert start["last_step"] + 1 == recovery["first_step"] == change_step(whole, 2)
+    assert replan["old_generation"] == 2 and replan["gain"] > 1.0
+    assert "(recovery: plan generation 2)" in summary_text(adopted)
+
+
+def change_step(report: dict, generation: int) -> int:
+    return next(c["step_applied"] for c in report["plan_changes"] if c["generation"] == generation)
 
 
 def test_static_baseline_is_predicted_from_the_runs_own_steps(simulated: Any) -> None:
