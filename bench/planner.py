@@ -397,14 +397,30 @@ SPREAD_NOTES = [
     "prices start uncapped at the middle of the range when most nodes straggle, the first "
     "ten prices always run, and a late grouping phase no longer takes the templates' share.",
     "",
+    "Then the climbs (cProfile, 1024 GPUs, 50%): of the neighbours a climb tries, about a "
+    "third are slower by their new pipelines' floors alone, a third slower once solved and a "
+    "third tie; each was built in full (merging ~30 pipeline classes), its new pipelines "
+    "solved, its micro-batches split and, for a tie, its critical pipelines counted by 1F1B "
+    "makespans (a third of the climb); and the any-m lines that score large layouts rank "
+    "them loosely (at 5%, the 7th best template by lines was the best by 0.9% refined). Now a "
+    "neighbour is a change of a few pipelines judged from those alone (`localsearch._Tally`): "
+    "the linear split's time is at most T exactly when the pipelines take B micro-batches "
+    "within T, so the layout's count less the removed pipelines' plus the new ones' says "
+    "faster, tie (fewer micro-batches at T: closer) or slower; a pipeline not solved yet "
+    "counts first by a floor that never counts fewer (`layersplit.LineFloor`: the uncapped "
+    "least bottleneck, the least fill sum on a grid of bottlenecks above it); only the "
+    "neighbours it accepts are built and scored; critical pipelines are counted with the 1F1B "
+    "line as an upper bound first; and the climbs start from the best 24 layouts by lines "
+    "ranked by their refined scores. A climb tries 3-4 times the neighbours per CPU second (9-12k against ~3k at 1024 GPUs, 50%).",
+    "",
     "The long searches are `bench/planner_spread_long.json`, regenerated with `--long-save` "
     "on this build (60 CPU s at 1024/4096 GPUs, 30 at 8192; about 30 minutes of wall time "
     "with two at a time on the shared machine). A longer search is not always a better one: "
     "with time for every template it climbs from other starts, and can end above the default "
     "(T vs long < 1). Where the default still misses by more than 0.5% (1024 GPUs with 50% "
-    "straggling: 1164-1167 against 1157.4; 1024 GPUs at 5%, not bucketed: 772-775 against "
-    "769.0, depending on where the CPU deadline cuts), the long search's gain is its climb "
-    "from the best template: ~1800 layouts to go where the default's ~250-350 cannot. Wall "
+    "straggling: 1164-1167 against 1157.4, depending on where the CPU deadline cuts), the "
+    "long search's gain is its climb from the best template: seconds of it, where the "
+    "default's climbs get 0.1-0.2 s after 0.3 s of groupings and 0.1 s of templates. Wall "
     "time on this shared machine is several times the CPU time (load average above 10 on 2 "
     "cores): the CPU column is the figure to hold against the targets.",
 ]

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .layers import Cls, PipeSolution, best_order, layer_caps, link_of, solve_pipeline
+from .layersplit import LineFloor, line_floor
 from .memory import unit_mb
 from .microbatch import ClassSplit, greedy_split, split_linear
 from .problem import PlanningProblem
@@ -64,6 +65,7 @@ class Evaluator:
         self._cache: dict[tuple[PipeKey, int | None], PipeSolution | None] = {}
         self._caps: dict[tuple[int, int | None], list[list[int]]] = {}
         self._orders: dict[tuple[PipeKey, int | None], tuple[Cls, ...] | None] = {}
+        self._floors: dict[PipeKey, LineFloor | None] = {}
         self.evaluations = 0
 
     def caps(self, ks: tuple[int, ...], m: int | None) -> list[int]:
@@ -98,6 +100,17 @@ class Evaluator:
                 )
             self._cache[ck] = sol
         return self._cache[ck]
+
+    def solved(self, key: PipeKey) -> bool:
+        """Whether `pipe(key)` (any m) is already cached."""
+        return (key, None) in self._cache
+
+    def floor(self, key: PipeKey) -> LineFloor | None:
+        """Lower bounds of `pipe(key)`'s (bottleneck, fill) without solving it
+        (layersplit.line_floor; None when no split exists)."""
+        if key not in self._floors:
+            self._floors[key] = line_floor([c[0] for c in key], self.problem.layers)
+        return self._floors[key]
 
     def time_at(self, key: PipeKey, m: int) -> float:
         """Best time of this pipeline with m micro-batches (inf if it cannot hold the model)."""

@@ -15,10 +15,19 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from .schedule import pipeline_time, pipeline_time_lower
 
-__all__ = ["exact_micro_batches", "fill_at", "min_bottleneck", "polish_split", "split_layers"]
+__all__ = [
+    "LineFloor",
+    "exact_micro_batches",
+    "fill_at",
+    "line_floor",
+    "min_bottleneck",
+    "polish_split",
+    "split_layers",
+]
 
 
 def exact_micro_batches(S: int) -> int:
@@ -122,6 +131,67 @@ def split_layers(
         if n_next <= caps[j]:
             heapq.heappush(heap, (ys[j] * n_next + es[j], j))
     return best[1], best[2], best[3]
+
+
+# LineFloor's grid of bottlenecks, as multiples of the least one: fine where the solved
+# bottleneck nearly always is (at the least one or a step above), coarse beyond
+_FLOOR_GRID = (1.0, 1.03, 1.1, 1.4)
+
+
+@dataclass(frozen=True)
+class LineFloor:
+    """What `split_layers` (m None) can give a set of paces under any caps, order and
+    extras >= 0, without solving it: its bottleneck b is at least the integral least
+    bottleneck without memory caps (caps only take splits away), `bs[0]`, and its fill sum is
+    at least F(b), the least sum with every stage within b (nonincreasing in b). `count`
+    bounds the micro-batches its line (m-1)*b + s takes within T from above: the line of
+    (b, F(b)) takes the most just where F steps down, and F is sampled on a grid `bs` (`fs[i]`
+    = F(bs[i+1])), so on [bs[i], bs[i+1]] at most (T - fs[i]) / bs[i] + 1, beyond the grid
+    at most (T - fmin) / bs[-1] + 1 (fmin: the least sum at any b)."""
+
+    bs: tuple[float, ...]
+    fs: tuple[float, ...]
+    fmin: float
+
+    def count(self, T: float) -> int:
+        """At least `microbatch.line_count` of the solved line within T (-1: not even one)."""
+        if self.fmin > T + 1e-9:
+            return -1
+        h = (T - self.fmin) / self.bs[-1]
+        for b, f in zip(self.bs, self.fs, strict=False):
+            h = max(h, (T - f) / b)
+        return int(h + 1e-9) + 1
+
+
+def line_floor(ys: Sequence[float], L: int) -> LineFloor | None:
+    """The `LineFloor` of these paces (None when no split exists): a few heap steps and
+    O(S) sums, against an order search and a capped split; the climbs reject neighbours by
+    it before solving their new pipelines (localsearch.py)."""
+    S = len(ys)
+    uncapped = [L] * S
+    first = min_bottleneck(ys, uncapped, L)
+    if first is None:
+        return None
+    b0 = max(y * n for y, n in zip(ys, first, strict=True))
+    fmin = max(b0, _least_sum(ys, uncapped, L))  # a sum is at least its largest term
+    slow_first = sorted(ys, reverse=True)
+    bs = tuple(b0 * g for g in _FLOOR_GRID)
+    return LineFloor(
+        bs, tuple(max(fmin, _least_sum_within(slow_first, L, b)) for b in bs[1:]), fmin
+    )
+
+
+def _least_sum_within(slow_first: Sequence[float], L: int, b: float) -> float:
+    """F(b): the least sum of y_j * l_j with every y_j * l_j <= b (no caps), as `fill_at`
+    finds it: every stage filled to b, the excess trimmed off the slowest stages."""
+    fill = [int(b / y + 1e-9) for y in slow_first]
+    excess = sum(fill) - L
+    total = 0.0
+    for y, n in zip(slow_first, fill, strict=True):
+        cut = min(excess, n - 1) if excess > 0 else 0
+        excess -= cut
+        total += y * (n - cut)
+    return total
 
 
 def _least_sum(ys: Sequence[float], caps: Sequence[int], L: int) -> float:

@@ -12,12 +12,15 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
-__all__ = ["ClassSplit", "greedy_split", "split_linear"]
+__all__ = ["ClassSplit", "greedy_split", "line_count", "split_linear"]
 
 ClassSplit = tuple[int, int]  # (m, n_up): n_up pipelines of the class run m+1, the rest m
 
 
-def _count(lines: Sequence[tuple[float, float, int]], T: float) -> int:
+def line_count(lines: Sequence[tuple[float, float, int]], T: float) -> int:
+    """Micro-batches that classes (b, s, count) of pipelines T(m) = (m-1)*b + s can take
+    within T (-1 if one cannot take even one): split_linear's optimum is at most T exactly
+    when this is at least B."""
     total = 0
     for b, s, c in lines:
         if s - 1e-9 > T:
@@ -66,7 +69,7 @@ def split_linear(
         return None
     lo = max(s for _, s, _ in lines)
     start = [1] * len(lines)
-    if _count(lines, lo) < B:
+    if line_count(lines, lo) < B:
         hi = max(s + (B - 1) * b for b, s, _ in lines)
         # Above every s, count(T) lies within C of sum c*(T - s)/b (C pipelines, each within
         # one micro-batch of its line): a bracket about one b wide. The greedy below is exact
@@ -76,14 +79,14 @@ def split_linear(
         cs = sum(c * s / b for b, s, c in lines)
         hi = min(hi, max(lo, (B + cs) / inv * (1 + 1e-9)))
         low = (B - sum(c for _, _, c in lines) + cs) / inv * (1 - 1e-9)
-        if low > lo and _count(lines, low) < B:
+        if low > lo and line_count(lines, low) < B:
             lo = low
         step = 0.5 * min(b for b, _, _ in lines)
         for _ in range(100):
             if hi - lo <= max(step, 1e-9 * hi):
                 break
             mid = (lo + hi) / 2
-            if _count(lines, mid) >= B:
+            if line_count(lines, mid) >= B:
                 hi = mid
             else:
                 lo = mid

@@ -185,7 +185,7 @@ class OpClock:
             (layersplit, "min_bottleneck"),
             (layersplit, "fill_at"),
             (schedule, "_one_f_one_b"),
-            (microbatch, "_count"),
+            (microbatch, "line_count"),
             (nodegroups, "_grouping_dp"),
             (grouping, "choose_grouping"),
         )

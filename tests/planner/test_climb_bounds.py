@@ -1,0 +1,109 @@
+"""The climbs' cheap verdicts never reject a neighbour the full score would accept.
+
+`layersplit.LineFloor` bounds what a pipeline not solved yet can take within a step time, and
+`localsearch._Tally` judges a neighbour from its changed pipelines alone (issue 13, item 2):
+both must only ever save work, never change which neighbours a climb accepts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from malleus.planner import PlanningProblem
+from malleus.planner.evaluate import Evaluator, Layout, merge
+from malleus.planner.layers import Cls
+from malleus.planner.layersplit import line_floor, split_layers
+from malleus.planner.localsearch import _apply, _moves, _Tally, _used
+from malleus.planner.microbatch import line_count
+
+MEM_70B = {
+    "capacity_mb": 77156,
+    "layer_mb": 1470,
+    "activation_mb": 178,
+    "embedding_mb": 600,
+    "fixed_mb": 4700,
+}
+
+
+def _problem(world: int) -> PlanningProblem:
+    return PlanningProblem.load(
+        {
+            "nodes": world // 8,
+            "gpus_per_node": 8,
+            "model": {"layers": 80, "tp": 8, "alpha": [1.0, 1.9, 3.66, 7.22]},
+            "micro_batches": world,
+            "memory": MEM_70B,
+        }
+    )
+
+
+def test_line_floor_never_counts_fewer_than_the_solved_line() -> None:
+    rng = random.Random(7)
+    for _ in range(400):
+        S = rng.randint(1, 12)
+        L = rng.randint(S, 96)
+        ys = [rng.choice([1.0, 1.9, 3.66, 7.22]) * rng.uniform(1.0, 3.0) for _ in range(S)]
+        caps = [rng.randint(1, L) for _ in range(S)]
+        es = [rng.uniform(0.0, 2.0) if rng.random() < 0.3 else 0.0 for _ in range(S)]
+        res = split_layers(ys, caps, L, None, es)
+        floor = line_floor(ys, L)
+        if res is None:
+            continue
+        assert floor is not None
+        _, b, s = res
+        for T in (s * 0.5, s, s + 0.3 * b, s + 7.5 * b, s + 40 * b, 3 * s + 100 * b):
+            assert floor.count(T) >= line_count([(b, s, 1)], T), (ys, caps, es, T)
+
+
+def _random_layout(rng: random.Random, groups: list[Cls], pipes: int) -> Layout:
+    rng.shuffle(groups)
+    cut = sorted(rng.sample(range(1, len(groups)), pipes - 1))
+    parts = [groups[a:b] for a, b in itertools.pairwise([0, *cut, len(groups)])]
+    return merge([(tuple(p), 1) for p in parts])
+
+
+def test_tally_rejects_only_neighbours_the_full_score_rejects() -> None:
+    # 256 GPUs of the 70B setting, groups of mixed paces and shard counts in 3-6 pipelines:
+    # every neighbour the tally turns down is, by the full unrefined score, neither faster
+    # nor a tie with more micro-batches below the step time; every one it takes is no slower
+    p = _problem(256)
+    ev = Evaluator(p)
+    B = p.micro_batches
+    rng = random.Random(3)
+    checked = rejected = 0
+    for trial in range(10):
+        groups: list[Cls] = [(1.0, 0)] * rng.randint(14, 22)
+        groups += [(round(rng.uniform(1.2, 3.0), 2), 0) for _ in range(rng.randint(2, 6))]
+        groups += [(round(1.9 * rng.uniform(1.0, 2.0), 2), 1) for _ in range(rng.randint(1, 5))]
+        best = ev.score(_random_layout(rng, groups, rng.randint(3, 6)), refine=False)
+        if best is None or best.refined:
+            continue
+        tally = _Tally(ev, best)
+        available = _used(best.layout)
+        available[(2.5, 2)] += 2  # idle groups to re-admit
+        idle = available - _used(best.layout)
+        order = list(range(len(best.layout)))
+        for move in itertools.islice(_moves(best.layout, idle, order), 400):
+            lay = _apply(best.layout, move)
+            if not lay or (sum(n for _, n in lay) + 2) * 4 >= B:
+                continue
+            verdict = tally.judge(move)
+            sc = ev.score(lay, refine=False)
+            checked += 1
+            if sc is None or sc.time > best.time + 1e-9:
+                assert not verdict, (trial, move)
+                rejected += 1
+                continue
+            lines = []
+            for key, n in lay:
+                sol = ev.pipe(key)
+                assert sol is not None
+                lines.append((sol.bottleneck, sol.fill, n))
+            # (a gain under 1e-7 of T is a tie to the tally: below line_count's tolerance)
+            better = sc.time < tally.lo_t or line_count(lines, tally.lo_t) > tally.lo
+            if better:
+                assert verdict, (trial, move, sc.time, best.time)
+            if not verdict:
+                rejected += 1
+    assert checked > 150 and rejected > checked // 4, (checked, rejected)
