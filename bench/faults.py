@@ -165,8 +165,12 @@ def detection(report: dict[str, Any]) -> float | None:
 def outcome(report: dict[str, Any]) -> dict[str, Any]:
     recs = report.get("recoveries") or []
     first = recs[0] if recs else {}
+    own = [  # the first committed step's own time: it runs on the GPUs left
+        r.get("seconds") for r in report.get("per_step") or [] if r.get("step") == first.get("step")
+    ]
     return {
         "detection": detection(report),
+        "first_step": own[0] if own else None,
         "code": report["_code"],
         "steps": report.get("steps"),
         "seconds": first.get("seconds"),
@@ -252,6 +256,21 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, load: str) -> s
             f"Live recovery is {min(ratios):.1f}x to {max(ratios):.1f}x faster than restarting "
             "every process, from the fault (target: at least 10x).",
         ]
+    parts = [
+        (r["live"]["first_step"], r["live"]["seconds"] - r["live"]["first_step"])
+        for r in rows
+        if r["live"].get("first_step") is not None and r["live"]["seconds"] is not None
+    ]
+    if parts:
+        lines += [
+            "",
+            f"Where the live seconds go: the first step after the recovery, on the GPUs left (3 "
+            f"of 4; 2 for the rollback), takes {min(a for a, _ in parts):.2f}-"
+            f"{max(a for a, _ in parts):.2f} s of its own (the step the fault interrupted, "
+            "redone, or the first after the checkpoint); the rest, detection, re-forming, the "
+            f"plan and restoring the pieces, {min(b for _, b in parts):.2f}-"
+            f"{max(b for _, b in parts):.2f} s.",
+        ]
     afters = [a for r in rows if (a := _after_detection(r["live"], r["restart"])) is not None]
     if afters:
         lines += [
@@ -292,7 +311,15 @@ def main(argv: list[str] | None = None) -> int:
                     row[mode] = outcome(run_one(job, mode, kind, args.at, out, args.reuse))
                 else:
                     row[mode] = dict.fromkeys(
-                        ("code", "seconds", "steps_lost", "bytes", "mode", "detection")
+                        (
+                            "code",
+                            "seconds",
+                            "steps_lost",
+                            "bytes",
+                            "mode",
+                            "detection",
+                            "first_step",
+                        )
                     )
                     row[mode]["code"] = "-"
                     row[mode]["reason"] = ""
