@@ -14,16 +14,19 @@
 3. Hill-climb the best layouts (localsearch.py), then materialise the best few into ranks
    (materialize.py), keeping groups where the previous plan had them; plans found on bucketed
    rates are re-split (layers, micro-batches) under the true rates (`_polish`).
-4. Add the uniform plan and the previous plan (re-split) as candidates, and return the fastest,
-   or among those within 1% of it the one that moves the least state.
+4. Add the uniform plan and the previous plan (re-split) as candidates; after a bucketed
+   search, also the fastest candidate settled under the true rates (settle.py: micro-batches
+   split exactly, groups traded into the slowest pipeline). Return the fastest, or among those
+   within 1% of it the one that moves the least state.
 
 The budget is one `Deadline` (deadline.py) that every phase consults before each unit of work
 (a node grouped, a pipeline solved, a layout scored, a neighbour tried): grouping ends by 35%
 of it, templates by 50% (or 12% after a late grouping), partitions by 55%, the climbs share
 the rest. With many distinct rates and many stragglers the phases get 84% of it and score
-pipelines with quick stage orders; the rest re-solves the chosen layouts' orders in full
-(`_full_orders`). The default budget is CPU time of the planning thread (`default_budget`);
-`time_limit` is wall time.
+pipelines with quick stage orders; up to 92% of it re-solves the chosen layouts' orders in
+full (`_full_orders`). Settling gets `_SETTLE_SHARE` of the budget again, after it. The
+default budget is CPU time of the planning thread (`default_budget`); `time_limit` is wall
+time.
 
 Steps 1-3 up to materialising (the phases and their shares of the budget) live in phases.py;
 this module holds `plan()` and what surrounds the phases: the budget, rate bucketing, choosing
@@ -55,6 +58,7 @@ from .phases import Candidate, score_within, search_layouts
 from .plan import Estimate, Pipeline, Plan, Stage
 from .previous import previous_variants
 from .problem import MAX_RATE, PlanningProblem, ProblemError
+from .settle import Solved, settle
 from .validate import validate_plan
 
 __all__ = ["MIGRATION_SLACK", "Deadline", "default_budget", "plan"]
@@ -71,7 +75,13 @@ _BUCKET_ABOVE, _BUCKET_STEP = 48, 0.04
 # ones) and more than this many GPUs straggle: below, layouts have few distinct pipelines and
 # full orders are affordable (and the climbs need them to leave plateaus of equal step times).
 _QUICK_ABOVE = 128
-_QUICK_SEARCH_END = 0.84  # quick-order searches: the rest re-solves the winners' orders
+# quick-order searches end by 84% of the budget; then the winners' orders are re-solved in
+# full until 92% (the rest pays for materialising and polishing before settle.py starts)
+_QUICK_SEARCH_END, _ORDERS_END = 0.84, 0.92
+# settle.py's trades after a bucketed search: this share of the budget again, after it (the
+# search's own shares cut instead moved its layouts by up to 7% at 1024 GPUs: it is not
+# monotone in its budget)
+_SETTLE_SHARE = 0.06
 _MATERIALIZE = 2  # without a previous plan, the best few layouts become plans (and polished)
 
 
@@ -111,6 +121,21 @@ def _full_orders(
     return out
 
 
+def _settled(problem: PlanningProblem, best: Plan, dl: Deadline, solved: Solved) -> Plan | None:
+    """settle.py's trades on the fastest plan under the true rates (a bucketed search placed
+    its groups by rounded rates), on `_SETTLE_SHARE` of the budget (time and work) again."""
+    span = dl.end - dl.start
+    work = None if dl.work is None else int(_SETTLE_SHARE * dl.work)
+    seconds = _SETTLE_SHARE * span if math.isfinite(span) else math.inf
+    own = Deadline(seconds, clock=dl.clock, work=work)
+
+    def stop() -> bool:
+        own.spend()
+        return own.expired()
+
+    return settle(problem, best, lambda ranks: _true_cls(problem, ranks), stop, solved)
+
+
 def default_budget(world: int) -> float:
     """Search CPU seconds when no time_limit is given: 0.6 s up to 64 GPUs, 0.7 s at 1024,
     ~3.9 s at 4096, ~8.2 s at 8192, so that the whole plan() call (the search, then
@@ -145,10 +170,11 @@ def _true_cls(problem: PlanningProblem, ranks: list[int]) -> Cls:
     return Group(tuple(ranks), node, k, group_pace(problem, ranks), problem.link_rate(node)).cls
 
 
-def _polish(problem: PlanningProblem, plan: Plan) -> list[Plan]:
+def _polish(problem: PlanningProblem, plan: Plan, solved: Solved) -> list[Plan]:
     """The plan's stages kept, layers re-split under the true rates: at each pipeline's own
     micro-batch count, and (when every pipeline fits with any count) with the micro-batches
-    re-split too. The caller scores both with the cost model."""
+    re-split too. The caller scores both with the cost model; `solved` keeps every pipeline
+    solved (settle.py starts from one of these plans)."""
     kept: list[Pipeline] = []
     lines: list[tuple[float, float, int]] = []
     any_sols: list[PipeSolution] = []
@@ -157,11 +183,13 @@ def _polish(problem: PlanningProblem, plan: Plan) -> list[Plan]:
         order = [_true_cls(problem, r) for r in ranks]
         if any(not math.isfinite(c[0]) for c in order):
             return []
-        at_m = solve_pipeline(problem, order, p.micro_batches, order)
+        at_m = solved[(tuple(order), p.micro_batches)] = solve_pipeline(
+            problem, order, p.micro_batches, order
+        )
         if at_m is None:
             return []
         kept.append(Pipeline(micro_batches=p.micro_batches, stages=_stages(ranks, at_m)))
-        any_m = solve_pipeline(problem, order, None, order)
+        any_m = solved[(tuple(order), None)] = solve_pipeline(problem, order, None, order)
         if any_m is not None:
             any_sols.append(any_m)
             lines.append((any_m.bottleneck, any_m.fill, 1))
@@ -269,11 +297,12 @@ def plan(
 ) -> Plan:
     """The fastest layout the search finds (never slower than uniform), with its estimate.
 
-    `time_limit` bounds the search (wall seconds) strictly; it returns the best plan found so
-    far. Without it the search gets `default_budget(world)` seconds of the planning thread's
-    CPU time, so a busy machine slows the planner down rather than changing its answer much
-    (callers that need a wall-time bound, like the controller, pass `time_limit`). `deadline` (tests, callers with their
-    own clock or a work budget) replaces both. Every phase honours the deadline; what runs
+    `time_limit` bounds the search and the settling after it (wall seconds) strictly; it
+    returns the best plan found so far. Without it the
+    search gets `default_budget(world)` seconds of the planning thread's CPU time, so a busy
+    machine slows the planner down rather than changing its answer much (callers that need a
+    wall-time bound, like the controller, pass `time_limit`). `deadline` (tests, callers with
+    their own clock or a work budget) replaces both. Every phase honours the deadline; what runs
     after it (materialising a few plans, scoring the uniform and previous plans) is bounded.
     Raises ProblemError when no layout fits in memory.
     """
@@ -283,8 +312,8 @@ def plan(
         raise ProblemError(faults)
     if deadline is not None:
         dl = deadline
-    elif time_limit is not None:
-        dl = Deadline(time_limit, clock=wall_clock)
+    elif time_limit is not None:  # the settling after it fits in the limit too
+        dl = Deadline(time_limit / (1 + _SETTLE_SHARE), clock=wall_clock)
     else:
         dl = Deadline(default_budget(problem.world), clock=cpu_clock)
     sp = _bucketed(problem)
@@ -296,13 +325,14 @@ def plan(
     found_layouts = search_layouts(sp, ev, dl.until(_QUICK_SEARCH_END) if quick else dl)
     picked = [(c, ev) for c in _worth_materializing(problem, found_layouts)]
     if quick:
-        picked = _full_orders(sp, picked, dl)
+        picked = _full_orders(sp, picked, dl.until(_ORDERS_END))
     cands: list[Plan] = []
+    solved: Solved = {}
     for c, c_ev in picked:
         found = materialize(sp, c_ev, c.scored, c.grouping)
         cands.append(found)
         if sp is not problem:
-            cands.extend(_polish(problem, found))
+            cands.extend(_polish(problem, found, solved))
     uni_plan = uniform_plan(problem)
     uni_time: float | None = None
     if uni_plan is not None and not validate_plan(problem, uni_plan):
@@ -320,6 +350,12 @@ def plan(
         if uni_time is not None and t > uni_time + 1e-9:
             continue
         scored.append((t, migration_mb(problem, problem.previous_plan, p), p))
+    if scored and sp is not problem:
+        settled = _settled(problem, min(scored, key=lambda x: x[0])[2], dl, solved)
+        if settled is not None and not validate_plan(problem, settled):
+            t = plan_step_time(problem, settled)
+            if t < min(x[0] for x in scored) - 1e-9:
+                scored.append((t, migration_mb(problem, problem.previous_plan, settled), settled))
     if not scored:
         if problem.memory is not None:
             raise _memory_error(problem)

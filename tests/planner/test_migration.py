@@ -66,7 +66,10 @@ def test_a_small_shift_moves_less_than_planning_from_scratch() -> None:
     p = with_previous({**data, "rates": rates}, before)
     informed = plan(p)
     assert informed.estimate is not None and fresh.estimate is not None
-    assert informed.estimate.step_time <= fresh.estimate.step_time * (1 + MIGRATION_SLACK)
+    # Two searches on a CPU budget each land within ~0.5% of the best layout (where the
+    # deadline cuts varies: docs/benchmarks.md, "Planner spread"), and the informed one may
+    # trade MIGRATION_SLACK of step time for moving less.
+    assert informed.estimate.step_time <= fresh.estimate.step_time * (1 + MIGRATION_SLACK + 0.005)
     assert informed.estimate.migration_mb == migration_mb(p, before, informed)
     assert informed.estimate.migration_mb < migration_mb(p, before, fresh)
 
