@@ -256,10 +256,10 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, load: str) -> s
             f"Live recovery is {min(ratios):.1f}x to {max(ratios):.1f}x faster than restarting "
             "every process, from the fault (target: at least 10x).",
         ]
-    parts = [
-        (r["live"]["first_step"], r["live"]["seconds"] - r["live"]["first_step"])
-        for r in rows
-        if r["live"].get("first_step") is not None and r["live"]["seconds"] is not None
+    parts = [  # (the first step's own time, the rest less detection)
+        (live["first_step"], live["seconds"] - live["first_step"] - (live["detection"] or 0.0))
+        for live in (r["live"] for r in rows)
+        if live.get("first_step") is not None and live["seconds"] is not None
     ]
     if parts:
         lines += [
@@ -267,8 +267,8 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, load: str) -> s
             f"Where the live seconds go: the first step after the recovery, on the GPUs left (3 "
             f"of 4; 2 for the rollback), takes {min(a for a, _ in parts):.2f}-"
             f"{max(a for a, _ in parts):.2f} s of its own (the step the fault interrupted, "
-            "redone, or the first after the checkpoint); the rest, detection, re-forming, the "
-            f"plan and restoring the pieces, {min(b for _, b in parts):.2f}-"
+            "redone, or the first after the checkpoint); the rest, after detection (re-forming, "
+            f"the plan, restoring the pieces), {min(b for _, b in parts):.2f}-"
             f"{max(b for _, b in parts):.2f} s.",
         ]
     afters = [a for r in rows if (a := _after_detection(r["live"], r["restart"])) is not None]
