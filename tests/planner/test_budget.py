@@ -17,14 +17,7 @@ from malleus.planner import PlanningProblem, default_budget, evaluate, plan, val
 from malleus.planner import search as search_mod
 from malleus.planner.deadline import Deadline
 from malleus.planner.evaluate import Evaluator
-
-MEM_70B = {
-    "capacity_mb": 77156,
-    "layer_mb": 1470,
-    "activation_mb": 178,
-    "embedding_mb": 600,
-    "fixed_mb": 4700,
-}
+from tests.planner.setting_70b import problem_70b
 
 
 def spread(world: int, share: float, seed: int = 0) -> PlanningProblem:
@@ -32,16 +25,7 @@ def spread(world: int, share: float, seed: int = 0) -> PlanningProblem:
     rng = random.Random(seed)
     n = max(1, round(world * share))
     rates = {r: round(rng.uniform(1.2, 3.0), 2) for r in rng.sample(range(world), n)}
-    return PlanningProblem.load(
-        {
-            "nodes": world // 8,
-            "gpus_per_node": 8,
-            "model": {"layers": 80, "tp": 8, "alpha": [1.0, 1.9, 3.66, 7.22]},
-            "micro_batches": world,
-            "memory": MEM_70B,
-            "rates": rates,
-        }
-    )
+    return problem_70b(world, rates=rates)
 
 
 class WorkClock:

@@ -16,26 +16,11 @@ from malleus.planner.layers import Cls
 from malleus.planner.layersplit import line_floor, split_layers
 from malleus.planner.localsearch import _apply, _moves, _Tally, _used
 from malleus.planner.microbatch import line_count
-
-MEM_70B = {
-    "capacity_mb": 77156,
-    "layer_mb": 1470,
-    "activation_mb": 178,
-    "embedding_mb": 600,
-    "fixed_mb": 4700,
-}
+from tests.planner.setting_70b import problem_70b
 
 
 def _problem(world: int) -> PlanningProblem:
-    return PlanningProblem.load(
-        {
-            "nodes": world // 8,
-            "gpus_per_node": 8,
-            "model": {"layers": 80, "tp": 8, "alpha": [1.0, 1.9, 3.66, 7.22]},
-            "micro_batches": world,
-            "memory": MEM_70B,
-        }
-    )
+    return problem_70b(world)
 
 
 def test_line_floor_never_counts_fewer_than_the_solved_line() -> None:

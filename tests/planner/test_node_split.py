@@ -20,15 +20,8 @@ from malleus.planner import (
     validate_plan,
 )
 from tests.planner.exhaustive import optimum
+from tests.planner.setting_70b import ALPHA_70B, MEM_70B
 
-ALPHA_70B = [1.0, 1.9, 3.66, 7.22]
-MEM_70B = {
-    "capacity_mb": 77156,
-    "layer_mb": 1470,
-    "activation_mb": 178,
-    "embedding_mb": 600,
-    "fixed_mb": 4700,
-}
 SLOW = {str(r): 1.57 for r in range(8, 16)}  # node 1, every GPU at 1.57x
 
 

@@ -15,31 +15,15 @@ from malleus.planner.plan import Plan
 from malleus.planner.search import _true_cls
 from malleus.planner.settle import settle
 from malleus.planner.validate import validate_plan
-
-MEM_70B = {
-    "capacity_mb": 77156,
-    "layer_mb": 1470,
-    "activation_mb": 178,
-    "embedding_mb": 600,
-    "fixed_mb": 4700,
-}
+from tests.planner.setting_70b import problem_70b
 
 
 def _problem(world: int, seed: int, calibrated: bool = False) -> PlanningProblem:
     rng = random.Random(seed)
     # the slow GPUs fill whole nodes at the front: the uniform plan's first pipelines get them
     rates = {r: round(rng.uniform(1.2, 3.0), 2) for r in range(world // 4)}
-    data = {
-        "nodes": world // 8,
-        "gpus_per_node": 8,
-        "model": {"layers": 80, "tp": 8, "alpha": [1.0, 1.9, 3.66, 7.22]},
-        "micro_batches": world,
-        "memory": MEM_70B,
-        "rates": rates,
-    }
-    if calibrated:
-        data["calibration"] = {"layer_seconds": 0.01, "fixed": 1.0}
-    return PlanningProblem.load(data)
+    calibration = {"layer_seconds": 0.01, "fixed": 1.0} if calibrated else None
+    return problem_70b(world, rates=rates, calibration=calibration)
 
 
 def _ranks(plan: Plan) -> list[int]:
