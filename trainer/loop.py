@@ -87,10 +87,13 @@ def run_rank(
     reports: list[StepReport] = []
     saved = [-1]  # the step last checkpointed
     sized = job.spec.failure_policy.hang_timeout_seconds is not None
-    recovered = False
+    # A replacement is admitted at a step boundary, just before the members write that step's
+    # checkpoint when one is due: it writes it with them, as a survivor writes again the
+    # checkpoint a failure interrupted, or its first step would meet their checkpoint.
+    recovered = admission is not None
     while True:
         try:
-            if recovered:  # a checkpoint the failure interrupted is written again
+            if recovered:
                 _checkpoint_due(trainer, opts, saved)
             _train(trainer, opts, until, steps, pinned, reports, log, saved, sized)
             _finish(trainer, job, opts, saved)

@@ -13,11 +13,23 @@ process group is formed or re-formed (`install`). Without a re-form it is the id
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["Membership", "coordinator", "current", "install", "pg", "store"]
+__all__ = [
+    "Membership",
+    "bound",
+    "coordinator",
+    "current",
+    "install",
+    "pg",
+    "step_deadline",
+    "store",
+]
 
 
 @dataclass(frozen=True)
@@ -70,12 +82,17 @@ HANG_STEPS, HANG_MIN_S, HANG_MAX_S = 10, 30.0, 600.0
 _current: Membership | None = None
 _timeout_s: float = DEFAULT_HANG_TIMEOUT_S
 _store: Any = None  # the rendezvous store client (None: failures are fatal)
+_step_start: float | None = None  # monotonic start of the step in progress (`step_deadline`)
+_bounds: dict[int, tuple[Any, float]] = {}  # id(group) -> (group, its timeout) in this step
+STEP_FLOOR = 0.5
+"""Inside a step a collective's timeout is at least this share of the hang timeout."""
 
 
 def install(membership: Membership, rendezvous: Any = None) -> None:
     """Record the process group just formed (and, the first time, the store to recover by)."""
     global _current, _store
     _current = membership
+    _bounds.clear()  # the groups they were set on are gone: new ones start at the plain bound
     if rendezvous is not None:
         _store = rendezvous
 
@@ -90,6 +107,7 @@ def set_collective_timeout(seconds: float, groups: Any = ()) -> None:
     change in place (no collective; `dist.new_group` is given it too, trainer/parallel/groups.py)."""
     global _timeout_s
     _timeout_s = float(seconds)
+    _bounds.clear()  # every group gets the new bound below (or at its next `bound`)
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
@@ -101,6 +119,57 @@ def set_collective_timeout(seconds: float, groups: Any = ()) -> None:
     for group in (None, *groups):
         if group is None or not _rank_not_in_group(group):
             _set_pg_timeout(limit, group)
+
+
+@contextlib.contextmanager
+def step_deadline() -> Iterator[None]:
+    """Inside: every collective passed through `bound` times out at one deadline, the hang
+    timeout after the step started, rather than the hang timeout after it was entered.
+
+    Why: the ranks leave the previous step's world all-reduce within milliseconds of each
+    other, so this deadline is common to the job, and when a rank hangs every survivor
+    blocked on it fails at once. With a timeout counted from each collective's entry, the
+    survivor that entered its collective with the hung rank last (the other replica's gradient
+    sync, entered a backward pass after the hung rank's TP partner got stuck in its forward)
+    would be waited for that much longer, and nobody else can wake it: the hung rank's end of
+    that connection never closes. A collective entered late in a slow step keeps at least
+    `STEP_FLOOR` of the timeout, so a slow step is not taken for a hang any sooner than
+    before. On the way out the groups get the plain bound back (switches, checkpoints)."""
+    global _step_start
+    _step_start = time.monotonic()
+    try:
+        yield
+        for group, seconds in list(_bounds.values()):
+            if seconds != _timeout_s:
+                _set(group, _timeout_s)
+    finally:
+        # Holds no group past the step: a failed step's groups must lose their last reference
+        # for their sockets to close (trainer/recovery_groups.py `_release`).
+        _step_start = None
+        _bounds.clear()
+
+
+def bound(group: Any = None) -> None:
+    """Before a collective of the step on `group` (None: the job's group): its timeout ends at
+    the step's deadline (`step_deadline`; outside one, nothing changes). Costs a clock read;
+    the group's timeout is set (~10 us) only when it is 20 ms or more off."""
+    if _step_start is None or _store is None:
+        return
+    left = max(_timeout_s - (time.monotonic() - _step_start), _timeout_s * STEP_FLOOR)
+    key = id(group)
+    known = _bounds.get(key)
+    if known is None or known[0] is not group or abs(known[1] - left) >= 0.02:
+        _set(group, left)
+
+
+def _set(group: Any, seconds: float) -> None:
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    try:
+        _set_pg_timeout(timedelta(seconds=seconds), group)
+    except (RuntimeError, ValueError, AssertionError):  # a group already torn down
+        return
+    _bounds[id(group)] = (group, seconds)
 
 
 def sized_hang_timeout(step_seconds: float) -> float:
@@ -130,3 +199,4 @@ def reset() -> None:
     """Tests: forget the membership and the store."""
     global _current, _store
     _current, _store = None, None
+    _bounds.clear()

@@ -1,8 +1,9 @@
 """Live recovery: the survivors of a failed rank re-form the job among themselves and go on.
 
-Detection. Every collective is bounded by the process group's timeout (the hang timeout); a
-rank that dies closes its sockets, so its peers' collectives fail at once, and a rank that
-hangs makes them time out. Either way the collective raises on the survivors, which turn it
+Detection. Every collective is bounded by the process group's timeout (the hang timeout,
+counted from the step's start inside a step: trainer/membership.py `step_deadline`, so that
+the survivors blocked on a hung rank time out together); a rank that dies closes its sockets,
+so its peers' collectives fail at once, and a rank that hangs makes them time out. Either way the collective raises on the survivors, which turn it
 into a `PeerFailure` (only when failures are survivable: a store no rank hosts,
 trainer/launch.py `fault_tolerant`); the first survivor out destroys its process group, which
 breaks its peers' collectives in turn, so every survivor is in recovery within moments.

@@ -190,14 +190,23 @@ class Trainer:
         """One step; a failed collective raises `PeerFailure` when failures are survivable
         (trainer/recovery.py), and the step then commits or is redone after recovery."""
         try:
-            return self._train_step()
+            with membership.step_deadline():  # a hang fails every survivor at once
+                vec, payload, t0 = self._train_step()
+            stats = vec.tolist()
+            self.last_vec = (self.step, stats)  # the step commits: recovery may hand it to others
+            report = self.commit(stats, t0)
+            self.calibrator.end_step(self, report.step, t0, report.seconds, self.optimizer_seconds)
+            self._at_boundary(Boundary.decode(stats[2 + 2 * self.world :]), payload)
+            return report
         except RuntimeError as e:
             failure = as_failure(e, f"step {self.step}")
             if failure is e:
                 raise
             raise failure from e
 
-    def _train_step(self) -> StepReport:
+    def _train_step(self) -> tuple[Tensor, bytes, float]:
+        """The step up to its world all-reduce (included): the vector, the coordinator's
+        payload, the start time."""
         svc = self.services
         t0 = time.perf_counter()
         svc.clock.set_step(self.step)
@@ -226,14 +235,10 @@ class Trainer:
             announce, payload = self.coordinator.take()
             announce = replace(announce, joins=joiners(self))
             vec[2 + 2 * W :] = torch.tensor(announce.words(), dtype=torch.float64)
+        membership.bound()
         with self.meter.timed():
             dist.all_reduce(vec)
-        stats = vec.tolist()
-        self.last_vec = (self.step, stats)  # the step commits: recovery may hand it to others
-        report = self.commit(stats, t0)
-        self.calibrator.end_step(self, report.step, t0, report.seconds, self.optimizer_seconds)
-        self._at_boundary(Boundary.decode(stats[2 + 2 * self.world :]), payload)
-        return report
+        return vec, payload, t0
 
     def commit(self, stats: list[float], t0: float) -> StepReport:
         """Apply the optimizer update of the step whose world vector is `stats` (never before

@@ -79,6 +79,7 @@ def run(
             "members": list(m.members) if m else None,
             "epoch": m.epoch if m else 0,
             "recoveries": trainer.recoveries,
+            "spurious": {str(s): n for s, n in trainer.spurious.items()},  # redone, nobody failed
             "plan": json.loads(trainer.plan.to_json()),
             "out": {str(g): w for g, w in status.out.items()},
             "last_recovery": status.last_recovery.model_dump(mode="json")

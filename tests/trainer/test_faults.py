@@ -212,16 +212,31 @@ def test_a_hung_rank_is_detected_within_the_hang_timeout(tmp_path: Path) -> None
 
 def test_a_replacement_joins_and_a_plan_re_admits_it(tmp_path: Path, capfd) -> None:
     steps = 10
-    job = fc.fault_job([(1, 3, "kill")], steps=steps, layer_ms=10)
+    # A checkpoint every step: the replacement is admitted at a boundary whose checkpoint the
+    # members then write, and it must write it with them (else their checkpoint and its
+    # first step would wait on each other until the hang timeout: a spurious recovery).
+    job = fc.fault_job([(1, 3, "kill")], steps=steps, layer_ms=10, hang_timeout=20)
     readmit = REPLICAS.model_copy(update={"generation": 2})  # 1: the recovery's plan
-    codes, results, full, _ = _train(tmp_path, job, REPLICAS, replace=3, switches=((8, readmit),))
+    ckpt = tmp_path / "ckpt"
+    codes, results, full, _ = _train(
+        tmp_path,
+        job,
+        REPLICAS,
+        replace=3,
+        switches=((8, readmit),),
+        checkpoint_dir=str(ckpt),
+        checkpoint_every=1,
+    )
     assert codes[3] == -9 and codes[:3] == [0, 0, 0] and codes[4] == 0  # 4: GPU 3 again
     joined = [line for line in capfd.readouterr().out.splitlines() if "joined at step" in line]
     assert len(joined) == 1 and joined[0].startswith("[malleus] rank 3 joined at step ")
-    assert 2 <= int(joined[0].split()[-1]) < 8
+    at = int(joined[0].split()[-1])
+    assert 2 <= at < 8
     assert sorted(results) == [0, 1, 2, 3]
     for r in results.values():
         assert r["members"] == [0, 1, 2, 3] and r["step"] == steps
         assert r["plan"]["generation"] == 2  # the re-admitting plan, GPU 3 holding its shards
+        assert r["spurious"] == {}, r["spurious"]  # no step redone with every rank alive
+    assert read_manifest(latest(ckpt))["step"] == steps
     assert results[0]["out"] == {} and results[0]["last_recovery"]["failed"] == {"3": "killed"}
     assert tc.rel_diff(full, reference(steps, steps)) <= TOL

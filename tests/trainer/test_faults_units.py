@@ -118,3 +118,46 @@ def test_no_valid_plan_exit_code_is_the_one_the_operator_reads() -> None:
 
     assert NO_PLAN_EXIT == operator_failures.NO_PLAN_EXIT == runner_failures.NO_PLAN_EXIT == 4
     assert issubclass(NoValidPlan, RecoveryError)
+
+
+def test_inside_a_step_collectives_time_out_at_the_steps_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`step_deadline`: a collective entered late in a step gets what is left of the hang
+    timeout (at least `STEP_FLOOR` of it), so every survivor blocked on a hung rank times out
+    at one moment; outside a step the group has the plain bound back. A real gloo group; the
+    clock is the test's."""
+    import torch
+    import torch.distributed as dist
+
+    now = [100.0]
+    monkeypatch.setattr(membership.time, "monotonic", lambda: now[0])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    try:
+        membership.install(Membership.full(1), rendezvous=dist.HashStore())
+        membership.set_collective_timeout(10.0)
+
+        def timeout() -> float:
+            return backend.options._timeout.total_seconds()
+
+        with membership.step_deadline():
+            membership.bound()
+            assert timeout() == pytest.approx(10.0)
+            now[0] += 3.0  # three seconds of compute, then the gradient sync
+            membership.bound()
+            assert timeout() == pytest.approx(7.0)
+            now[0] += 0.01  # close enough: not set again (it costs a call per collective)
+            membership.bound()
+            assert timeout() == pytest.approx(7.0)
+            now[0] += 20.0  # a slow step: never less than half the hang timeout
+            membership.bound()
+            assert timeout() == pytest.approx(5.0)
+        assert timeout() == pytest.approx(10.0)
+        membership.bound()  # outside a step: nothing changes
+        assert timeout() == pytest.approx(10.0)
+        assert not membership._bounds  # no group is held past the step (their sockets)
+    finally:
+        membership.reset()
+        membership.set_collective_timeout(membership.DEFAULT_HANG_TIMEOUT_S)
+        dist.destroy_process_group()

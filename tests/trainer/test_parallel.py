@@ -49,8 +49,10 @@ LONG = tc.plan(  # one pipeline across both nodes, most ranks excluded, ranks ou
 EMULATED = tc.small_job(
     model={"layers": 2},
     training={"globalBatchSize": 4, "steps": 2},
-    # rank 2 serves at 3x; excluded rank 3 measures 2x
-    emulation=tc.emulation(0.010, 0.020, [(0, 2, 3.0), (0, 3, 2.0)]),
+    # rank 2 serves at 3x; excluded rank 3 measures 2x. Layer times long enough that a loaded
+    # host's scheduling (8 processes on 2 cores here) does not overrun them: an overrun is
+    # charged its real duration and would read as a slowdown of a healthy rank.
+    emulation=tc.emulation(0.030, 0.060, [(0, 2, 3.0), (0, 3, 2.0)]),
 )
 EMULATED_PLAN = tc.plan(
     [

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import membership
 from .groups import GroupCache
 from .layout import Layout
 from .tensor import CommMeter
@@ -38,8 +39,10 @@ def sync_gradients(
             g = p.grad if p.grad is not None and layout.contributes(name) else torch.zeros_like(p)
             grads.append(g.reshape(-1))
         flat = torch.cat(grads)
+        group = groups.get(bucket.members)
+        membership.bound(group)
         with meter.timed("grad", bucket.members, flat.numel() * flat.element_size()):
-            dist.all_reduce(flat, group=groups.get(bucket.members))
+            dist.all_reduce(flat, group=group)
         offset = 0
         for name in bucket.pieces:
             p = params[name]

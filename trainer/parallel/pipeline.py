@@ -201,6 +201,7 @@ class PipelineStage:
         if ops:
             nbytes = math.prod(self.act_shape) * self.dtype.itemsize * len(ops)
             members = (self.place.group[self.place.index], *sorted(set(peers)))
+            membership.bound()  # point-to-point goes over the job's group
             with self.timer.meter.timed("p2p", members, nbytes):
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import membership
+
 __all__ = [
     "CommMeter",
     "CommStat",
@@ -122,6 +124,7 @@ class TPGroup:
 
 def _all_reduce(x: Tensor, tp: TPGroup) -> Tensor:
     out = x.contiguous().clone()
+    membership.bound(tp.group)
     with tp.meter.timed("tp", tp.members, out.numel() * out.element_size()):
         dist.all_reduce(out, group=tp.group)
     return out
@@ -154,6 +157,7 @@ class _GatherFromGroup(torch.autograd.Function):
         ctx.tp = tp
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(tp.size)]  # in process-group (rank) order
+        membership.bound(tp.group)
         with tp.meter.timed("tp", tp.members, x.numel() * x.element_size() * tp.size):
             dist.all_gather(parts, x, group=tp.group)
         by_rank = dict(zip(sorted(tp.members), parts, strict=True))
