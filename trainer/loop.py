@@ -87,9 +87,9 @@ def run_rank(
     reports: list[StepReport] = []
     saved = [-1]  # the step last checkpointed
     sized = job.spec.failure_policy.hang_timeout_seconds is not None
-    # A replacement is admitted at a step boundary, just before the members write that step's
-    # checkpoint when one is due: it writes it with them, as a survivor writes again the
-    # checkpoint a failure interrupted, or its first step would meet their checkpoint.
+    # Before training: a survivor writes again the checkpoint a failure interrupted, and a
+    # replacement (admitted at a step boundary, right before the members write that step's
+    # checkpoint when one is due) writes it with them, else its first step meets their save.
     recovered = admission is not None
     while True:
         try:

@@ -83,7 +83,7 @@ _current: Membership | None = None
 _timeout_s: float = DEFAULT_HANG_TIMEOUT_S
 _store: Any = None  # the rendezvous store client (None: failures are fatal)
 _step_start: float | None = None  # monotonic start of the step in progress (`step_deadline`)
-_bounds: dict[int, tuple[Any, float]] = {}  # id(group) -> (group, its timeout) in this step
+_bounds: dict[int, tuple[Any, float]] = {}  # id(group) -> (group, its timeout), this step only
 STEP_FLOOR = 0.5
 """Inside a step a collective's timeout is at least this share of the hang timeout."""
 
@@ -92,7 +92,6 @@ def install(membership: Membership, rendezvous: Any = None) -> None:
     """Record the process group just formed (and, the first time, the store to recover by)."""
     global _current, _store
     _current = membership
-    _bounds.clear()  # the groups they were set on are gone: new ones start at the plain bound
     if rendezvous is not None:
         _store = rendezvous
 
@@ -107,7 +106,6 @@ def set_collective_timeout(seconds: float, groups: Any = ()) -> None:
     change in place (no collective; `dist.new_group` is given it too, trainer/parallel/groups.py)."""
     global _timeout_s
     _timeout_s = float(seconds)
-    _bounds.clear()  # every group gets the new bound below (or at its next `bound`)
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
@@ -156,9 +154,8 @@ def bound(group: Any = None) -> None:
     if _step_start is None or _store is None:
         return
     left = max(_timeout_s - (time.monotonic() - _step_start), _timeout_s * STEP_FLOOR)
-    key = id(group)
-    known = _bounds.get(key)
-    if known is None or known[0] is not group or abs(known[1] - left) >= 0.02:
+    known = _bounds.get(id(group))  # held while in here, so an id is never reused
+    if known is None or abs(known[1] - left) >= 0.02:
         _set(group, left)
 
 
@@ -199,4 +196,3 @@ def reset() -> None:
     """Tests: forget the membership and the store."""
     global _current, _store
     _current, _store = None, None
-    _bounds.clear()

@@ -3,10 +3,11 @@
 Detection. Every collective is bounded by the process group's timeout (the hang timeout,
 counted from the step's start inside a step: trainer/membership.py `step_deadline`, so that
 the survivors blocked on a hung rank time out together); a rank that dies closes its sockets,
-so its peers' collectives fail at once, and a rank that hangs makes them time out. Either way the collective raises on the survivors, which turn it
-into a `PeerFailure` (only when failures are survivable: a store no rank hosts,
-trainer/launch.py `fault_tolerant`); the first survivor out destroys its process group, which
-breaks its peers' collectives in turn, so every survivor is in recovery within moments.
+so its peers' collectives fail at once, and a rank that hangs makes them time out. Either way
+the collective raises on the survivors, which turn it into a `PeerFailure` (only when
+failures are survivable: a store no rank hosts, trainer/launch.py `fault_tolerant`); the first
+survivor out destroys its process group, which breaks its peers' collectives in turn, so
+every survivor is in recovery within moments.
 
 Commit rule. A step's optimizer update is applied only after the step's world all-reduce (the
 vector of trainer/worker.py) completed, and a rank enters that all-reduce only after its own
