@@ -150,7 +150,7 @@ def step_deadline() -> Iterator[None]:
 def bound(group: Any = None) -> None:
     """Before a collective of the step on `group` (None: the job's group): its timeout ends at
     the step's deadline (`step_deadline`; outside one, nothing changes). Costs a clock read;
-    the group's timeout is set (~10 us) only when it is 20 ms or more off."""
+    the group's timeout is set (a call into the backend) only when it is 20 ms or more off."""
     if _step_start is None or _store is None:
         return
     left = max(_timeout_s - (time.monotonic() - _step_start), _timeout_s * STEP_FLOOR)
