@@ -17,23 +17,22 @@ the update with the vector that survivor posts; if nobody completed it, every su
 the step's gradients and redoes it after recovery, with the same samples (a function of the
 step), so no sample is skipped or seen twice.
 
-Rendezvous (no rank hosts it: keys of the job's store, under `rec/EPOCH/`). Each survivor:
+Rendezvous (no rank hosts it: keys of the job's store, under `rec/EPOCH/`). Each survivor
 posts `alive/GPU` (its step, the vector it holds, the plan in force, the newest generation it
-knows, its rates), `add("arrive", 1)` (which the peers' alarms watch, trainer/alarm.py), then
-destroys its process group. The first to claim the
-lead (`compare_set` of `leader`: atomic, and names it), the leader, waits until every
-previous member has arrived or is known dead (`rec/dead/GPU`, written by a launcher that saw
-the process exit, or by `malleus run` for a process it saw stopped for the hang timeout) or
-silent (its heartbeat stopped for a few seconds, trainer/alarm.py: a pod deleted, a node lost,
-with no launcher left to mark it), or,
-when some survivor's collective timed out, `QUIET_AFTER_TIMEOUT_S` passed without a new arrival,
-or `JOIN_WINDOW_S` passed; it decides (members, the step, the vector, the recovery plan, where
-the lost shards come from) and writes `decision`. Everyone
-then forms the process group `rec/EPOCH/pg/` among the members. A leader that dies before
-deciding sends the others to epoch + 1 as soon as a launcher marks it dead (`rec/dead/GPU`)
-or its heartbeat stops, else after `DECISION_WAIT_S`; a replacement clears its GPU's mark when it is admitted. A rank
-that arrives after the decision and is not a member (a hung rank that woke up) prints why and
-exits with `LEFT_OUT_EXIT` (3).
+knows, its rates), `add("arrive", 1)` (which the peers' alarms watch, trainer/alarm.py), lets
+go of its process groups and posts `released/GPU`. The first to claim the lead (`compare_set`
+of `leader`: atomic, and names it), the leader, waits until every previous member has arrived
+or is known dead (`rec/dead/GPU`, written by a launcher that saw the process exit, or by
+`malleus run` for a process it saw stopped for the hang timeout) or silent (its heartbeat
+stopped for a few seconds, trainer/alarm.py: a pod deleted, a node lost, with no launcher left
+to mark it), or, when some survivor's collective timed out, every arrival has released and a
+short quiet passed (trainer/recovery_wait.py), or `JOIN_WINDOW_S` passed; it decides (members,
+the step, the vector, the recovery plan, where the lost shards come from) and writes
+`decision`. Everyone then forms the process group `rec/EPOCH/pg/` among the members. A leader
+that dies before deciding sends the others to epoch + 1 as soon as a launcher marks it dead
+(`rec/dead/GPU`) or its heartbeat stops, else after `DECISION_WAIT_S`; a replacement clears
+its GPU's mark when it is admitted. A rank that arrives after the decision and is not a member
+(a hung rank that woke up) prints why and exits with `LEFT_OUT_EXIT` (3).
 
 Restoring. The recovery plan is the planner's for the survivors (the dead GPUs unusable), one
 generation above the newest known. Each piece of the new layout comes from a surviving holder
@@ -50,7 +49,8 @@ Where it lives. This module is the protocol: the failure types, the survivors' r
 the leader's decision. Applying a decision (restoring every piece from replicas or a
 checkpoint, the coordinator's office, the record of the recovery) is trainer/recovery_restore.py;
 letting go of the process groups and forming the next one is trainer/recovery_groups.py;
-replacements joining a running job is trainer/recovery_join.py.
+replacements joining a running job is trainer/recovery_join.py; the leader's wait is
+trainer/recovery_wait.py.
 """
 
 from __future__ import annotations
@@ -71,16 +71,15 @@ from .launch import DEAD_KEY  # what launchers write when a GPU's process ends
 from .membership import Membership
 from .recovery_groups import _form, _release
 from .recovery_restore import _apply, _redo, _survivor_holders
+from .recovery_wait import gather, mark_released
 
 if TYPE_CHECKING:
     from .worker import Trainer
 
 __all__ = [
     "DECISION_WAIT_S",
-    "JOIN_WINDOW_S",
     "LEFT_OUT_EXIT",
     "NO_PLAN_EXIT",
-    "QUIET_AFTER_TIMEOUT_S",
     "NoValidPlan",
     "PeerFailure",
     "RecoveryError",
@@ -90,15 +89,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-JOIN_WINDOW_S = 5.0
-"""After its own arrival, how long the leader waits for the other survivors (a hung rank never
-arrives; a dead one known to a launcher is not waited for)."""
-QUIET_AFTER_TIMEOUT_S = 2.0
-"""When a survivor's collective timed out (a rank hung), how long the leader waits after the
-last arrival before deciding without the ranks still missing. A timeout fires only after every
-rank is blocked on the hung one (the step-boundary all-reduce waits for all), so the other
-survivors fail within moments of the first ones letting go of their groups: once arrivals stop,
-the missing rank is the hung one, and the rest of `JOIN_WINDOW_S` would only be waited out."""
 DECISION_WAIT_S = 60.0
 """How long a survivor waits for the leader's decision before starting the next epoch."""
 LEFT_OUT_EXIT = 3
@@ -167,6 +157,7 @@ def recover(trainer: Trainer, failure: PeerFailure, checkpoint_dir: str | None) 
         n = store.add(prefix + "arrive", 1)
         _dbg(trainer.rank, f"arrived {n}")
         _release(trainer, failure)
+        mark_released(store, prefix, trainer.rank)  # the leader of a hang waits for this
         _dbg(trainer.rank, "released")
         # The lead goes to whoever claims it first, atomically and by name, so that the others
         # can tell when the leader is known dead before it decided (`_await_decision`).
@@ -283,27 +274,8 @@ def _arrival(trainer: Trainer, failure: PeerFailure) -> dict[str, Any]:
 
 def _lead(store: Any, prefix: str, previous: tuple[int, ...], trainer: Trainer) -> None:
     """The first survivor to arrive decides who goes on, at which step, under which plan."""
-    start = last = time.monotonic()
-    got: dict[int, dict[str, Any]] = {}  # each arrival, read once (posted whole before `arrive`)
-    quiet = alarm.silence(store)
-    while True:
-        for g in previous:
-            if g not in got and store.check([prefix + f"alive/{g}"]):
-                got[g] = json.loads(store.get(prefix + f"alive/{g}"))
-                last = time.monotonic()
-        dead = [g for g in previous if store.check([DEAD_KEY + str(g)])]
-        # gone with nobody to mark it (a pod deleted, a node lost): its heartbeat stopped
-        silent = [g for g in previous if g not in got and g not in dead and quiet.silent(g)]
-        now = time.monotonic()
-        if len(set(got) | set(dead) | set(silent)) >= len(previous):
-            break
-        if now - start > JOIN_WINDOW_S:
-            break
-        # a hang: some survivor's collective timed out (rather than failing on a closed socket)
-        if now - last > QUIET_AFTER_TIMEOUT_S and any(a["timeout"] for a in got.values()):
-            break
-        time.sleep(0.02)
-    arrivals = {g: got[g] for g in previous if g in got}
+    seen = gather(store, prefix, previous, alarm.silence(store))
+    arrivals, dead, silent = seen.arrivals, seen.dead, seen.silent
     _dbg(trainer.rank, f"lead: waited, arrived {list(arrivals)} dead {dead} silent {silent}")
     try:
         decision = _decide(trainer, arrivals, previous, store)
