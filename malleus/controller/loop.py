@@ -13,6 +13,7 @@ last applied plan (cooldown) and of the last failure (retry), the trainers' late
 Generations: the trainers own the counter and this loop follows it (`generations`). A 409
 (`GenerationConflict`) is adopted and the loop re-plans from there at the next step; trainers
 seen running a generation newer than the plan in force here are caught up with likewise.
+Publishing, acknowledging and adopting a plan, and that catching up, are `switching`'s.
 
 Rates are bounded and the share of the job one re-plan may write off is limited (`guard`).
 
@@ -41,22 +42,21 @@ from malleus.planner.plan import Plan
 from malleus.planner.problem import PlanningProblem
 from malleus.planner.validate import validate_plan
 
-from .decision import MIB, Decision, MigrationModel, calibrated, decide, with_estimate
+from .decision import Decision, MigrationModel, calibrated, decide, with_estimate
 from .detector import Shift, ShiftDetector
 from .events import (
     DecisionEvent,
     EventData,
-    Migrated,
     Planned,
     ReplanFailed,
-    Replanned,
     ReplanSkipped,
     StragglerDetected,
 )
-from .generations import Generations, Pending
+from .generations import Generations
 from .guard import ExclusionGuard
 from .planning import Planner, default_planner, run_planner
-from .ports import Ack, GenerationConflict, Observation, PlanSink, RateSource
+from .ports import Observation, PlanSink, RateSource
+from .switching import PlanSwitching
 
 __all__ = ["Controller", "EventCallback", "ProblemBuilder"]
 
@@ -68,7 +68,7 @@ EventCallback = Callable[[DecisionEvent], Any]
 """Called with every event; may be a coroutine function. Its failures are logged, not raised."""
 
 
-class Controller:
+class Controller(PlanSwitching):
     """Watches rates, re-plans when they shift, and switches the trainers when it pays."""
 
     def __init__(
@@ -289,92 +289,6 @@ class Controller:
             planning_seconds=planning_seconds,
             migration=self.migration,
         )
-
-    async def _switch(
-        self,
-        new: Plan,
-        rates: dict[int, float | None],
-        reason: str,
-        planning_seconds: float,
-        decision: Decision,
-    ) -> None:
-        new = new.model_copy(update={"generation": self.generations.next_generation()})
-        try:
-            generation = await self.sink.publish(new)
-        except GenerationConflict as e:
-            await self._resync(e, new.generation)
-            return
-        except Exception as e:
-            await self._fail(f"publishing generation {new.generation} failed: {e}")
-            return
-        self.generations.published(generation)
-        new = new.model_copy(update={"generation": generation})
-        await self._emit(
-            f"published plan generation {generation}: {decision.reason}",
-            Replanned(generation, new, decision),
-        )
-        pending = Pending(new, rates, reason, planning_seconds)
-        try:
-            ack = await self.sink.wait_applied(generation, self.ack_timeout_seconds)
-        except Exception as e:
-            self.generations.pending = pending  # the trainers may still switch to it
-            await self._fail(f"generation {generation} was not acknowledged: {e}")
-            return
-        await self._adopt(pending, ack)
-
-    async def _adopt(self, pending: Pending, ack: Ack) -> None:
-        now = self.clock()
-        self.generations.plan = pending.plan
-        self.generations.pending = None
-        self._plan_first_step = None
-        self._applied_at = now
-        self._retry_at = None
-        self._step_seconds.clear()
-        self.detector.rebase(pending.rates)
-        self.migration.observe(ack.migration_bytes, ack.migration_seconds)
-        if ack.migration_seconds is None and ack.migration_bytes is None:
-            how = f"adopted ({pending.reason})"  # caught up: nothing measured here
-        else:
-            secs = "?" if ack.migration_seconds is None else f"{ack.migration_seconds:.2f}"
-            moved = "?" if ack.migration_bytes is None else f"{ack.migration_bytes / MIB:.1f}"
-            how = f"migrated {moved} MiB in {secs} s"
-        await self._emit(
-            f"trainers run generation {pending.plan.generation} from step {ack.step}: {how}",
-            Migrated(
-                pending.plan.generation,
-                ack.step,
-                ack.migration_seconds,
-                ack.migration_bytes,
-                pending.plan,
-                pending.reason,
-                pending.planning_seconds,
-            ),
-        )
-
-    async def _adopt_if_seen(self, obs: Observation) -> None:
-        if obs.generation > self.plan.generation:
-            await self._catch_up(obs.generation, obs.step)
-
-    async def _catch_up(self, generation: int, step: int) -> None:
-        """The trainers run `generation`, not the plan in force here: make it the plan in force."""
-        pending = await self.generations.catch_up(generation, self.sink)
-        if pending is not None:
-            await self._adopt(pending, Ack(generation, step, None, None))
-        else:  # the layout is unknown: only its measurements start afresh
-            self._plan_first_step = None
-            self._step_seconds.clear()
-
-    async def _resync(self, conflict: GenerationConflict, offered: int) -> None:
-        """A 409: follow the trainers' generations, and re-plan from them at the next step."""
-        if conflict.generation != self.plan.generation:
-            await self._catch_up(conflict.generation, self.last_step)
-        self.generations.conflict(conflict)
-        self._deferral_reported = False
-        message = (
-            f"generation {offered} refused: the trainers run {conflict.generation} and know "
-            f"{conflict.newest}; re-planning from there"
-        )
-        await self._emit(message, ReplanFailed(message))
 
     # ---- helpers ---------------------------------------------------------------------------
     async def _defer(self, shift: Shift, why: str) -> None:

@@ -16,7 +16,8 @@ and the replacements that are waiting cannot be admitted by anyone) without trai
 step; the reason names every rank and why. A survivor's exit 4 (`NO_PLAN_EXIT`) is the end of
 the job, not a failure: nothing is replaced after it, and the reason begins `no valid plan on
 the GPUs left:` with the trainers' verdict. In restart mode a failure restarts every process
-from the latest checkpoint instead (what TorchElastic does; `bench/faults.py`'s baseline).
+from the latest checkpoint instead (what TorchElastic does; `bench/faults.py`'s baseline):
+`supervise_restart`.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import time
-from collections.abc import Awaitable, Callable
-from pathlib import Path
+from collections.abc import Callable
 
 from malleus.job.control import ControlError, RecoveryRecord
 
@@ -33,18 +33,17 @@ from .failures import (
     NO_PLAN_EXIT,
     Failure,
     FailureLog,
-    Recovery,
     Replacement,
     Supervision,
     parse_trainer_event,
     recovered_text,
     why_no_plan,
 )
-from .launch import without_faults
 from .prepare import Prepared
 from .processes import TrainerProcesses, describe_exit, proc_state
 from .record import PlanSwitch, RunRecord
-from .sinks import CoordinatorClient, checkpoint_bytes, latest_checkpoint_step
+from .sinks import CoordinatorClient
+from .supervise_restart import RestartMode
 
 __all__ = ["DEAD_KEY", "Supervisor"]
 
@@ -58,7 +57,7 @@ HOLD_REPLACEMENT_S = 30.0
 (`Supervisor._survivors_recovering`); past it, it starts anyway."""
 
 
-class Supervisor:
+class Supervisor(RestartMode):
     """Failures, replacements and recoveries of one run (see the module)."""
 
     def __init__(
@@ -343,70 +342,6 @@ class Supervisor:
                 # report's per-step generations (the controller never published it)
                 self.record.add_switch(PlanSwitch(rec.generation, rec.step))
         self._unmatched = left
-
-    # ---- restart mode: every process from the latest checkpoint ------------------------------
-    def restart_needed(self) -> int | None:
-        """Restart mode: the rank whose failure calls for a restart of every process."""
-        if self.live or self.restarting or self.procs.expect_exit or self._restart_for is None:
-            return None
-        return self._restart_for.rank
-
-    async def restart_all(
-        self, plan: Path, sleep: Callable[[float], Awaitable[None]]
-    ) -> str | None:
-        """Stop every process, start them all again from the latest checkpoint under `plan`;
-        a reason when the rank has failed more often than maxRestarts allows."""
-        failure = self._restart_for
-        assert failure is not None
-        self._restart_for = None
-        if failure.attempt > self.policy.max_restarts:
-            return (
-                f"{self.first_failure}\nrank {failure.rank} failed {failure.attempt} times "
-                f"(spec.failurePolicy.maxRestarts = {self.policy.max_restarts})"
-            )
-        self.restarting = True
-        try:
-            self.procs.terminate(grace=5.0)
-            checkpoints = Path(self.prepared.workdir) / "checkpoints"
-            resume = latest_checkpoint_step(checkpoints) or 0
-            restored = checkpoint_bytes(checkpoints)
-            wait = float(self.policy.restart_backoff_seconds)
-            if wait:
-                await sleep(wait)
-            workdir = Path(self.prepared.workdir)
-            self.procs.spec = without_faults(
-                self.procs.spec, failure.step, workdir, self.procs.launches + 1
-            )
-            self.procs.start(plan, resume=True)
-            self._pending_restart = (failure, resume, restored)
-        finally:
-            self.restarting = False
-        return None
-
-    def match_restart(self) -> None:
-        """The restart's first committed step: the recovery, timed from the fault."""
-        pending = self._pending_restart
-        if pending is None:
-            return
-        failure, resume, restored = pending
-        step = self.record.get(resume)
-        if step is None or step.time is None or step.time <= failure.time:
-            return
-        self._pending_restart = None
-        rec = Recovery(
-            failed={failure.rank: failure.why},
-            step=resume,
-            steps_lost=max(0, failure.step - resume),
-            bytes_restored=restored,
-            mode="restart",
-            seconds=step.time - failure.time,
-        )
-        self.log.add_recovery(rec)
-        self.messages.put(
-            f"step {resume}: restarted every process from the checkpoint of step {resume} "
-            f"{rec.seconds:.2f} s after the fault: {rec.steps_lost} steps lost, "
-            f"{restored / 1024:,.1f} KiB read back"
-        )
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
