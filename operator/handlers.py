@@ -18,6 +18,7 @@ Lifecycle (DESIGN §4.5):
   ``spec.metrics.prometheus.url`` is not on the allowlist;
 - resume (operator restart): re-create only what is missing of a Pending job, record workers
   that vanished meanwhile (replaced from ``status.failures``); never reset a plan generation;
+  redo create for a job whose status an operator killed mid-patch never wrote;
 - run policy (a timer): fail a job past ``activeDeadlineSeconds``, delete a finished job's
   children ``ttlSecondsAfterFinished`` after it ended;
 - admission (a timer, and ``spec.suspend`` edits): `admission.tick`, suspend/resume and the
@@ -152,7 +153,15 @@ async def on_create(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: An
 
     Returns nothing: kopf would store a result in the status, which the CRD's schema prunes.
     """
-    ctx = Context.of(memo)
+    await _create_job(Context.of(memo), body, patch)
+
+
+async def _create_job(
+    ctx: Context, body: kopf.Body, patch: kopf.Patch, *, resumed: bool = False
+) -> None:
+    """on.create's work, idempotent (children by name, the ConfigMap's plan kept): ``resumed``
+    (`on_resume` redoing it) posts ``Resumed`` naming what it re-created instead of
+    ``Created``, which the first run posted."""
     ref = resources.JobRef.from_body(body)
     at = status.now()
     conditions = (body.get("status") or {}).get("conditions") or []
@@ -184,6 +193,13 @@ async def on_create(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: An
         new = admission.created_suspended(new, ref.generation, at)
     patch.status.update(new)
     ctx.metrics.phases.set(ref.namespace, ref.name, status.phase_of(new))
+    if resumed:
+        if created:
+            await ctx.cluster.post_event(
+                ref, "Normal", "Resumed", f"re-created {', '.join(created)}"
+            )
+        log.info("%s/%s: creation redone, re-created %s", ref.namespace, ref.name, created)
+        return
     await ctx.cluster.post_event(
         ref,
         "Normal",
@@ -342,14 +358,24 @@ async def on_resume(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: An
     A Pending job gets whatever children are missing (existing ones untouched: create is
     idempotent by name). A running job's workers are never re-created (a new worker cannot join
     a running process group); one that vanished while the operator was away fails the job.
+
+    A job without a phase had on.create run, but its status never landed: kopf resumes only
+    jobs whose on.create it recorded as done (its ``last-handled-configuration`` annotation),
+    and it writes that record, then the status subresource, in two requests; an operator killed
+    between them (a replica SIGKILLed, the standby taking over) leaves the record without the
+    status. Nothing else would ever give the job one (on.create does not run again, no timer
+    or daemon matches a job without a phase), so on.create's work is redone, idempotently.
     """
     ctx = Context.of(memo)
     ref = resources.JobRef.from_body(body)
     st = body.get("status") or {}
     phase = status.phase_of(st)
+    if phase is None:
+        await _create_job(ctx, body, patch, resumed=True)
+        return
     ctx.metrics.phases.set(ref.namespace, ref.name, phase)
-    if phase is None or phase in status.TERMINAL_PHASES or phase == Phase.SUSPENDED:
-        return  # never handled (on.create will run), finished, or the admission timer's
+    if phase in status.TERMINAL_PHASES or phase == Phase.SUSPENDED:
+        return  # finished, or the admission timer's
     try:
         job = jobs.resolve(body)
     except BadInput as e:

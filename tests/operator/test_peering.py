@@ -24,11 +24,13 @@ from typing import TYPE_CHECKING, Any
 import kopf
 import pytest
 
+from malleus.job import Phase
 from malleus.operator import __main__ as cli
 from malleus.operator import handlers
 from malleus.operator.context import MEMO_KEY, Context
 from malleus.operator.settings import Settings
 from tests.k8s.apiserver import ApiServerError, wait_until
+from tests.operator.kube import Kube
 from tests.operator.test_helm import CHART, _kind, _rules, helm, render
 
 if TYPE_CHECKING:
@@ -141,6 +143,40 @@ def test_the_lifetime_reaches_kopf_and_the_chart_passes_it() -> None:
     (dep,) = _kind(docs, "Deployment")
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     assert "--peering-lifetime=20" in container["args"]
+
+
+def test_a_standby_redoes_the_create_whose_status_the_killed_replica_never_wrote(
+    kube: Kube, memo: kopf.Memo, ctx: Context, make_job: Any
+) -> None:
+    """kopf writes on.create's record (the ``last-handled-configuration`` annotation), then the
+    status subresource, in two requests, other handlers running in between: a replica killed
+    there leaves a job kopf will only resume, without a phase. The standby's on.resume redoes
+    the create: what is missing comes back (once), the rest is kept, the status is written."""
+    body = make_job()
+    kube.add_job(body)
+    lost = kopf.Patch()
+    asyncio.run(handlers.on_create(body=body, patch=lost, memo=memo))  # the killed replica's
+    assert lost["status"]["phase"] == "Pending"  # ... but it never reached the job
+    token = kube.of_kind("Secret")[0]["data"]["token"]
+    kube.remove("Pod", "ml", "demo-node-1")  # while nobody worked
+    assert "phase" not in (kube.job("ml", "demo").get("status") or {})
+
+    resumed = kopf.Patch()
+    asyncio.run(handlers.on_resume(body=kube.job("ml", "demo"), patch=resumed, memo=memo))
+    assert kube.get("Pod", "ml", "demo-node-1") is not None
+    assert kube.of_kind("Secret")[0]["data"]["token"] == token  # kept, not re-made
+    st = resumed["status"]
+    assert (st["phase"], st["pods"]) == ("Pending", ["demo-node-0", "demo-node-1"])
+    assert st["plan"]["generation"] == lost["status"]["plan"]["generation"]
+    assert kube.reasons() == ["Created", "Resumed"]
+    assert ctx.metrics.phases.counts()[Phase.PENDING] == 1
+
+    # killed again before that status landed: redone again, nothing left to re-create
+    again = kopf.Patch()
+    asyncio.run(handlers.on_resume(body=kube.job("ml", "demo"), patch=again, memo=memo))
+    assert again["status"]["phase"] == "Pending"
+    assert len(kube.of_kind("Pod")) == 3  # two workers and the store
+    assert kube.reasons() == ["Created", "Resumed"]
 
 
 # ---- two real operator processes ------------------------------------------------------------
@@ -261,7 +297,10 @@ def test_two_live_replicas_one_works_and_the_other_takes_over_when_it_is_killed(
         first = _wait(lambda: len(pods()) == 2 and pods(), 60, "two pods", *both)
         _wait(lambda: "Created" in reasons(), 30, "the Created event", *both)
 
-        def handled() -> bool:  # kopf's own record that on.create is done (else it runs again)
+        # kopf's own record that on.create is done (else it runs again). Its status lands a
+        # moment later (a second request): a kill in between leaves the standby a job without
+        # a phase, whose create it redoes (the test above).
+        def handled() -> bool:
             url = f"/apis/malleus.io/v1alpha1/namespaces/{ns}/malleusjobs/demo"
             annotations = server.client.get(url).json()["metadata"].get("annotations") or {}
             return "malleus.io/last-handled-configuration" in annotations
