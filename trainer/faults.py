@@ -10,6 +10,9 @@ silent, until someone sends SIGCONT or SIGKILL): the survivors detect it only by
 `$MALLEUS_FAULT=lead:RANK:EPOCH` (`at_lead`; RANK may be `*`, any rank) kills the survivor that
 took the lead of recovery epoch EPOCH right after it claimed it, before it decides: who leads
 is a race among the survivors, so a test cannot name that rank in advance.
+`$MALLEUS_FAULT=rollback:RANK:EPOCH` (`at_rollback`) kills RANK in the middle of recovery epoch
+EPOCH's rollback: its state rebuilt under the recovery plan, the checkpoint not read yet, its
+peers inside the read's agreement on which checkpoint to load (trainer/state.py `resume`).
 
 Before acting the rank writes the wall time into the job's store (`rec/fault/GPU`), so a test
 can measure how long the survivors took to notice.
@@ -29,7 +32,7 @@ from typing import Any
 from . import membership
 from .switch import FAULT_ENV
 
-__all__ = ["FAULT_KEY", "Faults", "at_lead", "die"]
+__all__ = ["FAULT_KEY", "Faults", "at_lead", "at_rollback", "die"]
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +53,23 @@ def die(rank: int, how: str, where: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
 
 
+def _wanted(point: str, rank: int, epoch: int) -> bool:
+    want = os.environ.get(FAULT_ENV, "").split(":")
+    return want[:1] == [point] and want[1:] in (["*", str(epoch)], [str(rank), str(epoch)])
+
+
 def at_lead(rank: int, epoch: int) -> None:
     """Die here (SIGKILL) when `$MALLEUS_FAULT` is `lead:RANK:EPOCH` (or `lead:*:EPOCH`): this
     rank has just claimed the lead of recovery epoch `epoch` (trainer/recovery.py)."""
-    want = os.environ.get(FAULT_ENV, "").split(":")
-    if want[:1] == ["lead"] and want[1:] in (["*", str(epoch)], [str(rank), str(epoch)]):
+    if _wanted("lead", rank, epoch):
         die(rank, "kill", f"the lead of recovery epoch {epoch}")
+
+
+def at_rollback(rank: int, epoch: int) -> None:
+    """Die here (SIGKILL) when `$MALLEUS_FAULT` is `rollback:RANK:EPOCH`: this rank is about to
+    read the checkpoint back in recovery epoch `epoch` (trainer/recovery_restore.py)."""
+    if _wanted("rollback", rank, epoch):
+        die(rank, "kill", f"the checkpoint read of recovery epoch {epoch}")
 
 
 class Faults:

@@ -186,6 +186,9 @@ def recover(trainer: Trainer, failure: PeerFailure, checkpoint_dir: str | None) 
             ) from failure
         if decision.get("error"):
             raise RecoveryError(f"recovery epoch {epoch}: {decision['error']}") from failure
+        if "out" in decision:  # set now: if this epoch fails on the way (a member lost while
+            # forming or restoring), the next one must plan without these GPUs too
+            trainer.out = {int(g): w for g, w in decision["out"].items()}
         lead = old.coordinator if old.coordinator in members else None
         try:
             _form(store, prefix, Membership(epoch, members, lead), trainer.rank)

@@ -23,6 +23,7 @@ from malleus.job.control import RecoveryRecord
 from malleus.planner import Plan, check_plan
 
 from . import membership
+from .faults import at_rollback
 from .parallel import migrate
 from .parallel.layout import Layout, PieceRoles
 
@@ -113,10 +114,9 @@ def _apply(
         trainer._adopt(plan, new, received)
         restored, lost = moves.nbytes, 0
     else:
-        restored = _rollback(trainer, plan, new, checkpoint_dir)
+        restored = _rollback(trainer, plan, new, checkpoint_dir, epoch)
         lost = step - trainer.step
-    trainer.out = {int(g): w for g, w in decision["out"].items()}
-    failed = {int(g): w for g, w in decision["failed"].items()}
+    failed = {int(g): w for g, w in decision["failed"].items()}  # `out`: set by `recover`
     _take_office(trainer, plan.generation, checkpoint_dir)
     svc.state.update(generation=plan.generation, out=dict(trainer.out))
     if svc.metrics is not None:
@@ -156,9 +156,10 @@ def _fault_times(failed: dict[int, str]) -> dict[int, float]:
     return out
 
 
-def _rollback(trainer: Trainer, plan: Plan, new: Layout, directory: str | None) -> int:
+def _rollback(trainer: Trainer, plan: Plan, new: Layout, directory: str | None, epoch: int) -> int:
     """Every survivor: the state of the latest checkpoint (or the initial one) under `plan`.
-    Returns the bytes read back."""
+    Returns the bytes read back. A member lost during it (`resume` agrees on the checkpoint
+    with a collective) makes it raise: `recover` goes to the next epoch."""
     from .hf import initial_pieces
     from .parallel.optim import PieceAdamW
     from .precision import ComputeCopies
@@ -179,6 +180,7 @@ def _rollback(trainer: Trainer, plan: Plan, new: Layout, directory: str | None) 
     trainer.step = 0
     trainer.last_vec = None
     if directory:
+        at_rollback(trainer.rank, epoch)  # fault injection (tests): it dies mid-rollback
         resume(trainer, directory)
     from .model import pieces
 

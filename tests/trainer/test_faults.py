@@ -240,3 +240,25 @@ def test_a_replacement_joins_and_a_plan_re_admits_it(tmp_path: Path, capfd) -> N
     assert read_manifest(latest(ckpt))["step"] == steps
     assert results[0]["out"] == {} and results[0]["last_recovery"]["failed"] == {"3": "killed"}
     assert tc.rel_diff(full, reference(steps, steps)) <= TOL
+
+
+def test_a_third_rank_killed_during_the_rollbacks_checkpoint_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GPUs 0 and 1 (the only pipeline's first stage) die mid-step: the survivors roll back to
+    # the checkpoint (epoch 1). GPU 2 dies in that rollback, as its peer agrees on the
+    # checkpoint to read: GPU 3 goes on alone at the next epoch, from the same checkpoint.
+    monkeypatch.setenv("MALLEUS_FAULT", "rollback:2:1")
+    job = fc.fault_job([(3, 0, "kill"), (3, 1, "kill")])
+    ckpt = tmp_path / "ckpt"
+    codes, results, full, _ = _train(
+        tmp_path, job, ONE_PIPELINE, checkpoint_dir=str(ckpt), checkpoint_every=2
+    )
+    assert codes == [-9, -9, -9, 0], codes
+    r = results[3]
+    assert r["members"] == [3] and r["step"] == STEPS and r["epoch"] >= 2
+    rec = r["recoveries"][-1]
+    assert set(rec["failed"]) >= {"2"} and rec["mode"] == "checkpoint", r["recoveries"]
+    assert r["out"] == {"0": "killed", "1": "killed", "2": "killed"}
+    assert tc.rel_diff(full, reference(STEPS)) <= TOL  # the lost steps trained again
+    assert read_manifest(latest(ckpt))["step"] == STEPS
