@@ -35,7 +35,6 @@ from typing import Any
 
 import kopf
 
-from malleus.controller.planning import PlanningTimeout
 from malleus.errors import BadInput
 from malleus.job import (
     API_GROUP,
@@ -43,14 +42,23 @@ from malleus.job import (
     VERSION,
     MalleusJobStatus,
     Phase,
-    ResolvedJob,
 )
-from malleus.planner.plan import Plan
 
-from . import admission, children, daemon, failures, jobs, lifecycle, resources, run_policy, status
+from . import (
+    admission,
+    children,
+    creation,
+    daemon,
+    failures,
+    jobs,
+    lifecycle,
+    resources,
+    run_policy,
+    status,
+)
 from .children import sync_pods
 from .context import MEMO_KEY, Context
-from .k8s import Cluster, NameConflict
+from .k8s import Cluster
 from .metrics import OperatorMetrics
 from .settings import Settings
 
@@ -74,8 +82,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FINALIZER = "malleus.io/finalizer"
-NAME_CONFLICT_RETRY_SECONDS = 60
-"""How often a job blocked by a `NameConflict` looks again whether the name is free."""
 METRICS_URL_POLL_SECONDS = 30.0
 """How often a daemon paused on a disallowed Prometheus URL reads the live spec again."""
 _LIVE = ("suspend", "scheduling.scheduleTimeoutSeconds")  # read by the admission timer
@@ -127,87 +133,13 @@ def probe_jobs(memo: kopf.Memo, **_: Any) -> dict[str, int]:
 # ---- create ---------------------------------------------------------------------------------
 
 
-async def _create_children(
-    ctx: Context,
-    job: ResolvedJob,
-    ref: resources.JobRef,
-    plan: Plan,
-    patch: kopf.Patch,
-    conditions: list[Any],
-    pods: bool = True,
-) -> tuple[list[str], Plan]:
-    """`children.ensure_children` (without the pods of a suspended job); on a `NameConflict` the job says so (condition, Warning
-    event) and kopf retries later, so deleting the impostor is all the user has to do."""
-    try:
-        return await children.ensure_children(ctx, job, ref, plan, pods=pods)
-    except NameConflict as e:
-        blocked = status.name_conflict_status(str(e), ref.generation, status.now(), conditions)
-        patch.status.update(status.dump(blocked))
-        await ctx.cluster.post_event(ref, "Warning", "NameConflict", str(e))
-        raise kopf.TemporaryError(str(e), delay=NAME_CONFLICT_RETRY_SECONDS) from None
-
-
 @kopf.on.create(API_GROUP, VERSION, PLURAL)
 async def on_create(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     """Check the job, plan it for healthy GPUs, create its children; or fail it as InvalidSpec.
 
     Returns nothing: kopf would store a result in the status, which the CRD's schema prunes.
     """
-    await _create_job(Context.of(memo), body, patch)
-
-
-async def _create_job(
-    ctx: Context, body: kopf.Body, patch: kopf.Patch, *, resumed: bool = False
-) -> None:
-    """on.create's work, idempotent (children by name, the ConfigMap's plan kept): ``resumed``
-    (`on_resume` redoing it) posts ``Resumed`` naming what it re-created instead of
-    ``Created``, which the first run posted."""
-    ref = resources.JobRef.from_body(body)
-    at = status.now()
-    conditions = (body.get("status") or {}).get("conditions") or []
-    try:
-        job = jobs.resolve(body)
-        url_faults = ctx.settings.metrics_faults(body.get("spec") or {})
-        if url_faults:
-            raise BadInput(url_faults)
-        plan, seconds = await jobs.initial_plan(job)
-    except BadInput as e:
-        invalid = status.invalid_spec_status(e.faults, ref.generation, at, conditions)
-        patch.status.update(status.dump(invalid))
-        ctx.metrics.phases.set(ref.namespace, ref.name, Phase.FAILED)
-        message = status.invalid_spec_message(e.faults)
-        await ctx.cluster.post_event(ref, "Warning", "InvalidSpec", message)
-        raise kopf.PermanentError(message) from None
-    except PlanningTimeout as e:
-        raise kopf.TemporaryError(f"initial planning timed out: {e}", delay=30) from None
-    ctx.metrics.planning_seconds.observe(seconds)
-    suspended = job.spec.suspend
-    # A coscheduler's PodGroup before the pods it gangs (spec.scheduling.podGroup.create).
-    conditions = await admission.ensure_pod_group(ctx, job.spec, ref, conditions, at) or conditions
-    created, plan = await _create_children(
-        ctx, job, ref, plan, patch, conditions, pods=not suspended
-    )
-    pods = [resources.pod_name(ref.name, i) for i in range(job.nodes)]
-    new = status.dump(status.created_status(plan, pods, job.world, ref.generation, at, conditions))
-    if suspended:  # admitted later (Kueue flips spec.suspend): no pods until then
-        new = admission.created_suspended(new, ref.generation, at)
-    patch.status.update(new)
-    ctx.metrics.phases.set(ref.namespace, ref.name, status.phase_of(new))
-    if resumed:
-        if created:
-            await ctx.cluster.post_event(
-                ref, "Normal", "Resumed", f"re-created {', '.join(created)}"
-            )
-        log.info("%s/%s: creation redone, re-created %s", ref.namespace, ref.name, created)
-        return
-    await ctx.cluster.post_event(
-        ref,
-        "Normal",
-        "Created",
-        f"created {0 if suspended else len(pods)} worker pod(s) on {job.world} GPU(s); plan "
-        f"generation {plan.generation}: {status.plan_summary(plan)}",
-    )
-    log.info("%s/%s: created %s (planning %.3f s)", ref.namespace, ref.name, created, seconds)
+    await creation.create_job(Context.of(memo), body, patch)
 
 
 # ---- update ---------------------------------------------------------------------------------
@@ -371,7 +303,7 @@ async def on_resume(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: An
     st = body.get("status") or {}
     phase = status.phase_of(st)
     if phase is None:
-        await _create_job(ctx, body, patch, resumed=True)
+        await creation.create_job(ctx, body, patch, resumed=True)
         return
     ctx.metrics.phases.set(ref.namespace, ref.name, phase)
     if phase in status.TERMINAL_PHASES or phase == Phase.SUSPENDED:
@@ -386,7 +318,7 @@ async def on_resume(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: An
         # The ConfigMap's plan wins when there is one (`children.ensure_children` returns it).
         plan, _ = await jobs.initial_plan(job)
         conditions = list(st.get("conditions") or [])
-        created, _ = await _create_children(ctx, job, ref, plan, patch, conditions)
+        created, _ = await creation.create_children(ctx, job, ref, plan, patch, conditions)
         if created:
             await ctx.cluster.post_event(
                 ref, "Normal", "Resumed", f"re-created {', '.join(created)}"

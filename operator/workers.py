@@ -1,7 +1,8 @@
 """Pure builders of a job's worker Pods: one per node, ``gpusPerNode`` trainers under torchrun.
 
-Beside `resources` (names, labels, the Service, ConfigMap, Secret and Events) because a pod is
-most of what a job owns: its command line, environment, resources, volumes and security context.
+Beside `identity` (names, labels) and `resources` (the Service, ConfigMap, Secret and Events)
+because a pod is most of what a job owns: its command line, environment, resources, volumes and
+security context.
 Plain dicts, no API calls, so tests assert on every field without a cluster.
 """
 

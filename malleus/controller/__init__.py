@@ -1,7 +1,7 @@
 """Malleus's controller: the decision loop shared by the operator and the local runner.
 
 rates -> detect a shift (detector) -> plan (planning) -> is it worth the migration (decision)
--> publish -> wait for the acknowledgement (loop), with the job's `spec.stragglerPolicy`
+-> publish -> wait for the acknowledgement (loop; the switch itself: switching), with the job's `spec.stragglerPolicy`
 (`malleus.job.StragglerPolicy`) and planning problem (`malleus.job.ResolvedJob.problem`).
 Every decision is a `DecisionEvent` with a typed payload (events).
 Where rates come from and how plans reach the trainers are the ports (RateSource, PlanSink):

@@ -4,7 +4,7 @@ prepare (manifest, resources, first plan, or the checkpoint `--resume` continues
 before anything starts) -> processes (the rendezvous store, then one `python -m malleus.trainer`
 per GPU, torchrun-style) -> session (the shared Controller on the coordinator's /metrics,
 switching plans live, or by restart, or never; supervise: failed ranks replaced under
-spec.failurePolicy) -> record -> report, plot, summary (failures: what failed and how the job
+spec.failurePolicy; supervise_restart: restart mode's stop-and-start) -> record -> report, plot, summary (failures: what failed and how the job
 recovered).
 
 Torch-free: the trainers run in their own processes; only they import torch.

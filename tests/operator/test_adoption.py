@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import kopf
 import pytest
 
-from malleus.operator import handlers, resources
+from malleus.operator import creation, handlers, resources
 from malleus.operator.context import Context
 from malleus.operator.k8s import Cluster, NameConflict
 from malleus.operator.metrics import OperatorMetrics
@@ -62,7 +62,7 @@ def _create(memo: kopf.Memo, body: dict[str, Any]) -> tuple[kopf.Patch, str]:
     patch = kopf.Patch()
     with pytest.raises(kopf.TemporaryError) as raised:
         asyncio.run(handlers.on_create(body=body, patch=patch, memo=memo))
-    assert raised.value.delay == handlers.NAME_CONFLICT_RETRY_SECONDS
+    assert raised.value.delay == creation.NAME_CONFLICT_RETRY_SECONDS
     return patch, str(raised.value)
 
 

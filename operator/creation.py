@@ -1,0 +1,105 @@
+"""A job's creation: check it, plan it for healthy GPUs, create its children, write its first
+status; or fail it as InvalidSpec.
+
+Apart from the handlers (operator/handlers.py) because two of them run it: on.create, and
+on.resume for a job whose creation kopf recorded but whose status never landed (an operator
+killed between kopf's two patches). Idempotent: children are created by name (what exists is
+kept, the ConfigMap's plan included).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+
+from malleus.controller.planning import PlanningTimeout
+from malleus.errors import BadInput
+from malleus.job import Phase, ResolvedJob
+from malleus.planner.plan import Plan
+
+from . import admission, children, jobs, resources, status
+from .context import Context
+from .k8s import NameConflict
+
+__all__ = ["NAME_CONFLICT_RETRY_SECONDS", "create_children", "create_job"]
+
+log = logging.getLogger(__name__)
+
+NAME_CONFLICT_RETRY_SECONDS = 60
+"""How often a job blocked by a `NameConflict` looks again whether the name is free."""
+
+
+async def create_children(
+    ctx: Context,
+    job: ResolvedJob,
+    ref: resources.JobRef,
+    plan: Plan,
+    patch: kopf.Patch,
+    conditions: list[Any],
+    pods: bool = True,
+) -> tuple[list[str], Plan]:
+    """`children.ensure_children` (without the pods of a suspended job); on a `NameConflict` the job says so (condition, Warning
+    event) and kopf retries later, so deleting the impostor is all the user has to do."""
+    try:
+        return await children.ensure_children(ctx, job, ref, plan, pods=pods)
+    except NameConflict as e:
+        blocked = status.name_conflict_status(str(e), ref.generation, status.now(), conditions)
+        patch.status.update(status.dump(blocked))
+        await ctx.cluster.post_event(ref, "Warning", "NameConflict", str(e))
+        raise kopf.TemporaryError(str(e), delay=NAME_CONFLICT_RETRY_SECONDS) from None
+
+
+async def create_job(
+    ctx: Context, body: kopf.Body, patch: kopf.Patch, *, resumed: bool = False
+) -> None:
+    """on.create's work, idempotent (children by name, the ConfigMap's plan kept): ``resumed``
+    (`handlers.on_resume` redoing it) posts ``Resumed`` naming what it re-created instead of
+    ``Created``, which the first run posted."""
+    ref = resources.JobRef.from_body(body)
+    at = status.now()
+    conditions = (body.get("status") or {}).get("conditions") or []
+    try:
+        job = jobs.resolve(body)
+        url_faults = ctx.settings.metrics_faults(body.get("spec") or {})
+        if url_faults:
+            raise BadInput(url_faults)
+        plan, seconds = await jobs.initial_plan(job)
+    except BadInput as e:
+        invalid = status.invalid_spec_status(e.faults, ref.generation, at, conditions)
+        patch.status.update(status.dump(invalid))
+        ctx.metrics.phases.set(ref.namespace, ref.name, Phase.FAILED)
+        message = status.invalid_spec_message(e.faults)
+        await ctx.cluster.post_event(ref, "Warning", "InvalidSpec", message)
+        raise kopf.PermanentError(message) from None
+    except PlanningTimeout as e:
+        raise kopf.TemporaryError(f"initial planning timed out: {e}", delay=30) from None
+    ctx.metrics.planning_seconds.observe(seconds)
+    suspended = job.spec.suspend
+    # A coscheduler's PodGroup before the pods it gangs (spec.scheduling.podGroup.create).
+    conditions = await admission.ensure_pod_group(ctx, job.spec, ref, conditions, at) or conditions
+    created, plan = await create_children(
+        ctx, job, ref, plan, patch, conditions, pods=not suspended
+    )
+    pods = [resources.pod_name(ref.name, i) for i in range(job.nodes)]
+    new = status.dump(status.created_status(plan, pods, job.world, ref.generation, at, conditions))
+    if suspended:  # admitted later (Kueue flips spec.suspend): no pods until then
+        new = admission.created_suspended(new, ref.generation, at)
+    patch.status.update(new)
+    ctx.metrics.phases.set(ref.namespace, ref.name, status.phase_of(new))
+    if resumed:
+        if created:
+            await ctx.cluster.post_event(
+                ref, "Normal", "Resumed", f"re-created {', '.join(created)}"
+            )
+        log.info("%s/%s: creation redone, re-created %s", ref.namespace, ref.name, created)
+        return
+    await ctx.cluster.post_event(
+        ref,
+        "Normal",
+        "Created",
+        f"created {0 if suspended else len(pods)} worker pod(s) on {job.world} GPU(s); plan "
+        f"generation {plan.generation}: {status.plan_summary(plan)}",
+    )
+    log.info("%s/%s: created %s (planning %.3f s)", ref.namespace, ref.name, created, seconds)
