@@ -61,8 +61,9 @@ def store_labels(job: str) -> dict[str, str]:
 def build_store_pod(job: ResolvedJob, ref: JobRef) -> dict[str, Any]:
     """The store pod: the trainer image running the store server on `STORE_PORT`.
 
-    ``restartPolicy: Always``: a crashed store restarts in place (its keys are lost, so the
-    trainers' next recovery fails; a store that stays up is what the workers need).
+    ``restartPolicy: Always``: a crashed store restarts in place, empty, at the same address;
+    the trainers' clients dial it again (trainer/store_client.py), so a later failure is still
+    survived.
     """
     return {
         "apiVersion": "v1",

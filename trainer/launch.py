@@ -128,14 +128,19 @@ def init_distributed(
     timeout = timedelta(seconds=init_timeout_s)
     host, port = store_address(env)
     try:
-        store: Any = dist.TCPStore(
-            host,
-            port,
-            env.world_size if is_master else None,
-            is_master,
-            timeout=timeout,
-            wait_for_workers=False,
-        )
+        if external:  # no rank hosts it: a lost store restarts empty, and this client redials
+            from .store_client import RedialingStore
+
+            store: Any = RedialingStore(host, port, timeout)
+        else:
+            store = dist.TCPStore(
+                host,
+                port,
+                env.world_size if is_master else None,
+                is_master,
+                timeout=timeout,
+                wait_for_workers=False,
+            )
     except (RuntimeError, OSError) as e:
         role = "serve the rendezvous on" if is_master else "reach the master at"
         raise LaunchError(

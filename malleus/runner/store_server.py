@@ -82,12 +82,23 @@ class StoreServer:
         self.address: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout: float = 60.0) -> str:
+    def start(self, timeout: float = 60.0, *, port: int = 0) -> str:
+        """Start the server on `port` (0: the OS picks; a restart: the lost one's, which the
+        ranks' clients dial again, trainer/store_client.py)."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        err = open(self.log, "wb")  # noqa: SIM115 (the child holds it; closed below)
+        err = open(self.log, "ab")  # noqa: SIM115 (the child holds it; closed below)
         try:
             self._proc = subprocess.Popen(
-                [self.python, "-m", "malleus.trainer", "store", "--host", "127.0.0.1"],
+                [
+                    self.python,
+                    "-m",
+                    "malleus.trainer",
+                    "store",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err,
@@ -137,6 +148,17 @@ class StoreServer:
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    def lost(self) -> int | None:
+        """The exit code of a server that ended on its own (None while it runs or once
+        stopped on purpose)."""
+        return None if self._proc is None else self._proc.poll()
+
+    def restart(self, timeout: float = 60.0) -> str:
+        """Start a fresh, empty server on the same port (the lost one's keys are gone)."""
+        port = self.port
+        self.stop()
+        return self.start(timeout, port=port)
 
     def stop(self, grace: float = 5.0) -> None:
         proc, self._proc = self._proc, None

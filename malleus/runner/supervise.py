@@ -127,6 +127,7 @@ class Supervisor(RestartMode):
         """Count the processes that ended, watch for stopped ones, start due replacements."""
         if self.procs.expect_exit or not self.procs.started:
             return
+        self._keep_store()
         now = self.now()
         # In the order they ended: the first is the one to blame, the others may follow it.
         for rank in sorted(range(self.prepared.world), key=self.procs.exited_at):
@@ -177,6 +178,23 @@ class Supervisor(RestartMode):
                 f"(pid {new.proc.pid}, restart {attempt} of {self.policy.max_restarts}), "
                 "joining at a step boundary"
             )
+
+    def _keep_store(self) -> None:
+        """A rendezvous store that died is started again, empty, on its port: the ranks'
+        clients dial it again (trainer/store_client.py), so a later failure is still survived."""
+        store = self.procs.store
+        code = store.lost() if store is not None else None
+        if store is None or code is None:
+            return
+        port = store.port
+        self.messages.put(
+            f"step {self.record.steps_done()}: the rendezvous store died ({describe_exit(code)}); "
+            f"starting it again, empty, on port {port}"
+        )
+        try:
+            store.restart()
+        except RuntimeError as e:  # not retried: a failure from now on ends the run
+            self.messages.put(f"the rendezvous store could not be started again: {e}")
 
     def _survivors_recovering(self, rank: int) -> bool:
         """Whether `rank`'s replacement should wait for the survivors: until they commit a

@@ -289,3 +289,55 @@ def yaml_load(path: Path) -> Any:
     import yaml
 
     return yaml.safe_load(path.read_text())
+
+
+def _store_pid(runner_pid: int) -> int:
+    """The pid of the runner's rendezvous store (`python -m malleus.trainer store`)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == runner_pid and b"malleus.trainer" in cmd and b"store" in cmd:
+            return int(proc.name)
+    raise AssertionError("no store process under the runner")
+
+
+def test_a_lost_store_is_started_again_and_a_later_failure_is_still_survived(
+    tmp_path: Path,
+) -> None:
+    # The store process is SIGKILLed mid-run: the runner starts it again, empty, on its port,
+    # the trainers' clients dial it again; then a rank is killed, and the survivor recovers
+    # through the new store (before, every rank exited on its first store call).
+    job_file = job(tmp_path, steps=30, tp=1, failurePolicy={"hangTimeoutSeconds": 20})
+    work, report = tmp_path / "work", tmp_path / "r.json"
+    model = tmp_path / "model.pt"
+    run = runner(
+        tmp_path,
+        job_file,
+        "--workdir",
+        str(work),
+        "--report",
+        str(report),
+        "--save-model",
+        str(model),
+    )
+    wait_for("step 3", lambda: step_done(work, 3, run), 240)
+    os.kill(_store_pid(run.pid), signal.SIGKILL)
+    wait_for("step 8", lambda: step_done(work, 8, run), 240)
+    os.kill(trainers(work)[1], signal.SIGKILL)
+    _, err = run.communicate(timeout=300)
+    output = "".join(p.read_text() for p in tmp_path.glob("out-*.txt")) + err
+    assert run.returncode == 0, output[-4000:]
+    assert "the rendezvous store died (killed by SIGKILL)" in output, output[-4000:]
+    out = json.loads(report.read_text())
+    assert out["steps"] == 30 and out["exit"]["code"] == 0
+    (recovery,) = out["recoveries"]
+    assert list(recovery["failed"]) == ["1"] and recovery["mode"] == "replicas"
+    assert recovery["steps_lost"] == 0
+    logs = "".join(p.read_text(errors="replace") for p in (work / "logs").rglob("rank-*.log"))
+    assert "is back after" in logs  # the clients said they dialed the new store
+    assert_same_model(model, reference(tmp_path, job_file))

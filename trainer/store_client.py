@@ -1,0 +1,143 @@
+"""A client of the job's rendezvous store that dials it again when the store process is lost.
+
+The store (a torch TCPStore no rank hosts: the runner's child, or the job's store pod under
+`restartPolicy: Always`) comes back empty on the same address after a crash. A plain TCPStore
+client is dead from then on, so the survivors' next recovery failed on its first store call and
+every rank exited. `RedialingStore` is a `dist.Store` (so `PrefixStore`, process groups and
+`clone()` take it like the TCPStore it wraps) that, when a call fails on the connection
+(`DistNetworkError`), dials the address again for up to `REDIAL_S` and retries the call once.
+
+What the lost keys meant: nothing the running job needs. Everything a recovery writes lives under
+the next epoch's prefix (`rec/E+1/`, written fresh), the heartbeats are counts compared for
+change (a count that starts again at 0 has changed), and the initial rendezvous is over. A
+launcher's dead mark written before the loss is gone: the leader then tells that GPU by its
+silence instead (trainer/alarm.py). A call that fails for any other reason (a key not there in
+time) is the caller's, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["REDIAL_S", "RedialingStore"]
+
+log = logging.getLogger(__name__)
+
+REDIAL_S = 60.0
+"""How long a call waits for a lost store to listen again before it fails (the store restarts
+in a second or two: a runner's child, or a pod's container restarted by its kubelet)."""
+
+
+_LIVE: list[RedialingStore] = []  # see RedialingStore.__init__
+
+
+class RedialingStore(dist.Store):
+    """A TCPStore client of `host:port` (`timeout`: its own calls' timeout) that redials."""
+
+    def __init__(
+        self, host: str, port: int, timeout: timedelta, *, redial_s: float = REDIAL_S
+    ) -> None:
+        super().__init__()
+        self.host, self.port, self._timeout, self._redial_s = host, port, timeout, redial_s
+        self._lock = threading.Lock()
+        self._client = self._dial(timeout)
+        self.redials = 0
+        """How many times the store was found lost and dialed again (tests, logs)."""
+        # A store handed to C++ (a PrefixStore over it, a process group) holds only the C++ half
+        # of this Python object: were its last Python reference dropped (a caller keeping just
+        # the PrefixStore), its methods would be gone ("Not implemented"). So every client lives
+        # as long as the process: a few per rank (the main one, the alarm's clone).
+        _LIVE.append(self)
+
+    def _dial(self, timeout: timedelta) -> dist.TCPStore:
+        client = dist.TCPStore(self.host, self.port, None, False, timeout=timeout)
+        client.set_timeout(self._timeout)
+        return client
+
+    def _call(self, op: str, *args: Any) -> Any:
+        client = self._client
+        try:
+            return getattr(client, op)(*args)
+        except dist.DistNetworkError as e:
+            self._redial(client, e)
+        return getattr(self._client, op)(*args)
+
+    def _redial(self, broken: dist.TCPStore, error: BaseException) -> None:
+        with self._lock:
+            if self._client is not broken:  # another thread of this process redialed already
+                return
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            log.warning(
+                "the job's store at %s:%d was lost (%s); dialing it again for up to %.0f s",
+                self.host,
+                self.port,
+                first,
+                self._redial_s,
+            )
+            t0 = time.monotonic()
+            self._client = self._dial(timedelta(seconds=self._redial_s))
+            self.redials += 1
+            log.warning(
+                "the job's store at %s:%d is back after %.1f s (its keys were lost)",
+                self.host,
+                self.port,
+                time.monotonic() - t0,
+            )
+
+    # ---- the dist.Store calls the trainers, PrefixStore and process groups make --------------
+    def set(self, key: str, value: Any) -> None:
+        # The store does not answer a set: sent on a connection the lost store closed, it can
+        # vanish unnoticed (the first write to a closed socket succeeds). The check after it is
+        # answered, so a set returns only once the store holds the key.
+        client = self._client
+        try:
+            client.set(key, value)
+            if client.check([key]):
+                return
+        except dist.DistNetworkError as e:
+            self._redial(client, e)
+        self._client.set(key, value)
+        self._client.check([key])
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call("add", key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call("check", keys)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self._call("compare_set", key, expected, desired)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        if timeout is None:
+            self._call("wait", keys)
+        else:
+            self._call("wait", keys, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self._call("delete_key", key)
+
+    def num_keys(self) -> int:
+        return self._call("num_keys")
+
+    # What C++ (a PrefixStore over this store) calls for those two: torch's trampoline looks
+    # them up under their C++ names (the others under their Python ones).
+    deleteKey = delete_key
+    getNumKeys = num_keys
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout
+        self._call("set_timeout", timeout)
+
+    def clone(self) -> RedialingStore:
+        """A second client of the same store (its own connection: the recovery alarm's)."""
+        return RedialingStore(self.host, self.port, self._timeout, redial_s=self._redial_s)
