@@ -1,65 +1,56 @@
 """The store client that redials (trainer/store_client.py) against real store processes
-(`python -m malleus.trainer store`): one is SIGKILLed, a new one starts on its port."""
+(`python -m malleus.trainer store`, started as the runner starts it): one is SIGKILLed, a new
+one starts on its port."""
 
 from __future__ import annotations
 
-import subprocess
+import os
+import signal
 import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+from malleus.runner.store_server import StoreServer
 from malleus.trainer.store_client import RedialingStore
 
 
-def _serve(port: int = 0) -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "malleus.trainer",
-            "store",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()  # "store ready on 127.0.0.1:PORT"
-    assert line.startswith("store ready on"), line
-    return proc, int(line.rsplit(":", 1)[1])
+def _serve(tmp_path: Path, port: int = 0) -> StoreServer:
+    server = StoreServer(sys.executable, tmp_path / f"store-{port}.log")
+    server.start(port=port)
+    return server
 
 
-def _stop(proc: subprocess.Popen[str]) -> None:
-    proc.kill()
-    proc.wait(timeout=30)
+def _kill(server: StoreServer) -> None:
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGKILL)
+    server.stop()
 
 
-def test_a_lost_store_is_dialed_again_and_the_calls_go_on() -> None:
-    first, port = _serve()
-    second = None
+def test_a_lost_store_is_dialed_again_and_the_calls_go_on(tmp_path: Path) -> None:
+    first = _serve(tmp_path)
+    port = first.port
+    second: StoreServer | None = None
+    started, done = threading.Event(), threading.Event()
     try:
         store = RedialingStore("127.0.0.1", port, timedelta(seconds=10), redial_s=30)
         prefixed = dist.PrefixStore("malleus/0/", store)
         assert prefixed.add("rec/beat/1", 1) == 1
         alarm = prefixed.clone()  # the recovery alarm's own connection
         assert alarm.add("rec/beat/1", 0) == 1
-        _stop(first)
-        # The store comes back empty on the same port a little later; meanwhile a call waits.
-        started = threading.Event()
+        _kill(first)
 
+        # The store comes back empty on the same port a little later; meanwhile a call waits.
         def restart() -> None:
             nonlocal second
             time.sleep(0.5)
-            second, _ = _serve(port)
+            second = _serve(tmp_path, port)
             started.set()
+            done.wait(60)  # the server's parent-death signal follows this thread: keep it
 
         threading.Thread(target=restart, daemon=True).start()
         assert prefixed.add("rec/beat/1", 1) == 1  # the count starts again: its keys were lost
@@ -79,16 +70,19 @@ def test_a_lost_store_is_dialed_again_and_the_calls_go_on() -> None:
             prefixed.get("never")
         assert store.redials == 1
     finally:
-        for p in (first, second):
-            if p is not None and p.poll() is None:
-                _stop(p)
+        done.set()
+        for server in (first, second):
+            if server is not None:
+                server.stop()
 
 
-def test_a_store_that_does_not_come_back_fails_the_call_after_the_redial_window() -> None:
-    proc, port = _serve()
-    store = RedialingStore("127.0.0.1", port, timedelta(seconds=5), redial_s=1.0)
+def test_a_store_that_does_not_come_back_fails_the_call_after_the_redial_window(
+    tmp_path: Path,
+) -> None:
+    server = _serve(tmp_path)
+    store = RedialingStore("127.0.0.1", server.port, timedelta(seconds=5), redial_s=1.0)
     store.set("k", "v")
-    _stop(proc)
+    _kill(server)
     t0 = time.monotonic()
     with pytest.raises(dist.DistError):
         store.get("k")
