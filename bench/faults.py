@@ -265,10 +265,10 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, load: str) -> s
             f"Live recovery is {min(ratios):.1f}x to {max(ratios):.1f}x faster than restarting "
             "every process, from the fault (target: at least 10x).",
         ]
-    parts = [  # (the first step's own time, the rest less detection)
-        (live["first_step"], live["seconds"] - live["first_step"] - (live["detection"] or 0.0))
+    parts = [  # (the first step's own time, the rest after detection: the down time)
+        (live["first_step"], down)
         for live in (r["live"] for r in rows)
-        if live.get("first_step") is not None and live["seconds"] is not None
+        if (down := _downtime(live)) is not None
     ]
     if parts:
         lines += [

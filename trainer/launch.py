@@ -29,6 +29,7 @@ __all__ = [
     "DistEnv",
     "LaunchError",
     "fault_tolerant",
+    "first_line",
     "init_distributed",
     "note_writer",
     "quiet_signals",
@@ -145,7 +146,7 @@ def init_distributed(
         role = "serve the rendezvous on" if is_master else "reach the master at"
         raise LaunchError(
             f"rank {env.rank}: could not {role} MASTER_ADDR:MASTER_PORT = {env.where} "
-            f"within {init_timeout_s:g}s: {_first_line(e)}"
+            f"within {init_timeout_s:g}s: {first_line(e)}"
         ) from None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"malleus/{attempt}/", store)
@@ -169,7 +170,7 @@ def init_distributed(
         missing = [r for r in range(env.world_size) if not _joined(store, r)]
         raise LaunchError(
             f"rank {env.rank}: ranks {missing} of {env.world_size} did not join at "
-            f"{env.where} within {init_timeout_s:g}s ({_first_line(e)})"
+            f"{env.where} within {init_timeout_s:g}s ({first_line(e)})"
         ) from None
     dist.init_process_group(
         "nccl" if cuda else "gloo",
@@ -215,7 +216,8 @@ def _joined(store: Any, rank: int) -> bool:
         return False
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """An error's first line, for a message that names it (its type when it has no text)."""
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 

@@ -67,7 +67,7 @@ from malleus.planner import Plan, check_plan
 
 from . import alarm, membership
 from .faults import at_lead
-from .launch import DEAD_KEY  # what launchers write when a GPU's process ends
+from .launch import DEAD_KEY, first_line  # DEAD_KEY: a launcher saw a GPU's process end
 from .membership import Membership
 from .recovery_groups import _form, _release
 from .recovery_restore import _apply, _redo, _survivor_holders
@@ -101,7 +101,7 @@ class PeerFailure(RuntimeError):
     """A collective failed on this rank because some other rank died or hung."""
 
     def __init__(self, what: str, cause: BaseException) -> None:
-        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        first = first_line(cause)
         self.timeout = "timed out" in str(cause).lower() or "timeout" in str(cause).lower()
         self.detected = time.time()
         super().__init__(f"a collective failed during {what}: {first}")

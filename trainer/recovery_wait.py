@@ -85,8 +85,6 @@ def gather(
     start = last = clock()
     got: dict[int, dict[str, Any]] = {}  # each arrival, read once (posted whole before `arrive`)
     released: set[int] = set()
-    dead: list[int] = []
-    silent: list[int] = []
     while True:
         for g in previous:
             if g not in got and store.check([prefix + f"alive/{g}"]):

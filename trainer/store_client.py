@@ -20,10 +20,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from .launch import first_line
 
 __all__ = ["REDIAL_S", "RedialingStore"]
 
@@ -60,24 +63,24 @@ class RedialingStore(dist.Store):
         client.set_timeout(self._timeout)
         return client
 
-    def _call(self, op: str, *args: Any) -> Any:
+    def _call(self, fn: Callable[[dist.TCPStore], Any]) -> Any:
+        """`fn(client)`; on a lost connection, once more on a client dialed again."""
         client = self._client
         try:
-            return getattr(client, op)(*args)
+            return fn(client)
         except dist.DistNetworkError as e:
             self._redial(client, e)
-        return getattr(self._client, op)(*args)
+        return fn(self._client)
 
     def _redial(self, broken: dist.TCPStore, error: BaseException) -> None:
         with self._lock:
             if self._client is not broken:  # another thread of this process redialed already
                 return
-            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
             log.warning(
                 "the job's store at %s:%d was lost (%s); dialing it again for up to %.0f s",
                 self.host,
                 self.port,
-                first,
+                first_line(error),
                 self._redial_s,
             )
             t0 = time.monotonic()
@@ -92,42 +95,28 @@ class RedialingStore(dist.Store):
 
     # ---- the dist.Store calls the trainers, PrefixStore and process groups make --------------
     def set(self, key: str, value: Any) -> None:
-        # The store does not answer a set: sent on a connection the lost store closed, it can
-        # vanish unnoticed (the first write to a closed socket succeeds). The check after it is
-        # answered, so a set returns only once the store holds the key.
-        client = self._client
-        try:
-            client.set(key, value)
-            if client.check([key]):
-                return
-        except dist.DistNetworkError as e:
-            self._redial(client, e)
-        self._client.set(key, value)
-        self._client.check([key])
+        self._call(lambda c: _set_confirmed(c, key, value))
 
     def get(self, key: str) -> bytes:
-        return self._call("get", key)
+        return self._call(lambda c: c.get(key))
 
     def add(self, key: str, amount: int) -> int:
-        return self._call("add", key, amount)
+        return self._call(lambda c: c.add(key, amount))
 
     def check(self, keys: list[str]) -> bool:
-        return self._call("check", keys)
+        return self._call(lambda c: c.check(keys))
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        return self._call("compare_set", key, expected, desired)
+        return self._call(lambda c: c.compare_set(key, expected, desired))
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        if timeout is None:
-            self._call("wait", keys)
-        else:
-            self._call("wait", keys, timeout)
+        self._call(lambda c: c.wait(keys) if timeout is None else c.wait(keys, timeout))
 
     def delete_key(self, key: str) -> bool:
-        return self._call("delete_key", key)
+        return self._call(lambda c: c.delete_key(key))
 
     def num_keys(self) -> int:
-        return self._call("num_keys")
+        return self._call(lambda c: c.num_keys())
 
     # What C++ (a PrefixStore over this store) calls for those two: torch's trampoline looks
     # them up under their C++ names (the others under their Python ones).
@@ -136,8 +125,17 @@ class RedialingStore(dist.Store):
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._timeout = timeout
-        self._call("set_timeout", timeout)
+        self._call(lambda c: c.set_timeout(timeout))
 
     def clone(self) -> RedialingStore:
         """A second client of the same store (its own connection: the recovery alarm's)."""
         return RedialingStore(self.host, self.port, self._timeout, redial_s=self._redial_s)
+
+
+def _set_confirmed(client: dist.TCPStore, key: str, value: Any) -> None:
+    """Set, then check: the store does not answer a set, and one sent on a connection the lost
+    store closed can vanish unnoticed (the first write to a closed socket succeeds); the check
+    is answered, so this returns only once the store holds the key, or raises on the lost
+    connection (then `_call` redials and sets again)."""
+    client.set(key, value)
+    client.check([key])

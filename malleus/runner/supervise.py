@@ -183,13 +183,11 @@ class Supervisor(RestartMode):
         """A rendezvous store that died is started again, empty, on its port: the ranks'
         clients dial it again (trainer/store_client.py), so a later failure is still survived."""
         store = self.procs.store
-        code = store.lost() if store is not None else None
-        if store is None or code is None:
+        if store is None or (code := store.lost()) is None:
             return
-        port = store.port
         self.messages.put(
             f"step {self.record.steps_done()}: the rendezvous store died ({describe_exit(code)}); "
-            f"starting it again, empty, on port {port}"
+            f"starting it again, empty, on port {store.port}"
         )
         try:
             store.restart()

@@ -33,6 +33,7 @@ from malleus.planner import Plan
 from malleus.planner.memory import Unit, holdings
 
 from .. import membership
+from ..launch import first_line
 from ..model import param_specs, pieces
 from .layout import PieceRoles
 from .optim import AdamState
@@ -191,8 +192,7 @@ class TransferError(RuntimeError):
 
     def __init__(self, peer: int, what: str, cause: BaseException) -> None:
         self.peer = peer
-        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-        super().__init__(f"{what} rank {peer} failed: {first}")
+        super().__init__(f"{what} rank {peer} failed: {first_line(cause)}")
 
 
 def _pack(
