@@ -1,7 +1,7 @@
 """Failure benchmark: live recovery against checkpoint + restart of every process, per fault kind.
 
 Run: .venv/bin/python bench/faults.py [--steps 24] [--at 12] [--kinds replica,rank0,hang,rollback]
-     [--out DIR] [--no-write]
+     [--jobs default,short] [--out DIR] [--reuse] [--no-write]
 
 Each fault kind is injected into a real local job (`malleus run`, 4 emulated GPUs: tp 2, two
 data-parallel replicas, a checkpoint every 5 steps) by this script itself, with a real signal to
@@ -21,14 +21,15 @@ Fault kinds:
 - rollback: kill GPUs 1 and 3, both holders of the same tensor-parallel shard: no survivor holds
             it, so the job rolls back to its last checkpoint (steps are lost).
 
-The runs go one after the other (they would compete for the CPUs otherwise). Writes the
-"Failures" section of docs/benchmarks.md.
+Jobs: the same job with the default emulated layers (20 + 40 ms) and with layers 4x shorter:
+both modes pay the first step after recovery in full, so the step time caps restart / live
+(bench/faults_report.py says how). The runs go one after the other (they would compete for the
+CPUs otherwise). Writes the "Failures" section of docs/benchmarks.md (bench/faults_report.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import signal
@@ -40,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from benchdoc import LoadSampler, machine, replace_section  # bench/ is on sys.path
+from benchdoc import LoadSampler, replace_section  # bench/ is on sys.path
+from faults_report import render
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS: dict[str, tuple[str, list[int], int]] = {
@@ -51,7 +53,14 @@ KINDS: dict[str, tuple[str, list[int], int]] = {
 }
 
 
-def manifest(steps: int, hang_timeout: int) -> dict[str, Any]:
+JOBS: dict[str, tuple[str, int, int]] = {
+    "default": ("Emulated layers of 20 + 40 ms (forward + backward)", 20, 40),
+    "short": ("Emulated layers of 5 + 10 ms", 5, 10),
+}
+"""Job name -> (title, layer forward ms, layer backward ms): the same job, other step times."""
+
+
+def manifest(steps: int, hang_timeout: int, forward_ms: int, backward_ms: int) -> dict[str, Any]:
     return {
         "apiVersion": "malleus.io/v1alpha1",
         "kind": "MalleusJob",
@@ -76,7 +85,11 @@ def manifest(steps: int, hang_timeout: int) -> dict[str, Any]:
                 "gracePeriodSeconds": 30,
             },
             "checkpoint": {"intervalSteps": 5},
-            "emulation": {"enabled": True, "layerForwardMs": 20, "layerBackwardMs": 40},
+            "emulation": {
+                "enabled": True,
+                "layerForwardMs": forward_ms,
+                "layerBackwardMs": backward_ms,
+            },
         },
     }
 
@@ -162,15 +175,18 @@ def detection(report: dict[str, Any]) -> float | None:
     return None
 
 
-def outcome(report: dict[str, Any]) -> dict[str, Any]:
+def outcome(report: dict[str, Any], at: int) -> dict[str, Any]:
     recs = report.get("recoveries") or []
     first = recs[0] if recs else {}
+    rows = report.get("per_step") or []
     own = [  # the first committed step's own time: it runs on the GPUs left
-        r.get("seconds") for r in report.get("per_step") or [] if r.get("step") == first.get("step")
+        r.get("seconds") for r in rows if r.get("step") == first.get("step")
     ]
     return {
         "detection": detection(report),
         "first_step": own[0] if own else None,
+        # before the fault, past the first plan's calibration window (CAL_WARMUP + CAL_STEPS)
+        "healthy_steps": [r["seconds"] for r in rows if 5 <= r["step"] <= at and r.get("seconds")],
         "code": report["_code"],
         "steps": report.get("steps"),
         "seconds": first.get("seconds"),
@@ -184,129 +200,6 @@ def outcome(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _n(x: float | None, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
-
-
-def _after_detection(live: dict[str, Any], rest: dict[str, Any]) -> float | None:
-    """restart / live, each less its own detection time (a hang costs both the timeout)."""
-    if None in (live["seconds"], rest["seconds"], live.get("detection"), rest.get("detection")):
-        return None
-    a, b = live["seconds"] - live["detection"], rest["seconds"] - rest["detection"]
-    return b / a if a > 0 else None
-
-
-def _downtime(run: dict[str, Any]) -> float | None:
-    """Seconds after detection in which no step trained: to the first committed step, less its
-    own time and the detection (a step of training is not down time, whatever its plan)."""
-    if None in (run["seconds"], run.get("detection"), run.get("first_step")):
-        return None
-    return max(0.0, run["seconds"] - run["detection"] - run["first_step"])
-
-
-def render(rows: list[dict[str, Any]], args: argparse.Namespace, load: str) -> str:
-    lines = [
-        "## Failures",
-        "",
-        f"Command: `python bench/faults.py --steps {args.steps} --at {args.at} "
-        f"--kinds {','.join(args.kinds)}`  ",
-        f"Machine: {machine()}  ",
-        f"Date: {dt.date.today().isoformat()} (load average during the runs: {load}; the "
-        "CPUs are shared with other work)",
-        "",
-        f"Job: 1 node x 4 emulated GPUs, tp 2 (two data-parallel replicas), {args.steps} steps, "
-        f"a checkpoint every 5 steps, hangTimeoutSeconds {args.hang_timeout}; the fault is a "
-        f"real signal to the trainer process(es) right after step {args.at} is committed. "
-        "live = `malleus run` (the survivors recover in place; the dead rank's process is "
-        "replaced and rejoins); restart = `malleus run --mode restart` (every process stopped "
-        "and started again from the latest checkpoint). Seconds: from the fault (the process "
-        "seen ended, or first seen stopped) to the first step committed after recovery; "
-        "steps lost: committed steps trained again; KiB restored: copied from replicas or read "
-        "back from the checkpoint.",
-        "",
-        "| fault | live s | restart s | restart / live | detection s live / restart "
-        "| after detection: restart / live | down s live / restart | live steps lost "
-        "| restart steps lost | live KiB | restart KiB | live via | exit live / restart |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
-    ]
-    for r in rows:
-        live, rest = r["live"], r["restart"]
-        ratio = (
-            rest["seconds"] / live["seconds"]
-            if live["seconds"] and rest["seconds"] is not None
-            else None
-        )
-        after = _after_detection(live, rest)
-        lines.append(
-            f"| {KINDS[r['kind']][0]} | {_n(live['seconds'], '.2f')} | "
-            f"{_n(rest['seconds'], '.2f')} | {_n(ratio, '.1f')}x | "
-            f"{_n(live.get('detection'), '.2f')} / {_n(rest.get('detection'), '.2f')} | "
-            f"{_n(after, '.1f')}x | "
-            f"{_n(_downtime(live), '.2f')} / {_n(_downtime(rest), '.2f')} | "
-            f"{_n(live['steps_lost'], 'd')} | {_n(rest['steps_lost'], 'd')} | "
-            f"{_n(live['bytes'] / 1024 if live['bytes'] is not None else None, ',.0f')} | "
-            f"{_n(rest['bytes'] / 1024 if rest['bytes'] is not None else None, ',.0f')} | "
-            f"{live['mode'] or '-'} | {live['code']} / {rest['code']} |"
-        )
-    failed = [
-        (r["kind"], m, r[m]["reason"]) for r in rows for m in ("live", "restart") if r[m]["code"]
-    ]
-    if failed:
-        lines += ["", "Runs that did not complete:", ""]
-        lines += [f"- {k} / {m}: {why}" for k, m, why in failed]
-    ratios = [
-        r["restart"]["seconds"] / r["live"]["seconds"]
-        for r in rows
-        if r["live"]["seconds"] and r["restart"]["seconds"] is not None
-    ]
-    if ratios:
-        lines += [
-            "",
-            f"Live recovery is {min(ratios):.1f}x to {max(ratios):.1f}x faster than restarting "
-            "every process, from the fault (target: at least 10x).",
-        ]
-    parts = [  # (the first step's own time, the rest after detection: the down time)
-        (live["first_step"], down)
-        for live in (r["live"] for r in rows)
-        if (down := _downtime(live)) is not None
-    ]
-    if parts:
-        lines += [
-            "",
-            f"Where the live seconds go: the first step after the recovery, on the GPUs left (3 "
-            f"of 4; 2 for the rollback), takes {min(a for a, _ in parts):.2f}-"
-            f"{max(a for a, _ in parts):.2f} s of its own (the step the fault interrupted, "
-            "redone, or the first after the checkpoint); the rest, after detection (re-forming, "
-            f"the plan, restoring the pieces), {min(b for _, b in parts):.2f}-"
-            f"{max(b for _, b in parts):.2f} s.",
-        ]
-    afters = [a for r in rows if (a := _after_detection(r["live"], r["restart"])) is not None]
-    if afters:
-        lines += [
-            "",
-            f"From detection on (a hang is detected by the same timeout either way: live, by the "
-            f"survivors' collectives; restart, by the runner's watch of the stopped process), "
-            f"live recovery is {min(afters):.1f}x to {max(afters):.1f}x faster.",
-        ]
-    downs = [
-        (d, e)
-        for r in rows
-        if (d := _downtime(r["live"])) is not None and (e := _downtime(r["restart"])) is not None
-    ]
-    if downs:
-        lines += [
-            "",
-            "Down time (after detection, to the first committed step less that step's own "
-            f"time): live {min(d for d, _ in downs):.2f}-{max(d for d, _ in downs):.2f} s, "
-            f"restart {min(e for _, e in downs):.2f}-{max(e for _, e in downs):.2f} s. The "
-            "target above counts the first step after recovery in full, and here it is most "
-            "of the live figure (a step on 3 emulated GPUs, ~0.85 s); the restart's cost is "
-            "starting processes on this host's 2 CPUs, so the ratio falls as the machine gets "
-            "quieter and rises with its load.",
-        ]
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=24)
@@ -315,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kinds", type=lambda s: s.split(","), default=list(KINDS), help=",".join(KINDS)
     )
+    parser.add_argument(
+        "--jobs", type=lambda s: s.split(","), default=list(JOBS), help=",".join(JOBS)
+    )
     parser.add_argument("--modes", type=lambda s: s.split(","), default=["live", "restart"])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--no-write", action="store_true")
@@ -322,40 +218,40 @@ def main(argv: list[str] | None = None) -> int:
         "--reuse", action="store_true", help="keep the reports already in --out (run the rest)"
     )
     args = parser.parse_args(argv)
+    unknown = sorted({*args.kinds} - {*KINDS}) + sorted({*args.jobs} - {*JOBS})
+    if unknown:
+        parser.error(f"unknown kinds or jobs {unknown}: kinds {list(KINDS)}, jobs {list(JOBS)}")
     out = args.out or Path(tempfile.mkdtemp(prefix="malleus-faults-"))
-    out.mkdir(parents=True, exist_ok=True)
-    job = out / "job.yaml"
-    if not (args.reuse and job.exists()):
-        job.write_text(yaml.safe_dump(manifest(args.steps, args.hang_timeout), sort_keys=False))
-    rows = []
+    jobs: dict[str, list[dict[str, Any]]] = {}
     with LoadSampler() as load:
-        for kind in args.kinds:
-            row: dict[str, Any] = {"kind": kind}
-            for mode in ("live", "restart"):
-                if mode in args.modes:
-                    row[mode] = outcome(run_one(job, mode, kind, args.at, out, args.reuse))
-                else:
-                    row[mode] = dict.fromkeys(
-                        (
-                            "code",
-                            "seconds",
-                            "steps_lost",
-                            "bytes",
-                            "mode",
-                            "detection",
-                            "first_step",
-                        )
-                    )
-                    row[mode]["code"] = "-"
-                    row[mode]["reason"] = ""
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
-    section = render(rows, args, load.summary())
+        for name in args.jobs:
+            where = out / name
+            where.mkdir(parents=True, exist_ok=True)
+            job = where / "job.yaml"
+            if not (args.reuse and job.exists()):
+                spec = manifest(args.steps, args.hang_timeout, *JOBS[name][1:])
+                job.write_text(yaml.safe_dump(spec, sort_keys=False))
+            jobs[name] = [_row(job, kind, args, where) for kind in args.kinds]
+    labels = {k: v[0] for k, v in KINDS.items()}
+    section = render(jobs, {k: v[0] for k, v in JOBS.items()}, labels, args, load.summary())
     print(section)
-    (out / "faults.json").write_text(json.dumps(rows, indent=1))
+    (out / "faults.json").write_text(json.dumps(jobs, indent=1))
     if not args.no_write:
         replace_section("Failures", section)
     return 0
+
+
+def _row(job: Path, kind: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """One fault kind on one job: its live and restart outcomes ("-" for a mode not run)."""
+    row: dict[str, Any] = {"kind": kind}
+    for mode in ("live", "restart"):
+        if mode in args.modes:
+            row[mode] = outcome(run_one(job, mode, kind, args.at, out, args.reuse), args.at)
+        else:
+            keys = ("seconds", "steps_lost", "bytes", "mode", "detection", "first_step")
+            row[mode] = {**dict.fromkeys(keys), "code": "-", "reason": ""}
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return row
 
 
 if __name__ == "__main__":

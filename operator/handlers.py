@@ -13,7 +13,9 @@ Lifecycle (DESIGN §4.5):
   does not control -> NameConflict (condition, event, retried: `kopf.TemporaryError`);
 - pod events: Pending -> Running when every worker runs; a worker that fails or disappears is
   recorded (PodFailed, Degraded) and replaced after its backoff by a timer (`failures`); Failed
-  only with no worker left or no valid plan; Succeeded when the live workers complete;
+  only with no worker left or no valid plan; Succeeded when the live workers complete; the
+  rendezvous store's pod, deleted or ended while the job is active, is created again
+  (`store_recovery`, also on a timer and at resume);
 - daemon: the decision loop (`daemon.run_job`) while the job is active, paused while the live
   ``spec.metrics.prometheus.url`` is not on the allowlist;
 - resume (operator restart): re-create only what is missing of a Pending job, record workers
@@ -55,6 +57,8 @@ from . import (
     resources,
     run_policy,
     status,
+    store,
+    store_recovery,
 )
 from .children import sync_pods
 from .context import MEMO_KEY, Context
@@ -76,6 +80,7 @@ __all__ = [
     "probe_jobs",
     "replacement_timer",
     "run_policy_timer",
+    "store_timer",
     "sync_pods",
 ]
 
@@ -188,12 +193,17 @@ async def on_pod_event(
     memo: kopf.Memo,
     **_: Any,
 ) -> None:
-    """A worker pod changed: maybe the job now runs, failed, or completed."""
+    """A worker pod changed: maybe the job now runs, failed, or completed. The store pod's
+    events go to `store_recovery` (gone or ended: created again)."""
     job_name = labels.get(resources.JOB_LABEL)
     if not job_name:
         return
     ctx = Context.of(memo)
-    if event.get("type") == "DELETED":
+    deleted = event.get("type") == "DELETED"
+    if labels.get("app.kubernetes.io/component") == store.STORE_COMPONENT:
+        await store_recovery.sync_store(ctx, namespace, job_name, seen=None if deleted else body)
+        return
+    if deleted:
         await sync_pods(ctx, namespace, job_name, deleted=[body])
     else:
         await sync_pods(ctx, namespace, job_name, fresh=body)
@@ -249,6 +259,16 @@ async def replacement_timer(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     await children.replace_failed(Context.of(memo), body, status.now())
 
 
+# ---- the rendezvous store ------------------------------------------------------------------
+
+
+@kopf.timer(API_GROUP, VERSION, PLURAL, interval=store_recovery.CHECK_SECONDS, when=_active)
+async def store_timer(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """`store_recovery.sync_store` now: a store pod deleted without a watch event telling."""
+    ref = resources.JobRef.from_body(body)
+    await store_recovery.sync_store(Context.of(memo), ref.namespace, ref.name)
+
+
 # ---- run policy -----------------------------------------------------------------------------
 
 
@@ -290,6 +310,7 @@ async def on_resume(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: An
     A Pending job gets whatever children are missing (existing ones untouched: create is
     idempotent by name). A running job's workers are never re-created (a new worker cannot join
     a running process group); one that vanished while the operator was away fails the job.
+    Either way, a store pod deleted or ended meanwhile is created again (`store_recovery`).
 
     A job without a phase had on.create run, but its status never landed: kopf resumes only
     jobs whose on.create it recorded as done (its ``last-handled-configuration`` annotation),
@@ -324,11 +345,13 @@ async def on_resume(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: An
                 ref, "Normal", "Resumed", f"re-created {', '.join(created)}"
             )
         await sync_pods(ctx, ref.namespace, ref.name)
+        await store_recovery.sync_store(ctx, ref.namespace, ref.name)
         return
     pods = await ctx.cluster.list_children("Pod", ref.namespace, ref.name)
     present = {p["metadata"]["name"] for p in pods if resources.owned_by(p, ref.uid)}
     missing = [n for n in expected if n not in present]
     await sync_pods(ctx, ref.namespace, ref.name, deleted=missing)
+    await store_recovery.sync_store(ctx, ref.namespace, ref.name)  # gone while nobody watched
 
 
 # ---- delete ---------------------------------------------------------------------------------

@@ -3,8 +3,16 @@
 A replacement posts `join/GPU` and waits (`await_admission`); the coordinator finds it before a
 step's world vector (`joiners`) and announces it in a control word, and at that step boundary
 every member and the joiner re-form the process group at the next epoch (`admit`), no step
-lost; the joiner clears its predecessor's death mark (`rec/dead/GPU`) on the way in. Apart from trainer/recovery.py because no rank failed here: nothing is decided or
-restored, the joiner only learns the plan in force, the step and the `out` set (`joined`).
+lost; the joiner clears its predecessor's death mark (`rec/dead/GPU`) on the way in. Apart
+from trainer/recovery.py because no rank failed here: nothing is decided or restored, the joiner
+only learns the plan in force, the step, the `out` set and who was admitted so far (`joined`).
+
+A request is told apart from the ones already admitted by a random nonce, not by its place in
+the counter `join/GPU/n`: the store may be started again, empty, mid-run (trainer/store_client.py),
+and a counter that starts again at 1 would make the next replacement of a GPU already replaced
+once look admitted (it waited until its timeout). Every member keeps the nonces admitted so far
+(`Trainer.admitted`), and a joiner gets them with its admission, so whichever member coordinates
+next reads the requests alike.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -51,6 +60,7 @@ class Admission:
     step: int
     plan: str  # the plan in force (JSON)
     out: dict[int, str]
+    admitted: dict[int, str]  # GPU -> the nonce of its replacement admitted last
 
 
 def await_admission(store: Any, gpu: int, timeout_s: float) -> Admission:
@@ -58,9 +68,10 @@ def await_admission(store: Any, gpu: int, timeout_s: float) -> Admission:
     admits it at a step boundary, then form the process group with the members."""
     from .launch import LaunchError
 
+    nonce = secrets.token_hex(8)
     n = store.add(f"{JOIN_KEY}{gpu}/n", 1)
-    store.set(f"{JOIN_KEY}{gpu}/{n}", json.dumps({"at": time.time()}))
-    admit = _wait_json(store, f"{JOIN_KEY}{gpu}/{n}/admit", timeout_s)
+    store.set(f"{JOIN_KEY}{gpu}/{n}", json.dumps({"at": time.time(), "nonce": nonce}))
+    admit = _wait_json(store, _admit_key(gpu, nonce), timeout_s)
     if admit is None:
         raise LaunchError(f"rank {gpu}: the running job did not admit it within {timeout_s:g}s")
     # Its predecessor's death mark (`rec/dead/GPU`) must not outlive it: the recovery reads it
@@ -77,6 +88,7 @@ def await_admission(store: Any, gpu: int, timeout_s: float) -> Admission:
         admit["step"],
         admit["plan"],
         {int(g): w for g, w in admit["out"].items()},
+        {int(g): str(v) for g, v in admit["admitted"].items()},
     )
 
 
@@ -85,6 +97,7 @@ def joined(trainer: Trainer, admission: Admission) -> None:
     and the `out` set; collective with the members' `admit`."""
     trainer.step = admission.step
     trainer.out = dict(admission.out)
+    trainer.admitted = dict(admission.admitted)
     trainer.services.state.update(step=admission.step, out=dict(trainer.out))
     print(f"[malleus] rank {trainer.rank} joined at step {trainer.step}", flush=True)
 
@@ -100,9 +113,9 @@ def joiners(trainer: Trainer) -> int:
     for g in range(trainer.world):
         if g in m:
             continue
-        n = store.add(f"{JOIN_KEY}{g}/n", 0)
-        if n > trainer.admitted.get(g, 0):
-            found.append([g, n])
+        nonce = _pending(store, g, trainer.admitted)
+        if nonce is not None:
+            found.append([g, nonce])
     if found:
         store.set(f"rec/{m.epoch + 1}/joiners", json.dumps(found))
     return len(found)
@@ -115,10 +128,32 @@ def _await_join(store: Any, m: Membership, trainer: Trainer) -> None:
         return
     if getattr(trainer, "recovering", None) is not None:
         return  # the recovery's first step must commit first: `malleus run` starts it then
-    key, seen = f"{JOIN_KEY}{want}/n", trainer.admitted.get(int(want), 0)
     deadline = time.monotonic() + AWAIT_JOIN_S
-    while store.add(key, 0) <= seen and time.monotonic() < deadline:
+    while _pending(store, int(want), trainer.admitted) is None and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def _admit_key(gpu: int, nonce: str) -> str:
+    return f"{JOIN_KEY}{gpu}/admit/{nonce}"
+
+
+def _pending(store: Any, gpu: int, admitted: dict[int, str]) -> str | None:
+    """The nonce of `gpu`'s latest request to join when it is not admitted yet, else None.
+
+    Only the latest request counts (the runner starts one replacement of a GPU at a time; an
+    earlier one that is still waiting has given up by then). A request counted but not yet
+    posted, or not of the shape `await_admission` writes, is not one (yet)."""
+    n = store.add(f"{JOIN_KEY}{gpu}/n", 0)
+    key = f"{JOIN_KEY}{gpu}/{n}"
+    if n <= 0 or not store.check([key]):
+        return None
+    try:
+        nonce = json.loads(store.get(key))["nonce"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(nonce, str) or nonce == admitted.get(gpu):
+        return None
+    return nonce
 
 
 def admit(trainer: Trainer) -> None:
@@ -129,8 +164,8 @@ def admit(trainer: Trainer) -> None:
     epoch = m.epoch + 1
     found = json.loads(store.get(f"rec/{epoch}/joiners"))
     new = Membership(epoch, tuple(sorted({*m.members, *(g for g, _ in found)})), m.coordinator)
-    for g, n in found:
-        trainer.admitted[g] = n
+    for g, nonce in found:
+        trainer.admitted[g] = nonce
         trainer.out.pop(g, None)
     if trainer.rank == m.coordinator:
         admission = {
@@ -141,9 +176,10 @@ def admit(trainer: Trainer) -> None:
             "plan": trainer.plan.to_json(),
             "out": {str(g): w for g, w in trainer.out.items()},
             "timeout": membership.collective_timeout_s(),
+            "admitted": {str(g): v for g, v in trainer.admitted.items()},
         }
-        for g, n in found:
-            store.set(f"{JOIN_KEY}{g}/{n}/admit", json.dumps(admission))
+        for g, nonce in found:
+            store.set(_admit_key(g, nonce), json.dumps(admission))
         inbox = trainer.services.inbox
         if inbox is not None:
             inbox.replan(trainer.job.problem({g: None for g in trainer.out}))

@@ -142,7 +142,7 @@ class Trainer:
         self.recovering: Any = None  # a recovery whose first committed step is still to run
         self.recoveries: list[dict[str, Any]] = []  # completed recoveries' records
         self.spurious: dict[int, int] = {}  # step -> recoveries in which nobody had failed
-        self.admitted: dict[int, int] = {}  # GPU -> the replacements of it admitted so far
+        self.admitted: dict[int, str] = {}  # GPU -> its last admitted replacement's nonce
         svc = self.services
         self.coordinator = (
             Coordinator(svc.inbox, svc.stop)

@@ -135,6 +135,7 @@ def make_report(
         ideal_step_seconds=ideal_step_seconds(prepared),
         problem_of=prepared.job.problem,
         calibration=session.record.calibrations().get(prepared.plan.generation),
+        calibrations=list(session.record.calibrations().values()),
     )
 
 

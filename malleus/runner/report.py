@@ -24,6 +24,11 @@ Two views of the whole run sit beside the per-change figures:
   the median overhead, or a least-squares fit against the cost-model time of the plan each step
   ran). A prediction, labelled so everywhere.
 
+The report also keeps every generation's calibration (`calibrations`: the terms the trainers
+measured under each plan, as /status carried them), so that a re-plan's prediction can be
+checked against the terms it was made with (the latest before it) and against the terms of the
+plan it chose.
+
 Layout: this module holds the report's facts (`RunFacts`) and its assembly (`build_report`);
 the per-change and per-window figures are `malleus.runner.report_figures`'s, the static
 baseline `malleus.runner.report_baseline`'s and the summary table `malleus.runner.report_text`'s.
@@ -93,11 +98,13 @@ def build_report(
     ideal_step_seconds: Sequence[float] | None = None,
     problem_of: ProblemOf | None = None,
     calibration: Mapping[str, Any] | None = None,
+    calibrations: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """The JSON run report. `ideal_step_seconds[i]`: the cost model's ideal time of step i;
     `problem_of` (the job's planning problem under given rates) and `calibration` (what the
     trainers measured under the first plan, `RunRecord.calibrations`): for the static
-    baseline."""
+    baseline. `calibrations`: every generation's (what each re-plan's prediction used: the
+    latest terms before it)."""
     timed = [r for r in rows if r.get("seconds")]
     training = None
     if timed and timed[0].get("time") is not None and timed[-1].get("time") is not None:
@@ -134,6 +141,7 @@ def build_report(
         "schedule": [{"step": s, "rank": r, "factor": f} for s, r, f in facts.schedule],
         "initial_plan": dict(initial_plan) if initial_plan is not None else None,
         "calibration": dict(calibration) if calibration is not None else None,
+        "calibrations": [dict(c) for c in calibrations],
         "generations": generation_segments(rows, facts.tokens_per_step),
         "static_baseline": None,
         "windows": replan_windows(

@@ -103,7 +103,13 @@ def test_the_static_baseline_is_the_calibrated_prediction(run: dict[str, Any]) -
     """The trainers calibrated under the first plan (/status): the baseline is its calibrated
     time, and the summary says so."""
     base = run["report"]["static_baseline"]
-    assert run["report"]["calibration"]["generation"] == INITIAL_GENERATION
+    report = run["report"]
+    assert report["calibration"]["generation"] == INITIAL_GENERATION
+    # every generation's own terms are kept (each re-plan's prediction used the latest before it)
+    gens = [c["generation"] for c in report["calibrations"]]
+    assert gens[0] == INITIAL_GENERATION and gens == sorted(set(gens)), gens
+    assert report["calibrations"][0] == report["calibration"]
+    assert all(c["calibration"]["layer_seconds"] > 0 for c in report["calibrations"])
     assert base["calibrated"] and "calibrated cost model" in base["label"], base
     assert "static baseline (predicted, calibrated): " in run["stdout"]
 

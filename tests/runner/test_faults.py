@@ -341,3 +341,65 @@ def test_a_lost_store_is_started_again_and_a_later_failure_is_still_survived(
     logs = "".join(p.read_text(errors="replace") for p in (work / "logs").rglob("rank-*.log"))
     assert "is back after" in logs  # the clients said they dialed the new store
     assert_same_model(model, reference(tmp_path, job_file))
+
+
+def test_a_gpu_replaced_before_the_store_was_lost_is_replaced_again_after(
+    tmp_path: Path,
+) -> None:
+    # GPU 1 is killed and its replacement admitted; the store is SIGKILLed (started again,
+    # empty: the join counter starts again at 1); the replacement is killed too, and its own
+    # replacement must be admitted as well (before, it looked admitted already: the counter's
+    # 1 was the first replacement's, so it waited until its timeout and GPU 1 stayed out).
+    job_file = job(
+        tmp_path,
+        steps=40,
+        tp=1,
+        failurePolicy={"restartBackoffSeconds": 1, "hangTimeoutSeconds": 20},
+        stragglerPolicy={"cooldownSeconds": 1},
+    )
+    from malleus.trainer.recovery_join import AWAIT_JOIN_ENV
+
+    work, report = tmp_path / "work", tmp_path / "r.json"
+    model = tmp_path / "model.pt"
+    # The survivor waits at its step boundaries for GPU 1's replacement (the test hook), so
+    # the run cannot end before each replacement asked to join, however slowly it starts.
+    run = runner(
+        tmp_path,
+        job_file,
+        "--workdir",
+        str(work),
+        "--report",
+        str(report),
+        "--save-model",
+        str(model),
+        env={AWAIT_JOIN_ENV: "1"},
+    )
+    logs = work / "logs" / "launch-1"
+
+    def joined(k: int) -> bool:
+        step_done(work, 0, run)  # raises if the run ended
+        path = logs / f"rank-1.join-{k}.log"
+        return path.is_file() and "[malleus] rank 1 joined at step" in path.read_text()
+
+    wait_for("step 3", lambda: step_done(work, 3, run), 240)
+    os.kill(trainers(work)[1], signal.SIGKILL)
+    wait_for("the first replacement joined", lambda: joined(1), 240)
+    os.kill(_store_pid(run.pid), signal.SIGKILL)
+    said = "the rendezvous store died (killed by SIGKILL)"
+    wait_for("the store restarted", lambda: said in "".join(_outputs(tmp_path)), 240)
+    os.kill(trainers(work)[1], signal.SIGKILL)
+    wait_for("the second replacement joined", lambda: joined(2), 240)
+    _, err = run.communicate(timeout=300)
+    output = "".join(_outputs(tmp_path)) + err
+    assert run.returncode == 0, output[-4000:]
+    out = json.loads(report.read_text())
+    assert out["steps"] == 40 and out["exit"]["code"] == 0
+    assert [r["rank"] for r in out["replacements"]] == [1, 1]
+    assert all(r["joined_step"] is not None for r in out["replacements"]), out["replacements"]
+    assert [list(r["failed"]) for r in out["recoveries"]] == [["1"], ["1"]]
+    assert all(r["steps_lost"] == 0 for r in out["recoveries"])
+    assert_same_model(model, reference(tmp_path, job_file))
+
+
+def _outputs(tmp_path: Path) -> list[str]:
+    return [p.read_text() for p in sorted(tmp_path.glob("out-*.txt"))]
