@@ -186,7 +186,7 @@ def outcome(report: dict[str, Any], at: int) -> dict[str, Any]:
         "detection": detection(report),
         "first_step": own[0] if own else None,
         # before the fault, past the first plan's calibration window (CAL_WARMUP + CAL_STEPS)
-        "healthy_steps": [r["seconds"] for r in rows if 5 <= r["step"] <= at and r.get("seconds")],
+        "healthy_steps": [r["seconds"] for r in rows if 5 <= r["step"] < at and r.get("seconds")],
         "code": report["_code"],
         "steps": report.get("steps"),
         "seconds": first.get("seconds"),

@@ -308,9 +308,11 @@ async def on_resume(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: An
     """After an operator restart: pick up where the status says the job is.
 
     A Pending job gets whatever children are missing (existing ones untouched: create is
-    idempotent by name). A running job's workers are never re-created (a new worker cannot join
-    a running process group); one that vanished while the operator was away fails the job.
-    Either way, a store pod deleted or ended meanwhile is created again (`store_recovery`).
+    idempotent by name). A running job's worker that vanished while the operator was away is a
+    failure (`sync_pods` with it as deleted): recorded, and replaced under
+    ``spec.failurePolicy`` by the replacement timer, its trainers joining the running job.
+    Either way, a store pod (or Service) deleted or ended meanwhile is created again
+    (`store_recovery`).
 
     A job without a phase had on.create run, but its status never landed: kopf resumes only
     jobs whose on.create it recorded as done (its ``last-handled-configuration`` annotation),

@@ -14,7 +14,8 @@ not being deleted):
 - an ended one (Failed, Succeeded) that the job controls is deleted first and created once the
   name is free (its DELETED event, or the next check), as `children` replaces a failed worker;
 - a pod of that name that the job does not control is left alone (`resources.owned_by`): it
-  may have been planted, and deleting it is its owner's call.
+  may have been planted, and deleting it is its owner's call;
+- the store's Service (the address the trainers dial), when gone, is created again too.
 
 A job that is not active never gets one back: Suspended, Succeeded and Failed are set before
 their pods are deleted (`admission`, `run_policy`), so the deletion this module sees then is
@@ -110,6 +111,7 @@ async def sync_store(
     if job_body is None or not active(job_body):
         return None
     ref = resources.JobRef.from_body(job_body)
+    await _ensure_service(ctx, ref)
     pod = await ctx.cluster.read("Pod", namespace, name)
     if pod is None:
         return await _create(ctx, ref, job_body)
@@ -123,6 +125,29 @@ async def sync_store(
         message = f"Pod/{name} ended ({_why(pod)}); deleted, to be created again"
         await ctx.cluster.post_event(ref, "Warning", FAILED, message)
     return action
+
+
+async def _ensure_service(ctx: Context, ref: resources.JobRef) -> bool:
+    """Create the store's Service again if it is gone (its name is the address every trainer
+    dials); True when this call made it. One of that name the job does not control is left
+    alone, as a foreign pod is."""
+    name = store.store_name(ref.name)
+    if await ctx.cluster.read("Service", ref.namespace, name) is not None:
+        return False
+    try:
+        _, new = await ctx.cluster.create(store.build_store_service(ref))
+    except NameConflict as e:
+        log.warning("%s/%s: %s", ref.namespace, ref.name, e)
+        return False
+    if new:
+        await ctx.cluster.post_event(
+            ref,
+            "Warning",
+            RECREATED,
+            f"Service/{name} was gone: created it again, so that {store.store_address(ref)} "
+            "reaches the store pod",
+        )
+    return new
 
 
 async def _create(

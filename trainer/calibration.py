@@ -46,7 +46,13 @@ import torch
 import torch.distributed as dist
 
 from . import membership
-from .calibration_terms import CostSample, GradCallProbe, median_calibration, reduce_calibration
+from .calibration_terms import (
+    CostSample,
+    GradCallProbe,
+    keep_sizes,
+    median_calibration,
+    reduce_calibration,
+)
 
 if TYPE_CHECKING:
     from .worker import Trainer
@@ -139,6 +145,7 @@ class Calibrator:
                 )
             )
         calibration, links = median_calibration(per_step)
+        calibration = keep_sizes(calibration, self.calibration)
         self.calibration, self.link_rates = calibration, links
         self.generation = trainer.plan.generation
         svc = trainer.services
@@ -251,8 +258,8 @@ def _sample(
     t, m = trainer.timer, trainer.meter
     pi, px = probes[0] or (-1, 0.0), probes[1] or (-1, 0.0)
     place = trainer.layout.place
-    emb = t.ends.get("embedding", [0.0, 0])
-    head = t.ends.get("head", [0.0, 0])
+    emb = t.ends.get("embedding", [0.0, 0, 0.0])
+    head = t.ends.get("head", [0.0, 0, 0.0])
     tp, p2p = m.stat("tp"), m.stat("p2p")
     intra, inter = m.stat("grad_intra"), m.stat("grad_inter")
     ran = t.started is not None and t.ended is not None
@@ -267,8 +274,10 @@ def _sample(
         group=len(place.group) if place is not None else 0,
         emb_s=emb[0],
         emb_mb=int(emb[1]),
+        emb_comm_s=emb[2],
         head_s=head[0],
         head_mb=int(head[1]),
+        head_comm_s=head[2],
         p2p_best=p2p.best if p2p.calls else 0.0,
         p2p_calls=p2p.calls,
         grad_intra_s=intra.seconds,

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import astuple, dataclass, fields
 from typing import Any, NamedTuple
 
+from malleus.planner.problem import BY_SIZE_TERMS
+
 from .profiling import healthy_reference
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "CostSample",
     "GradCallProbe",
     "grad_sync_fit",
+    "keep_sizes",
     "link_rates",
     "median_calibration",
     "reduce_calibration",
@@ -72,8 +75,10 @@ class CostSample:
     group: int = 0
     emb_s: float = 0.0
     emb_mb: int = 0
+    emb_comm_s: float = 0.0
     head_s: float = 0.0
     head_mb: int = 0
+    head_comm_s: float = 0.0
     p2p_best: float = 0.0
     p2p_calls: int = 0
     grad_intra_s: float = 0.0
@@ -188,18 +193,28 @@ def reduce_calibration(
         if (h := _healthy(vs)) is not None:
             tp_comm[g] = h / L
 
-    def end(first: bool, seconds: str, count: str) -> float:
-        def per_mb(s: CostSample) -> float | None:
-            n = getattr(s, count)
-            return getattr(s, seconds) / n if n else None
+    def end(first: bool, seconds: str, count: str, comm: str) -> tuple[float, dict[int, float]]:
+        """An end's compute per micro-batch (its time less its own TP collectives, the
+        fastest member's) and, by group size, those collectives (a healthy link's): they are
+        latency-bound, so a group of one pays none and a bigger one pays them whatever its
+        compute pace."""
 
-        vs = [
-            v
-            for ranks, f, la in stages
-            if (f if first else la) and (v := fastest(ranks, per_mb)) is not None
-        ]
-        h = _healthy(vs)
-        return h / L if h is not None else 0.0
+        def compute(s: CostSample) -> float | None:
+            n = getattr(s, count)
+            return (getattr(s, seconds) - getattr(s, comm)) / n if n else None
+
+        def collectives(s: CostSample) -> float | None:
+            n = getattr(s, count)
+            return getattr(s, comm) / n if n else None
+
+        ends = [(ranks, f if first else la) for ranks, f, la in stages]
+        h = _healthy(v for ranks, on in ends if on and (v := fastest(ranks, compute)) is not None)
+        by_size: dict[int, list[float]] = {}
+        for ranks, on in ends:
+            if on and len(ranks) > 1 and (v := fastest(ranks, collectives)) is not None:
+                by_size.setdefault(len(ranks), []).append(v / link(ranks))
+        sizes = {g: x / L for g, vs in sorted(by_size.items()) if (x := _healthy(vs)) is not None}
+        return (h / L if h is not None else 0.0), sizes
 
     neighbours: dict[int, set[int]] = {}  # rank -> ranks of its stage and the adjacent ones
     for p in pipelines:
@@ -251,10 +266,14 @@ def reduce_calibration(
         c = samples[critical]
         rest = c.step_s - c.run_s - c.grad_intra_s - c.grad_inter_s - c.opt_s
         fixed = max(0.0, rest / c.steps) / L
+    embedding, embedding_comm = end(True, "emb_s", "emb_mb", "emb_comm_s")
+    head, head_comm = end(False, "head_s", "head_mb", "head_comm_s")
     calibration: dict[str, Any] = {
         "layer_seconds": L,
-        "embedding": end(True, "emb_s", "emb_mb"),
-        "head": end(False, "head_s", "head_mb"),
+        "embedding": embedding,
+        "embedding_comm": embedding_comm,
+        "head": head,
+        "head_comm": head_comm,
         "tp_comm": tp_comm,
         "p2p": p2p / L if p2p is not None else 0.0,
         "grad_sync_intra": sync_intra,
@@ -352,3 +371,19 @@ def median_calibration(
         else:
             out[term] = statistics.median(c[term] for c in cals)
     return out, links
+
+
+def keep_sizes(
+    new: dict[str, Any] | None, previous: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """`new` with the group sizes only `previous` measured kept: a plan measures the sizes it
+    runs (a plan whose last stages are single GPUs measures no head collectives of a pair), and
+    the next candidate may use the others again, at the figure measured when they ran rather
+    than one scaled from another size."""
+    if new is None or previous is None:
+        return new
+    out = dict(new)
+    for term in BY_SIZE_TERMS:
+        kept = {int(g): v for g, v in (previous.get(term) or {}).items()}
+        out[term] = {**kept, **{int(g): v for g, v in (new.get(term) or {}).items()}}
+    return out

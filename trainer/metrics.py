@@ -16,7 +16,8 @@ index in that node (`gpu`, DCGM's label) and, for this pod's own ranks, the Kube
 
 The cost model's calibration (trainer/calibration.py), in base units: `malleus_layer_seconds`
 (one layer-time unit), `malleus_cost_seconds{term}` (per micro-batch: `embedding`, `head`, `p2p`
-per stage boundary, `tp_comm` per layer with a `group_size` label; `fixed` per step;
+per stage boundary, `embedding_comm` and `head_comm` with a `group_size` label; `tp_comm` per
+layer with a `group_size` label; `fixed` per step;
 `grad_sync_call_intra`, `grad_sync_call_inter` per gradient all-reduce call) and
 `malleus_cost_seconds_per_mebibyte{term}` (`grad_sync_intra`, `grad_sync_inter`, `optimizer`);
 `malleus_link_rate{node_rank}`, a node's links' slowdown (1.0 = healthy). The controller reads
@@ -33,7 +34,7 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from malleus.planner.problem import PER_MIB_TERMS, SCALAR_TERMS
+from malleus.planner.problem import BY_SIZE_TERMS, PER_MIB_TERMS, SCALAR_TERMS
 
 __all__ = ["CONTENT_TYPE", "JOB_LABEL", "TrainerMetrics", "parse_rates"]
 
@@ -121,7 +122,8 @@ class TrainerMetrics:
         self._cost = Gauge(
             "malleus_cost_seconds",
             "Measured cost besides layer compute: per micro-batch (embedding, head, p2p per "
-            "stage boundary, tp_comm per layer by group_size), per step (fixed) or per "
+            "stage boundary; embedding_comm, head_comm by group_size), tp_comm per layer by "
+            "group_size, per step (fixed) or per "
             "gradient all-reduce call (grad_sync_call_intra, grad_sync_call_inter).",
             [JOB_LABEL, "term", "group_size"],
             registry=r,
@@ -210,9 +212,10 @@ class TrainerMetrics:
         self._layer_seconds.labels(j).set(unit)
         for term in SCALAR_TERMS:  # a term a calibration predates is 0 (the model's default)
             self._cost.labels(j, term, "").set(float(calibration.get(term, 0.0)) * unit)  # type: ignore[arg-type]
-        tp_comm = calibration.get("tp_comm") or {}
-        for g, v in tp_comm.items():  # type: ignore[attr-defined]
-            self._cost.labels(j, "tp_comm", str(g)).set(float(v) * unit)
+        for term in BY_SIZE_TERMS:
+            table = calibration.get(term) or {}
+            for g, v in table.items():  # type: ignore[attr-defined]
+                self._cost.labels(j, term, str(g)).set(float(v) * unit)
         for term in PER_MIB_TERMS:
             self._cost_per_mib.labels(j, term).set(float(calibration[term]) * unit)  # type: ignore[arg-type]
         for node, rate in link_rates.items():

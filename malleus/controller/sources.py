@@ -27,7 +27,7 @@ from malleus.job.control import (
     PlanConflict,
 )
 from malleus.planner.plan import Plan
-from malleus.planner.problem import PER_MIB_TERMS, SCALAR_TERMS
+from malleus.planner.problem import BY_SIZE_TERMS, PER_MIB_TERMS, SCALAR_TERMS
 
 from .ports import Ack, AckTimeout, GenerationConflict, Observation, PlanRejected
 
@@ -136,7 +136,7 @@ def calibration_from_samples(
     """The same from (metric name, labels, value) samples (a scrape, or a PromQL answer)."""
     unit: float | None = None
     scalars: dict[str, float] = {}
-    tp_comm: dict[int, float] = {}
+    by_size: dict[str, dict[int, float]] = {term: {} for term in BY_SIZE_TERMS}
     links: dict[int, float] = {}
     for name, labels, value in samples:
         v = float(value)
@@ -146,8 +146,8 @@ def calibration_from_samples(
             unit = v
         elif name == "malleus_cost_seconds":
             term = labels.get("term", "")
-            if term == "tp_comm" and labels.get("group_size", "").isdigit():
-                tp_comm[int(labels["group_size"])] = v
+            if term in by_size and labels.get("group_size", "").isdigit():
+                by_size[term][int(labels["group_size"])] = v
             elif term in SCALAR_TERMS:
                 scalars[term] = v
         elif name == "malleus_cost_seconds_per_mebibyte" and labels.get("term") in PER_MIB_TERMS:
@@ -159,7 +159,8 @@ def calibration_from_samples(
     calibration: dict[str, object] = {"layer_seconds": unit}
     for term in (*SCALAR_TERMS, *PER_MIB_TERMS):
         calibration[term] = scalars.get(term, 0.0) / unit
-    calibration["tp_comm"] = {g: v / unit for g, v in sorted(tp_comm.items())}
+    for term, table in by_size.items():
+        calibration[term] = {g: v / unit for g, v in sorted(table.items())}
     return calibration, links
 
 

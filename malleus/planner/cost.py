@@ -103,8 +103,12 @@ def _stage_parts(problem: PlanningProblem, p: Pipeline) -> list[_StageParts]:
             _StageParts(
                 ys[j] * s.num_layers,
                 comms[j] * s.num_layers,
-                cal.embedding * paces[j] / y0 if j == 0 else 0.0,
-                cal.head * paces[j] / y0 if j == S - 1 else 0.0,
+                cal.embedding * paces[j] / y0 + cal.embedding_comm_at(len(s.ranks)) * links[j]
+                if j == 0
+                else 0.0,
+                cal.head * paces[j] / y0 + cal.head_comm_at(len(s.ranks)) * links[j]
+                if j == S - 1
+                else 0.0,
                 cal.p2p * max(links[j], links[j + 1]) if j < S - 1 else 0.0,
             )
         )
@@ -306,7 +310,10 @@ def ideal_step_time(problem: PlanningProblem) -> float:
     if cal is None:
         return problem.micro_batches * problem.layers / speed
     work = problem.layers * healthy_pace(problem) / problem.model.alpha_at(0)
-    return problem.micro_batches * (work + cal.embedding + cal.head) / speed + cal.fixed
+    ends = (
+        cal.embedding + cal.head + cal.embedding_comm_at(problem.tp) + cal.head_comm_at(problem.tp)
+    )
+    return problem.micro_batches * (work + ends) / speed + cal.fixed
 
 
 def reference_step_time(problem: PlanningProblem) -> float:

@@ -52,7 +52,8 @@ def order_extras(problem: PlanningProblem, order: Sequence[Cls]) -> list[float]:
     """Each position's extra cost per micro-batch (`cost.position_extras`) for a stage order."""
     if problem.calibration is None:
         return [0.0] * len(order)
-    return position_extras(problem, [c[0] for c in order], [link_of(c) for c in order])
+    sizes = [problem.tp >> int(c[1]) for c in order]
+    return position_extras(problem, [c[0] for c in order], [link_of(c) for c in order], sizes)
 
 
 @dataclass(frozen=True)

@@ -71,13 +71,17 @@ def group_pace(problem: PlanningProblem, ranks: Sequence[int]) -> float:
 
 
 def position_extras(
-    problem: PlanningProblem, paces: Sequence[float], links: Sequence[float]
+    problem: PlanningProblem,
+    paces: Sequence[float],
+    links: Sequence[float],
+    sizes: Sequence[int],
 ) -> list[float]:
     """Per micro-batch work of each stage beyond its layers, by position in the pipeline.
 
     The first stage runs the embedding and the last the head, each at the stage's pace relative
-    to a healthy full group's; every stage but the last sends its activations to the next one
-    (and receives their gradient), at the worse of the two nodes' link rates.
+    to a healthy full group's, plus their own TP collectives by the stage's group size (`sizes`)
+    at its link rate; every stage but the last sends its activations to the next one (and
+    receives their gradient), at the worse of the two nodes' link rates.
     """
     S = len(paces)
     cal = problem.calibration
@@ -85,8 +89,8 @@ def position_extras(
         return [0.0] * S
     y0 = healthy_pace(problem)
     out = [0.0] * S
-    out[0] += cal.embedding * paces[0] / y0
-    out[-1] += cal.head * paces[-1] / y0
+    out[0] += cal.embedding * paces[0] / y0 + cal.embedding_comm_at(sizes[0]) * links[0]
+    out[-1] += cal.head * paces[-1] / y0 + cal.head_comm_at(sizes[-1]) * links[-1]
     for j in range(S - 1):
         out[j] += cal.p2p * max(links[j], links[j + 1])
     return out

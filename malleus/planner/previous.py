@@ -68,7 +68,7 @@ def _resplit(problem: PlanningProblem, stages: list[Stage]) -> list[Stage] | Non
     ks = [(problem.tp // len(s.ranks)).bit_length() - 1 for s in stages]
     ys = [group_pace(problem, s.ranks) for s in stages]
     links = [max(problem.link_rate(problem.node_of(r)) for r in s.ranks) for s in stages]
-    es = position_extras(problem, ys, links)
+    es = position_extras(problem, ys, links, [len(s.ranks) for s in stages])
     res = split_layers(ys, layer_caps(problem, ks, None), problem.layers, None, es)
     if res is None:
         return None

@@ -127,6 +127,18 @@ class Calibration(_Strict):
         "size 1 costs 0; a size not listed takes the nearest listed one, scaled by the ring "
         "all-reduce volume (s-1)/s.",
     )
+    embedding_comm: dict[int, float] = Field(
+        default_factory=dict,
+        description="The embedding's own TP collectives per micro-batch (a vocabulary-parallel "
+        "embedding's all-reduce), by TP group size, sizes as in `tp_comm`. Given, `embedding` is "
+        "its compute alone; absent, `embedding` counts both (as before this field).",
+    )
+    head_comm: dict[int, float] = Field(
+        default_factory=dict,
+        description="The head's and loss's own TP collectives per micro-batch (a vocabulary-"
+        "parallel loss's all-reduces), by TP group size, as `embedding_comm`: latency-bound, so "
+        "they do not scale with the stage's compute pace as `head` does.",
+    )
     p2p: float = Field(
         default=0.0,
         description="One stage boundary's activation and gradient transfer per micro-batch.",
@@ -154,15 +166,29 @@ class Calibration(_Strict):
 
     def tp_comm_at(self, size: int) -> float:
         """TP collectives per layer per micro-batch of a group of `size` GPUs."""
-        if size <= 1 or not self.tp_comm:
-            return 0.0
-        if size in self.tp_comm:
-            return float(self.tp_comm[size])
-        listed = [s for s in self.tp_comm if s > 1]
-        if not listed:
-            return 0.0
-        near = min(listed, key=lambda s: (abs(math.log2(s / size)), s))
-        return float(self.tp_comm[near]) * ((size - 1) / size) / ((near - 1) / near)
+        return _by_size(self.tp_comm, size)
+
+    def embedding_comm_at(self, size: int) -> float:
+        """The embedding's TP collectives per micro-batch of a first stage of `size` GPUs."""
+        return _by_size(self.embedding_comm, size)
+
+    def head_comm_at(self, size: int) -> float:
+        """The head's TP collectives per micro-batch of a last stage of `size` GPUs."""
+        return _by_size(self.head_comm, size)
+
+
+def _by_size(table: dict[int, float], size: int) -> float:
+    """A by-TP-size figure: size 1 costs 0; a size not listed takes the nearest listed one,
+    scaled by the ring all-reduce volume (s-1)/s."""
+    if size <= 1 or not table:
+        return 0.0
+    if size in table:
+        return float(table[size])
+    listed = [s for s in table if s > 1]
+    if not listed:
+        return 0.0
+    near = min(listed, key=lambda s: (abs(math.log2(s / size)), s))
+    return float(table[near]) * ((size - 1) / size) / ((near - 1) / near)
 
 
 class PlanningProblem(_Strict):
@@ -325,6 +351,8 @@ SCALAR_TERMS = ("embedding", "head", "p2p", "fixed", "grad_sync_call_intra", "gr
 `malleus_cost_seconds{term}` (trainer/metrics.py, read back by malleus/controller/sources.py)."""
 PER_MIB_TERMS = ("grad_sync_intra", "grad_sync_inter", "optimizer")
 """Calibration terms per MiB held: `malleus_cost_seconds_per_mebibyte{term}`."""
+BY_SIZE_TERMS = ("tp_comm", "embedding_comm", "head_comm")
+"""Calibration terms by TP group size: `malleus_cost_seconds{term, group_size}`."""
 _CALIBRATION_TERMS = (*SCALAR_TERMS, *PER_MIB_TERMS)
 MAX_TERM = 1e6
 """Largest calibrated term in layer-time units (a million layers' time): beyond it a figure is a
@@ -346,17 +374,19 @@ def calibration_faults(c: Calibration) -> list[str]:
                 f"calibration.{name}: {v} is not allowed; need a finite number from 0 to "
                 f"{MAX_TERM:g} (layer-time units)"
             )
-    for size, v in sorted(c.tp_comm.items()):
-        if size < 1 or size & (size - 1):
-            faults.append(
-                f"calibration.tp_comm[{size}]: {size} is not a TP group size (a power of two: "
-                "1, 2, 4, 8, ...)"
-            )
-        if not (math.isfinite(v) and 0 <= v <= MAX_TERM):
-            faults.append(
-                f"calibration.tp_comm[{size}]: {v} is not allowed; need a finite number from 0 "
-                f"to {MAX_TERM:g} (layer-time units per layer)"
-            )
+    for name in BY_SIZE_TERMS:
+        unit = "per layer" if name == "tp_comm" else "per micro-batch"
+        for size, v in sorted(getattr(c, name).items()):
+            if size < 1 or size & (size - 1):
+                faults.append(
+                    f"calibration.{name}[{size}]: {size} is not a TP group size (a power of "
+                    "two: 1, 2, 4, 8, ...)"
+                )
+            if not (math.isfinite(v) and 0 <= v <= MAX_TERM):
+                faults.append(
+                    f"calibration.{name}[{size}]: {v} is not allowed; need a finite number from "
+                    f"0 to {MAX_TERM:g} (layer-time units {unit})"
+                )
     return faults
 
 

@@ -163,12 +163,21 @@ class Session:
                 await worker
 
     async def _wait_ready(self, endpoint: AsyncControlClient, timeout: float) -> Outcome | None:
-        """Until rank 0 serves its endpoint (every rank joined); an Outcome if that fails."""
+        """Until rank 0 serves its endpoint (every rank joined); an Outcome if that fails.
+
+        Restart mode restarts every process here too when one fails before the job is up (it
+        waited for the whole timeout before: the restart was `_supervise`'s alone)."""
         deadline = time.monotonic() + timeout
         while not await endpoint.healthz():
             stop = self._check()
             if stop is not None:
                 return stop
+            self._messages()
+            if self.supervisor.restart_needed() is not None:
+                reason = await self.supervisor.restart_all(self._plan_in_force(), asyncio.sleep)
+                if reason is not None:
+                    return Outcome(1, reason)
+                deadline = time.monotonic() + timeout
             if time.monotonic() > deadline:
                 return Outcome(1, f"the trainers did not come up within {timeout:g} s")
             self._show()

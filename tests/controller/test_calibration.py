@@ -28,6 +28,8 @@ CAL = {
     "embedding": 0.02,
     "head": 0.05,
     "tp_comm": {1: 0.0, 2: 0.08},
+    "embedding_comm": {2: 0.004},
+    "head_comm": {2: 0.03, 4: 0.05},
     "p2p": 0.01,
     "grad_sync_intra": 0.5,
     "grad_sync_inter": 2.0,
@@ -49,11 +51,10 @@ def test_metrics_round_trip_in_seconds() -> None:
     assert "malleus_layer_seconds" in text and "malleus_cost_seconds_per_mebibyte" in text
     cal, links = calibration_from_metrics(text, "job-a")
     assert cal is not None and links == LINKS
+    assert 'group_size="4",malleus_job="job-a",term="head_comm"} 0.0075' in text
+    assert cal.keys() == CAL.keys()
     for term, value in CAL.items():
-        if term == "tp_comm":
-            assert cal[term] == pytest.approx(value)
-        else:
-            assert cal[term] == pytest.approx(value), term
+        assert cal[term] == pytest.approx(value), term
     obs = observation_from_metrics(text, "job-a", world=8, gpus_per_node=4)
     assert obs is not None and obs.calibration == cal and obs.link_rates == LINKS
     assert calibration_from_metrics(text, "other-job") == (None, {})

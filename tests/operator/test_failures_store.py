@@ -185,6 +185,19 @@ def test_an_evicted_store_pod_whose_event_was_missed_is_replaced_by_the_timer(
     assert [e["reason"] for e in _store_events(kube)] == ["StoreFailed", "StoreRecreated"]
 
 
+def test_a_deleted_store_service_is_created_again_by_the_timer(
+    kube: Kube, memo: kopf.Memo, make_job: Any
+) -> None:
+    _start(kube, memo, make_job())
+    kube.remove("Service", "ml", STORE)  # nothing watches Services
+    _timer(kube, memo)
+    service = kube.get("Service", "ml", STORE)
+    assert service is not None and service["spec"]["ports"][0]["port"] == 29400
+    assert [e["reason"] for e in _store_events(kube)] == ["StoreRecreated"]
+    _timer(kube, memo)  # once
+    assert [e["reason"] for e in _store_events(kube)] == ["StoreRecreated"]
+
+
 def test_a_store_pod_deleted_while_the_operator_was_away_is_back_at_resume(
     kube: Kube, memo: kopf.Memo, make_job: Any
 ) -> None:

@@ -9,7 +9,8 @@ so pipelines are memoised by their multiset of classes and partitions are dedupl
 A pipeline's time is the 1F1B makespan from the discrete-event simulation (sim1f1b.py). With a
 calibration, a group's pace adds its TP collectives (tp_comm of its size, which the cases list
 for every size, times its node's link rate), the first stage pays the embedding and the last the
-head (scaled by pace over a healthy full group's), every boundary the p2p figure at the worse
+head (scaled by pace over a healthy full group's, plus their own collectives by the stage's
+group size, `embedding_comm` / `head_comm`, listed for every size as tp_comm), every boundary the p2p figure at the worse
 link, and the step the fixed part. Gradient sync and the optimizer are not enumerated (they need
 ranks or couple the pipelines): cases here leave them at 0.
 """
@@ -97,8 +98,20 @@ def optimum(problem: PlanningProblem) -> float:
     def costs_of(order: tuple[Cls, ...], layers: tuple[int, ...]) -> tuple[float, ...]:
         costs = [y * n for (y, _, _), n in zip(order, layers, strict=True)]
         if cal is not None:
-            costs[0] += cal.embedding * order[0][0] / y0
-            costs[-1] += cal.head * order[-1][0] / y0
+            # the ends' own collectives by the end stage's group size (tp / shards), at its link
+            first, last = order[0], order[-1]
+            emb = (
+                float(cal.embedding_comm.get(problem.tp // first[1], 0.0))
+                if first[1] < problem.tp
+                else 0.0
+            )
+            head = (
+                float(cal.head_comm.get(problem.tp // last[1], 0.0))
+                if last[1] < problem.tp
+                else 0.0
+            )
+            costs[0] += cal.embedding * first[0] / y0 + emb * first[2]
+            costs[-1] += cal.head * last[0] / y0 + head * last[2]
             for j in range(len(order) - 1):
                 costs[j] += cal.p2p * max(order[j][2], order[j + 1][2])
         return tuple(costs)

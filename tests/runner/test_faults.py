@@ -285,6 +285,29 @@ def test_restart_mode_restarts_every_process_from_the_checkpoint(tmp_path: Path)
     assert trainers(work) == {}
 
 
+def test_restart_mode_restarts_a_rank_that_dies_before_the_job_is_up(tmp_path: Path) -> None:
+    # Rank 1 SIGKILLed as soon as its process exists, before the ranks have met (the control
+    # endpoint is not up yet): every process is started again at once (before, the runner
+    # waited out --init-timeout + 120 s and gave up, however early the failure).
+    job_file = job(tmp_path, steps=4, failurePolicy={"restartBackoffSeconds": 0})
+    work = tmp_path / "work"
+    started = time.monotonic()
+    run = runner(tmp_path, job_file, "--mode", "restart", "--workdir", str(work))
+    wait_for("rank 1's process", lambda: 1 in trainers(work) or run.poll() is not None, 120)
+    assert not (work / "logs" / "launch-1" / "rank-0.log").read_text().count("[malleus] step ")
+    os.kill(trainers(work)[1], signal.SIGKILL)
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err
+    assert time.monotonic() - started < 240  # no wait for the init timeout
+    out = json.loads((work / "report.json").read_text())
+    assert out["steps"] == 4 and out["exit"]["code"] == 0
+    (failure,) = out["failures"]
+    assert failure["rank"] == 1 and failure["step"] == 0
+    (recovery,) = out["recoveries"]
+    assert recovery["mode"] == "restart" and recovery["steps_lost"] == 0
+    assert sorted(p.name for p in (work / "logs").iterdir()) == ["launch-1", "launch-2"]
+
+
 def yaml_load(path: Path) -> Any:
     import yaml
 

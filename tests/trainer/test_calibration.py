@@ -26,6 +26,7 @@ from malleus.planner import plan_step_time  # noqa: E402
 from malleus.trainer.calibration import CAL_STEPS, CAL_WARMUP, probe_peers  # noqa: E402
 from malleus.trainer.calibration_terms import (  # noqa: E402
     CostSample,
+    keep_sizes,
     median_calibration,
     reduce_calibration,
 )
@@ -73,6 +74,11 @@ def test_terms_are_positive_and_plausible(result: list[dict]) -> None:
     # against 90 ms of layer); PP measures it the same way, so the two agree.
     assert 0 < dp["p2p"] < 0.5 and 0 < pp["p2p"] < 0.5, (dp, pp)
     assert 0.2 < dp["p2p"] / pp["p2p"] < 5, (dp["p2p"], pp["p2p"])
+    # The vocabulary-parallel loss's all-reduces, apart from the head's compute; in PP its one
+    # last stage is on node 1, whose 3x link is divided out, so both plans measure alike.
+    for cal in (dp, pp):
+        assert 0 < cal["head_comm"]["2"] < 0.5, cal
+    assert 0.2 < dp["head_comm"]["2"] / pp["head_comm"]["2"] < 5, (dp, pp)
 
 
 def test_slow_link_shows_as_its_nodes_rate(result: list[dict]) -> None:
@@ -122,6 +128,40 @@ def test_reduction_divides_out_slow_links() -> None:
     assert cal["embedding"] == pytest.approx(0.005 / unit)
     assert cal["fixed"] == pytest.approx((1.0 - 0.8 - 0.03 - 0.01) / unit)
     assert CAL_STEPS >= 2
+
+
+def test_the_ends_collectives_apart_from_their_compute_by_group_size() -> None:
+    """A pipeline whose last stage is a pair (its head's all-reduces counted apart) and one whose
+    last stage is a single GPU (no collectives): the head's compute is the fastest member's time
+    less its collectives; the collectives are the pair's, by size 2, none for size 1."""
+    unit = 0.1
+
+    def sample(head_s: float, head_comm_s: float) -> CostSample:
+        return CostSample(
+            steps=1, step_s=1.0, units=8, compute_s=0.4, calls=8, tp_s=0.04, tp_best=0.002,
+            group=2, head_s=head_s, head_mb=2, head_comm_s=head_comm_s, run_s=0.8, end_s=0.85,
+        )  # fmt: skip
+
+    samples = [sample(0.0, 0.0), sample(0.0, 0.0), sample(0.030, 0.022), sample(0.032, 0.024)]
+    samples += [sample(0.0, 0.0), sample(0.010, 0.0)]
+    pipelines = [[[0, 1], [2, 3]], [[4], [5]]]
+    cal, _ = reduce_calibration(samples, pipelines, 8, unit)
+    assert cal is not None
+    assert cal["head_comm"] == pytest.approx({2: 0.022 / 2 / unit})
+    # compute: the pair's fastest member 0.008 / 2 per mb, the single GPU's 0.010 / 2: healthy
+    assert cal["head"] == pytest.approx(0.004 / unit, rel=0.3)
+
+
+def test_sizes_measured_under_an_earlier_plan_are_kept() -> None:
+    earlier = {"layer_seconds": 0.1, "tp_comm": {1: 0.0, 2: 0.2}, "head_comm": {2: 1.5}}
+    now = {"layer_seconds": 0.1, "tp_comm": {1: 0.0, 4: 0.3}, "head_comm": {}, "head": 0.3}
+    got = keep_sizes(now, earlier)
+    assert got is not None
+    assert got["tp_comm"] == {1: 0.0, 2: 0.2, 4: 0.3} and got["head_comm"] == {2: 1.5}
+    assert got["head"] == 0.3 and got["embedding_comm"] == {}
+    fresh = {**now, "tp_comm": {2: 0.25}}  # a size measured again: the new figure
+    assert keep_sizes(fresh, earlier)["tp_comm"] == {1: 0.0, 2: 0.25}  # type: ignore[index]
+    assert keep_sizes(now, None) is now and keep_sizes(None, earlier) is None
 
 
 def test_one_slow_step_does_not_make_the_figures() -> None:

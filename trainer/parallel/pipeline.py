@@ -72,7 +72,8 @@ class LayerTimer:
         self.units = 0  # layer-shard passes (forward or backward, one micro-batch) since then
         self.calls = 0  # layer calls (forward or backward) since then
         self.comm = 0.0  # TP communication seconds inside those calls
-        self.ends: dict[str, list[float]] = {}  # "embedding"/"head" -> [seconds, micro-batches]
+        # "embedding"/"head" -> [seconds, micro-batches, seconds in their own TP collectives]
+        self.ends: dict[str, list[float]] = {}
         self.started: float | None = None  # perf_counter of this step's schedule, start / end
         self.ended: float | None = None
 
@@ -91,9 +92,10 @@ class LayerTimer:
         stretch = getattr(self.clock, "stretch", None)
         if stretch is not None:
             stretch(t0 + self.meter.seconds - c0)
-        acc = self.ends.setdefault(name, [0.0, 0])
+        acc = self.ends.setdefault(name, [0.0, 0, 0.0])
         acc[0] += time.perf_counter() - t0
         acc[1] += micro_batches
+        acc[2] += self.meter.seconds - c0
         return out
 
     def __call__(self, kind: str, shards: int, fn: Callable[[], Tensor]) -> Tensor:
