@@ -18,15 +18,14 @@ TARGET = 0.10
 """|measured / predicted - 1| allowed for every plan (issue 13: the calibrated cost model)."""
 
 NOTES = [
-    "Load: this machine's two cores are shared with other work, and the remaining gap grows "
-    "with it. The planner's plans run a few per cent over their calibrated time at a load "
-    "of 30-40 (their critical path runs every layer call at healthy pace, so more wake-ups and "
-    "real math per second compete for the cores), where the uniform plans, whose critical "
-    "path waits on a straggler, run at it: the calibration, measured under the uniform plan, "
-    "cannot see that. At a load of about 5 (earlier today), the planner's pipelines ran "
-    "1.10-1.12x their uncalibrated model time, which is what the calibrated TP and end terms "
-    "account for. On GPUs the terms are small beside a layer's compute (TP over NVLink), and "
-    "the gradient sync across nodes is the one that matters.",
+    "Load: this machine's two cores are shared (the header gives this run's load), and "
+    "the remaining gap grows with it: the planner's plans run every layer call of their "
+    "critical path at healthy pace, so more wake-ups and real math per second compete for "
+    "the cores than under the uniform plans, whose critical path waits on a straggler; "
+    "the calibration, measured under the uniform plan, cannot see that (the *planner* "
+    "column: each plan's measured step over its calibrated model time). On GPUs the terms "
+    "are small beside a layer's compute (TP over NVLink), and the gradient sync across "
+    "nodes is the one that matters.",
     "Terms the plan in force does not exercise are measured anyway: the uniform plans are "
     "one-stage pipelines, with no stage boundary, so their trainers probe one (a ping-pong of "
     "one micro-batch's activation between paired ranks, in and across nodes, after each "

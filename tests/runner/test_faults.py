@@ -47,6 +47,16 @@ def runner(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> sub
     )
 
 
+def live_run(
+    tmp_path: Path, job_file: str, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """`malleus run` of `job_file` with its work directory, report and final model in
+    `tmp_path` (`work`, `r.json`, `model.pt`), as every test here reads them."""
+    paths = ["--workdir", str(tmp_path / "work"), "--report", str(tmp_path / "r.json")]
+    paths += ["--save-model", str(tmp_path / "model.pt")]
+    return runner(tmp_path, job_file, *paths, *extra, env=env)
+
+
 def step_done(workdir: Path, step: int, runner: subprocess.Popen[str]) -> bool:
     if runner.poll() is not None:
         _, err = runner.communicate()
@@ -87,18 +97,7 @@ def assert_same_model(path: Path, want: dict[str, Any]) -> None:
 def test_sigterm_checkpoints_first_and_resume_continues_and_appends(tmp_path: Path) -> None:
     job_file = job(tmp_path, steps=12, checkpoint={"intervalSteps": 100})
     work, report = tmp_path / "work", tmp_path / "r.json"
-    first = runner(
-        tmp_path,
-        job_file,
-        "--workdir",
-        str(work),
-        "--report",
-        str(report),
-        "--plot",
-        str(tmp_path / "p.png"),
-        "--save-model",
-        str(tmp_path / "model.pt"),
-    )
+    first = live_run(tmp_path, job_file, "--plot", str(tmp_path / "p.png"))
     wait_for("step 3", lambda: step_done(work, 3, first), 240)
     os.kill(first.pid, signal.SIGTERM)  # what `kill` or a pod's deletion sends
     _, err = first.communicate(timeout=120)
@@ -159,17 +158,7 @@ def test_killing_the_coordinator_rank_replaces_it_and_a_later_plan_readmits_it(
     # Deterministic on a loaded machine: the survivor, coordinating alone, waits at its step
     # boundaries until the replacement of GPU 0 has asked to join (trainer/recovery_join.py's
     # test hook), so the run cannot end before it is admitted however slowly it starts.
-    run = runner(
-        tmp_path,
-        job_file,
-        "--workdir",
-        str(work),
-        "--report",
-        str(report),
-        "--save-model",
-        str(tmp_path / "model.pt"),
-        env={AWAIT_JOIN_ENV: "0"},
-    )
+    run = live_run(tmp_path, job_file, env={AWAIT_JOIN_ENV: "0"})
     wait_for("step 3", lambda: step_done(work, 3, run), 240)
     pids = trainers(work)
     assert sorted(pids) == [0, 1]
@@ -338,16 +327,7 @@ def test_a_lost_store_is_started_again_and_a_later_failure_is_still_survived(
     job_file = job(tmp_path, steps=30, tp=1, failurePolicy={"hangTimeoutSeconds": 20})
     work, report = tmp_path / "work", tmp_path / "r.json"
     model = tmp_path / "model.pt"
-    run = runner(
-        tmp_path,
-        job_file,
-        "--workdir",
-        str(work),
-        "--report",
-        str(report),
-        "--save-model",
-        str(model),
-    )
+    run = live_run(tmp_path, job_file)
     wait_for("step 3", lambda: step_done(work, 3, run), 240)
     os.kill(_store_pid(run.pid), signal.SIGKILL)
     wait_for("step 8", lambda: step_done(work, 8, run), 240)
@@ -386,17 +366,7 @@ def test_a_gpu_replaced_before_the_store_was_lost_is_replaced_again_after(
     model = tmp_path / "model.pt"
     # The survivor waits at its step boundaries for GPU 1's replacement (the test hook), so
     # the run cannot end before each replacement asked to join, however slowly it starts.
-    run = runner(
-        tmp_path,
-        job_file,
-        "--workdir",
-        str(work),
-        "--report",
-        str(report),
-        "--save-model",
-        str(model),
-        env={AWAIT_JOIN_ENV: "1"},
-    )
+    run = live_run(tmp_path, job_file, env={AWAIT_JOIN_ENV: "1"})
     logs = work / "logs" / "launch-1"
 
     def joined(k: int) -> bool:
