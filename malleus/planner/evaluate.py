@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .layers import Cls, PipeSolution, best_order, layer_caps, link_of, solve_pipeline
-from .layersplit import LineFloor, line_floor
+from .layersplit import LineFloor, exact_micro_batches, line_floor
 from .memory import unit_mb
 from .microbatch import ClassSplit, greedy_split, split_linear
 from .problem import PlanningProblem
@@ -83,8 +83,11 @@ class Evaluator:
             m = None  # the bubble trade and in-flight memory no longer change with m
         ck = (key, m)
         if ck not in self._cache:
-            # memory sees m only through min(S - j, m): one order serves every m >= S
-            mc = None if m is None or m >= len(key) else m
+            # memory sees m only through min(S - j, m): one order serves every m >= S, except
+            # that with few micro-batches the exact 1F1B time depends on where the bottleneck
+            # is (layers.best_order ranks by it up to exact_micro_batches)
+            few = m is not None and m <= exact_micro_batches(len(key))
+            mc = m if few or (m is not None and m < len(key)) else None
             ok = (key, mc)
             if ok not in self._orders:
                 self._orders[ok] = best_order(self.problem, key, mc, self.caps, self.quick_orders)
