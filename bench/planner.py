@@ -422,14 +422,16 @@ SPREAD_NOTES = [
     "1157-1162 at 1024 GPUs and 50%); the full-order re-scoring ends at 92% of the budget "
     "so the whole call keeps to the CPU target. Run to run: where the CPU deadline cuts the "
     "climbs decides which layout they end on. An earlier session saw a worst row of "
-    "1.0014-1.0125 over seven runs of this command; on 2026-12-02, on this code, three runs of "
-    "this command gave a worst row of 1.0042 each, and 33 single runs at 1024 GPUs (5%, 20%, "
-    "50%; quiet, and beside 2 and 6 busy loops on the 2 cores) stayed within 1.0042 (5%: "
-    "1.0006-1.0042, 20%: 0.9942, 50%: 1.0014-1.0021). A budget counted in work units instead of "
+    "1.0014-1.0125 over seven runs of this command; on 2026-12-02, before stage orders were "
+    "chosen per micro-batch count when it is small (`layers.best_order`), three runs of this "
+    "command gave a worst row of 1.0042 each, and 33 single runs at 1024 GPUs (5%, 20%, 50%; "
+    "quiet, and beside 2 and 6 busy loops on the 2 cores) stayed within 1.0042 (5%: "
+    "1.0006-1.0042, 20%: 0.9942, 50%: 1.0014-1.0021); after it, two runs gave 1.0016 (beside "
+    "the test suite) and 1.0002. A budget counted in work units instead of "
     "CPU seconds (reproducible by construction) was tried and dropped: the phases' units differ "
     "in cost, so at the same T it took 1.1-1.7 s of CPU at 1024 GPUs against 0.8. Wall "
-    "time on this shared machine is several times the CPU time (load average above 10 on 2 "
-    "cores): the CPU column is the figure to hold against the targets.",
+    "time on a busy shared machine is several times the CPU time: the CPU column is the "
+    "figure to hold against the targets.",
 ]
 
 
