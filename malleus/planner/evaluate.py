@@ -86,8 +86,7 @@ class Evaluator:
             # memory sees m only through min(S - j, m): one order serves every m >= S, except
             # that with few micro-batches the exact 1F1B time depends on where the bottleneck
             # is (layers.best_order ranks by it up to exact_micro_batches)
-            few = m is not None and m <= exact_micro_batches(len(key))
-            mc = m if few or (m is not None and m < len(key)) else None
+            mc = m if m is not None and m <= exact_micro_batches(len(key)) else None
             ok = (key, mc)
             if ok not in self._orders:
                 self._orders[ok] = best_order(self.problem, key, mc, self.caps, self.quick_orders)

@@ -184,11 +184,11 @@ def best_order(
     if sum(room[c[1]] for c in classes) < L:
         return None  # even the roomiest position for every group cannot hold the model
 
-    mm = m if m is not None and m <= exact_micro_batches(S) else exact_micro_batches(S)
     # Few micro-batches: the exact 1F1B time at m, of each order's own best split, decides
     # (a bottleneck early hides the later stages, and at m = 2 that outweighs a slightly
     # larger bottleneck: GPU 0 alone before its 2x partner beats the reverse by 13%).
     few = m is not None and m <= exact_micro_batches(S)
+    mm = m if few and m is not None else exact_micro_batches(S)
 
     Scored = tuple[int, float, float, tuple[float, ...]]
 

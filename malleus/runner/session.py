@@ -173,10 +173,10 @@ class Session:
             if stop is not None:
                 return stop
             self._messages()
-            if self.supervisor.restart_needed() is not None:
-                reason = await self.supervisor.restart_all(self._plan_in_force(), asyncio.sleep)
-                if reason is not None:
-                    return Outcome(1, reason)
+            restarted, outcome = await self._restart_if_needed()
+            if outcome is not None:
+                return outcome
+            if restarted:
                 deadline = time.monotonic() + timeout
             if time.monotonic() > deadline:
                 return Outcome(1, f"the trainers did not come up within {timeout:g} s")
@@ -308,6 +308,14 @@ class Session:
         if step is not None and (step != before or not self.procs.running()):
             self.saved = (step, directory)
 
+    async def _restart_if_needed(self) -> tuple[bool, Outcome | None]:
+        """Restart mode: every process restarted when a failure calls for it. (restarted, the
+        run's end when a rank failed more often than maxRestarts allows)."""
+        if self.supervisor.restart_needed() is None:
+            return False, None
+        reason = await self.supervisor.restart_all(self._plan_in_force(), asyncio.sleep)
+        return True, (Outcome(1, reason) if reason is not None else None)
+
     async def _supervise(self, worker: asyncio.Future[None]) -> Outcome:
         first_exit: float | None = None
         while True:
@@ -317,11 +325,9 @@ class Session:
             await self.supervisor.poll_status()
             self.supervisor.match_restart()
             self._messages()
-            restart = self.supervisor.restart_needed()
-            if restart is not None:
-                reason = await self.supervisor.restart_all(self._plan_in_force(), asyncio.sleep)
-                if reason is not None:
-                    return Outcome(1, reason)
+            _, outcome = await self._restart_if_needed()
+            if outcome is not None:
+                return outcome
             outcome = self._check()
             if outcome is not None:
                 self._messages()

@@ -33,6 +33,19 @@ def job(tmp_path: Path, *, steps: int, tp: int = 2, **spec: Any) -> str:
     return write_job(tmp_path / "job.yaml", m)
 
 
+def rejoin_job(tmp_path: Path) -> str:
+    """tp 1 on 2 GPUs: two data-parallel replicas, so losing either loses no state; a
+    replacement after 1 s, and a cooldown of 1 s: the controller may re-admit it soon after
+    the failure's re-plan."""
+    return job(
+        tmp_path,
+        steps=40,
+        tp=1,
+        failurePolicy={"restartBackoffSeconds": 1, "hangTimeoutSeconds": 20},
+        stragglerPolicy={"cooldownSeconds": 1},
+    )
+
+
 def runner(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "malleus.cli", "run", *args]
     cmd += ["--progress", "lines", "--progress-interval", "2"]
@@ -143,15 +156,7 @@ def test_resume_needs_a_checkpoint(tmp_path: Path) -> None:
 def test_killing_the_coordinator_rank_replaces_it_and_a_later_plan_readmits_it(
     tmp_path: Path,
 ) -> None:
-    # tp 1 on 2 GPUs: two data-parallel replicas, so losing either loses no state. A cooldown
-    # of 1 s: the controller may re-admit the replacement soon after the failure's re-plan.
-    job_file = job(
-        tmp_path,
-        steps=40,
-        tp=1,
-        failurePolicy={"restartBackoffSeconds": 1, "hangTimeoutSeconds": 20},
-        stragglerPolicy={"cooldownSeconds": 1},
-    )
+    job_file = rejoin_job(tmp_path)
     from malleus.trainer.recovery_join import AWAIT_JOIN_ENV
 
     work, report = tmp_path / "work", tmp_path / "r.json"
@@ -353,13 +358,7 @@ def test_a_gpu_replaced_before_the_store_was_lost_is_replaced_again_after(
     # empty: the join counter starts again at 1); the replacement is killed too, and its own
     # replacement must be admitted as well (before, it looked admitted already: the counter's
     # 1 was the first replacement's, so it waited until its timeout and GPU 1 stayed out).
-    job_file = job(
-        tmp_path,
-        steps=40,
-        tp=1,
-        failurePolicy={"restartBackoffSeconds": 1, "hangTimeoutSeconds": 20},
-        stragglerPolicy={"cooldownSeconds": 1},
-    )
+    job_file = rejoin_job(tmp_path)
     from malleus.trainer.recovery_join import AWAIT_JOIN_ENV
 
     work, report = tmp_path / "work", tmp_path / "r.json"
