@@ -37,22 +37,23 @@ reaches it alike), and the per-byte figure is what the step's sync took beyond i
 from __future__ import annotations
 
 import logging
+import math
+import os
+import socket
 import statistics
 import time
+import zlib
 from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from . import membership
-from .calibration_terms import (
-    CostSample,
-    GradCallProbe,
-    keep_sizes,
-    median_calibration,
-    reduce_calibration,
-)
+from .calibration_merge import keep_sizes, median_calibration
+from .calibration_terms import CostSample, GradCallProbe, reduce_calibration
 
 if TYPE_CHECKING:
     from .worker import Trainer
@@ -62,6 +63,7 @@ __all__ = [
     "CAL_WARMUP",
     "PROBE_CALLS",
     "Calibrator",
+    "host_identity",
     "probe",
     "probe_grad_calls",
     "probe_peers",
@@ -141,7 +143,11 @@ class Calibrator:
             ]
             per_step.append(
                 reduce_calibration(
-                    samples, pipelines, trainer.job.gpus_per_node, 2 * ref if ref else None
+                    samples,
+                    pipelines,
+                    trainer.job.gpus_per_node,
+                    2 * ref if ref else None,
+                    self.calibration,
                 )
             )
         calibration, links = median_calibration(per_step)
@@ -246,6 +252,31 @@ def probe_grad_calls(trainer: Trainer) -> GradCallProbe:
     return GradCallProbe(sums[0], counts[0], sums[1], counts[1])
 
 
+@cache
+def host_identity() -> tuple[int, int]:
+    """(an id of this machine, the CPUs this process may use): ranks with one id share the
+    host's CPUs, which is what makes the host-work terms grow with the serving GPUs when a
+    laptop emulates many (planner `Calibration.contention`). The id is the kernel's boot id
+    (alike in every container under one kernel; a pod's hostname is its own), else the
+    hostname's; 48 bits, exact in the float64 exchange. The CPUs: the affinity mask, bounded by
+    the cgroup's quota (cpu.max) where one is set."""
+    try:
+        host = int(Path("/proc/sys/kernel/random/boot_id").read_text().replace("-", "")[:12], 16)
+    except (OSError, ValueError):
+        host = zlib.crc32(socket.gethostname().encode())
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return host, cpus
+
+
 def _sample(
     trainer: Trainer,
     started: float,
@@ -263,6 +294,7 @@ def _sample(
     tp, p2p = m.stat("tp"), m.stat("p2p")
     intra, inter = m.stat("grad_intra"), m.stat("grad_inter")
     ran = t.started is not None and t.ended is not None
+    host, cpus = host_identity()
     return CostSample(
         steps=1,
         step_s=seconds,
@@ -298,4 +330,6 @@ def _sample(
         probe_intra_peer=pi[0],
         probe_inter_s=px[1],
         probe_inter_peer=px[0],
+        host=host,
+        cpus=cpus,
     )

@@ -4,11 +4,12 @@ the exchange are trainer/calibration.py's).
 `CostSample` is one rank's figures for what the rest of a step costs (TP collectives inside
 layer calls, embedding and head per micro-batch, pipeline transfers and the transfer probe,
 gradient sync inside and across nodes and the all-reduce probe of its groups, the optimizer per
-byte held, the rest of the step); `reduce_calibration` turns the job's samples, alike on every rank, into the cost model's
-`calibration` terms (layer-time units) and a link rate per node (`link_rates`: its collectives
-over the healthy figure for the same kind); `median_calibration` takes each term's median over
-the window's steps. Waiting on a slower peer is not counted: a group's TP figure is its layer
-calls' wall time less its slowest member's compute, a transfer's the shortest call.
+byte held, the rest of the step, the host it runs on); `reduce_calibration` turns the job's
+samples, alike on every rank, into the cost model's `calibration` terms (layer-time units) and
+a link rate per node (`link_rates`: its collectives over the healthy figure for the same kind);
+trainer/calibration_merge.py combines the steps' reductions and an earlier plan's calibration.
+Waiting on a slower peer is not counted: a group's TP figure is its layer calls' wall time less
+its slowest member's compute, a transfer's the shortest call.
 
 The gradient sync is a cost per all-reduce call plus one per MiB (`grad_sync_fit`): the call
 figure is the probe's small all-reduce (healthy over ranks), the per-MiB figure what the
@@ -23,8 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import astuple, dataclass, fields
 from typing import Any, NamedTuple
 
-from malleus.planner.problem import BY_SIZE_TERMS
-
+from .calibration_merge import fill_unmeasured
 from .profiling import healthy_reference
 
 __all__ = [
@@ -32,10 +32,9 @@ __all__ = [
     "CostSample",
     "GradCallProbe",
     "grad_sync_fit",
-    "keep_sizes",
     "link_rates",
-    "median_calibration",
     "reduce_calibration",
+    "shared_host",
 ]
 
 MIB = float(1 << 20)
@@ -62,7 +61,9 @@ class CostSample:
     (trainer/calibration.py) with the partner inside the node / in the paired node (`*_peer`,
     -1: none), its median round trip (0 on the pair's answering side), so that p2p is measured
     whether or not the plan has stage boundaries. `grad_*_calls`: the step's gradient-sync
-    all-reduces; `call_*`: the all-reduce probe (`GradCallProbe`).
+    all-reduces; `call_*`: the all-reduce probe (`GradCallProbe`). `host`: an id of the
+    machine the rank runs on (alike for processes under one kernel); `cpus`: the CPUs the rank
+    may use (trainer/calibration.py `host_identity`).
     """
 
     steps: int = 0
@@ -99,6 +100,8 @@ class CostSample:
     call_intra_groups: int = 0
     call_inter_s: float = 0.0
     call_inter_groups: int = 0
+    host: int = 0
+    cpus: int = 0
 
     @classmethod
     def width(cls) -> int:
@@ -120,7 +123,7 @@ class CostSample:
             a, b = getattr(self, f.name), getattr(other, f.name)
             if f.name in _BEST:
                 v = min(x for x in (a, b) if x > 0) if a > 0 or b > 0 else 0.0
-            elif f.name in ("group", "probe_intra_peer", "probe_inter_peer"):
+            elif f.name in _LATEST:
                 v = b
             else:
                 v = a + b
@@ -128,6 +131,7 @@ class CostSample:
 
 
 _BEST = ("tp_best", "p2p_best", "probe_intra_s", "probe_inter_s")
+_LATEST = ("group", "probe_intra_peer", "probe_inter_peer", "host", "cpus")
 
 
 def _healthy(xs: Iterable[float]) -> float | None:
@@ -140,6 +144,7 @@ def reduce_calibration(
     pipelines: Sequence[Sequence[Sequence[int]]],
     gpus_per_node: int,
     unit_s: float | None = None,
+    previous: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any] | None, dict[int, float]]:
     """The job's `calibration` terms (layer-time units) and per-node link rates.
 
@@ -150,6 +155,12 @@ def reduce_calibration(
 
     The terms are a healthy link's: a figure measured across a slow link is divided by that
     link's rate (the cost model multiplies it back where a group touches the node).
+
+    A gradient-sync kind (in-node / cross-node groups) the plan has none of is not measured: it
+    takes `previous`'s figure (the calibration before, at this plan's contention) or, without
+    one, the other kind's scaled by the transfer probe's cross-node over in-node round trip;
+    0 only when neither is known. (Published as 0, a plan with only cross-node groups would
+    price every in-node group's sync as free.)
     """
     if unit_s is None:
         per_unit = [s.compute_s / s.units for s in samples if s.units]
@@ -259,6 +270,30 @@ def reduce_calibration(
     critical_link = link([critical] if critical is not None else [])
     sync_intra = grad_sync_fit(samples, critical, "intra", call_intra or 0.0, critical_link, L)
     sync_inter = grad_sync_fit(samples, critical, "inter", call_inter or 0.0, link(serving), L)
+    trips = [
+        _healthy(
+            s.probe_intra_s / link((r, s.probe_intra_peer))
+            for r, s in enumerate(samples)
+            if s.probe_intra_peer >= 0
+        ),
+        _healthy(
+            s.probe_inter_s / link((r, s.probe_inter_peer))
+            for r, s in enumerate(samples)
+            if s.probe_inter_peer >= 0
+        ),
+    ]
+    host = shared_host(samples, len(serving))
+    sync = fill_unmeasured(
+        {
+            "grad_sync_intra": sync_intra,
+            "grad_sync_inter": sync_inter,
+            "grad_sync_call_intra": call_intra / L if call_intra is not None else None,
+            "grad_sync_call_inter": call_inter / L if call_inter is not None else None,
+        },
+        trips[1] / trips[0] if trips[0] and trips[1] else None,
+        previous,
+        host,
+    )
 
     optimizer = _healthy(s.opt_s / (s.opt_bytes / MIB) for s in samples if s.opt_bytes > 0)
     fixed = 0.0
@@ -276,14 +311,25 @@ def reduce_calibration(
         "head_comm": head_comm,
         "tp_comm": tp_comm,
         "p2p": p2p / L if p2p is not None else 0.0,
-        "grad_sync_intra": sync_intra,
-        "grad_sync_inter": sync_inter,
-        "grad_sync_call_intra": (call_intra or 0.0) / L,
-        "grad_sync_call_inter": (call_inter or 0.0) / L,
+        **sync,
         "optimizer": optimizer / L if optimizer is not None else 0.0,
         "fixed": fixed,
+        **host,
     }
     return calibration, links
+
+
+def shared_host(samples: Sequence[CostSample], serving: int) -> dict[str, int | None]:
+    """`shared_cpus` and `measured_active` (planner `Calibration`): the CPUs of the one host
+    every rank runs on, when the ranks outnumber them, and the serving GPUs; both None when the
+    ranks have CPUs of their own (several hosts, or as many CPUs as ranks)."""
+    known = [s for s in samples if s.cpus > 0]
+    if not known or len(known) < len(samples) or len({s.host for s in known}) != 1:
+        return {"shared_cpus": None, "measured_active": None}
+    cpus = min(s.cpus for s in known)
+    if len(samples) <= cpus or serving <= 0:
+        return {"shared_cpus": None, "measured_active": None}
+    return {"shared_cpus": cpus, "measured_active": serving}
 
 
 def grad_sync_fit(
@@ -293,11 +339,12 @@ def grad_sync_fit(
     call_s: float,
     slow: float,
     unit_s: float,
-) -> float:
+) -> float | None:
     """The gradient sync's per-MiB term (layer-time units) for `kind` ("intra" / "inter"):
     seconds beyond `call_s` (a healthy link's per-call seconds) per call, per MiB synced, at a
     healthy link (`slow`: the link rate the measured seconds ran at), never below 0. The
-    critical rank's, whose sync the step waits for; without one, the lowest over the ranks."""
+    critical rank's, whose sync the step waits for; without one, the lowest over the ranks; None
+    when no rank synced any group of that kind."""
 
     def per_mib(s: CostSample) -> float | None:
         nbytes = getattr(s, f"grad_{kind}_bytes")
@@ -310,7 +357,7 @@ def grad_sync_fit(
     if critical is not None and (v := per_mib(samples[critical])) is not None:
         return v
     vs = [v for s in samples if (v := per_mib(s)) is not None]
-    return min(vs) if vs else 0.0
+    return min(vs) if vs else None
 
 
 def link_rates(
@@ -349,41 +396,4 @@ def link_rates(
             rs = [s.probe_intra_s / probe for s in mine if s.probe_intra_s > 0]
             rate = min(rs) if rs else None
         out[n] = max(1.0, rate) if rate is not None else 1.0
-    return out
-
-
-def median_calibration(
-    per_step: Sequence[tuple[dict[str, Any] | None, dict[int, float]]],
-) -> tuple[dict[str, Any] | None, dict[int, float]]:
-    """Each term's (and each node's link rate's) median over the steps' reductions."""
-    cals = [c for c, _ in per_step if c is not None]
-    nodes = sorted({n for _, links in per_step for n in links})
-    links = {n: statistics.median(lk[n] for _, lk in per_step if n in lk) for n in nodes}
-    if not cals:
-        return None, links
-    out: dict[str, Any] = {}
-    for term, value in cals[0].items():
-        if isinstance(value, dict):
-            sizes = sorted({g for c in cals for g in c[term]})
-            out[term] = {
-                g: statistics.median(c[term][g] for c in cals if g in c[term]) for g in sizes
-            }
-        else:
-            out[term] = statistics.median(c[term] for c in cals)
-    return out, links
-
-
-def keep_sizes(
-    new: dict[str, Any] | None, previous: dict[str, Any] | None
-) -> dict[str, Any] | None:
-    """`new` with the group sizes only `previous` measured kept: a plan measures the sizes it
-    runs (a plan whose last stages are single GPUs measures no head collectives of a pair), and
-    the next candidate may use the others again, at the figure measured when they ran rather
-    than one scaled from another size."""
-    if new is None or previous is None:
-        return new
-    out = dict(new)
-    for term in BY_SIZE_TERMS:
-        kept = {int(g): v for g, v in (previous.get(term) or {}).items()}
-        out[term] = {**kept, **{int(g): v for g, v in (new.get(term) or {}).items()}}
     return out

@@ -26,6 +26,7 @@ them back into the planner's shape (`malleus.controller.sources.calibration_from
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -34,7 +35,7 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from malleus.planner.problem import BY_SIZE_TERMS, PER_MIB_TERMS, SCALAR_TERMS
+from malleus.planner.calibration import BY_SIZE_TERMS, COUNT_TERMS, PER_MIB_TERMS, SCALAR_TERMS
 
 __all__ = ["CONTENT_TYPE", "JOB_LABEL", "TrainerMetrics", "parse_rates"]
 
@@ -135,6 +136,14 @@ class TrainerMetrics:
             [JOB_LABEL, "term"],
             registry=r,
         )
+        self._host = Gauge(
+            "malleus_calibration_host",
+            "The host sharing the calibration was measured under: term=shared_cpus, the CPUs "
+            "every GPU process shares (absent: none shared); term=measured_active, the GPUs "
+            "serving then.",
+            [JOB_LABEL, "term"],
+            registry=r,
+        )
         self._link_rate = Gauge(
             "malleus_link_rate",
             "A node's links' slowdown: its collectives' time over a healthy node's (1.0 = "
@@ -218,6 +227,13 @@ class TrainerMetrics:
                 self._cost.labels(j, term, str(g)).set(float(v) * unit)
         for term in PER_MIB_TERMS:
             self._cost_per_mib.labels(j, term).set(float(calibration[term]) * unit)  # type: ignore[arg-type]
+        for term in COUNT_TERMS:
+            count = calibration.get(term)
+            if count is None:
+                with contextlib.suppress(KeyError):
+                    self._host.remove(j, term)
+            else:
+                self._host.labels(j, term).set(float(count))  # type: ignore[arg-type]
         for node, rate in link_rates.items():
             self._link_rate.labels(j, str(node)).set(rate)
 

@@ -26,8 +26,8 @@ from malleus.job.control import (
     ControlTLS,
     PlanConflict,
 )
+from malleus.planner.calibration import BY_SIZE_TERMS, COUNT_TERMS, PER_MIB_TERMS, SCALAR_TERMS
 from malleus.planner.plan import Plan
-from malleus.planner.problem import BY_SIZE_TERMS, PER_MIB_TERMS, SCALAR_TERMS
 
 from .ports import Ack, AckTimeout, GenerationConflict, Observation, PlanRejected
 
@@ -46,6 +46,7 @@ CALIBRATION_METRICS = (
     "malleus_cost_seconds",
     "malleus_cost_seconds_per_mebibyte",
     "malleus_link_rate",
+    "malleus_calibration_host",
 )
 """The trainers' calibration series (trainer/metrics.py)."""
 JOB_LABEL = "malleus_job"  # the trainers' label naming the job (`job` is Prometheus' own)
@@ -138,6 +139,7 @@ def calibration_from_samples(
     scalars: dict[str, float] = {}
     by_size: dict[str, dict[int, float]] = {term: {} for term in BY_SIZE_TERMS}
     links: dict[int, float] = {}
+    counts: dict[str, int] = {}
     for name, labels, value in samples:
         v = float(value)
         if not math.isfinite(v) or v < 0:
@@ -152,6 +154,9 @@ def calibration_from_samples(
                 scalars[term] = v
         elif name == "malleus_cost_seconds_per_mebibyte" and labels.get("term") in PER_MIB_TERMS:
             scalars[labels["term"]] = v
+        elif name == "malleus_calibration_host" and labels.get("term") in COUNT_TERMS:
+            if v >= 1 and v == int(v):
+                counts[labels["term"]] = int(v)
         elif name == "malleus_link_rate" and labels.get("node_rank", "").isdigit():
             links[int(labels["node_rank"])] = max(1.0, v)
     if not unit or unit <= 0:
@@ -161,6 +166,8 @@ def calibration_from_samples(
         calibration[term] = scalars.get(term, 0.0) / unit
     for term, table in by_size.items():
         calibration[term] = {g: v / unit for g, v in sorted(table.items())}
+    if len(counts) == len(COUNT_TERMS):  # both or neither (the problem refuses one alone)
+        calibration.update(counts)
     return calibration, links
 
 

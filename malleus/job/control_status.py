@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from malleus.planner.problem import Calibration
+from malleus.planner.calibration import Calibration
 
 __all__ = ["ControlStatus", "MigrationRecord", "PlanFailure", "RecoveryRecord"]
 

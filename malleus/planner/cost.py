@@ -47,6 +47,7 @@ __all__ = [
     "EXACT_MICRO_BATCHES",
     "INF",
     "StepTerms",
+    "at_plan_contention",
     "grad_sync_by_gpu",
     "group_pace",
     "group_rate",
@@ -219,8 +220,24 @@ class StepTerms:
         return {k: v * self.layer_seconds for k, v in self.as_dict().items()}
 
 
+def at_plan_contention(problem: PlanningProblem, plan: Plan) -> PlanningProblem:
+    """`problem` with its calibration's host-work terms at `plan`'s contention (its serving
+    GPUs against the CPUs they share, `Calibration.contention`); itself when nothing is shared.
+
+    Applied here, for whole plans only: the search's inner loop prices candidates at the
+    measured contention, and its final choice (`plan_step_time`) at their own."""
+    cal = problem.calibration
+    if cal is None or cal.shared_cpus is None:
+        return problem
+    factor = cal.contention(len(plan.active_ranks()))
+    if factor == 1.0:
+        return problem
+    return problem.model_copy(update={"calibration": cal.at_contention(factor)})
+
+
 def step_time_terms(problem: PlanningProblem, plan: Plan) -> StepTerms:
     """Each term of the step time of `plan` (docs/architecture.md, "Cost model")."""
+    problem = at_plan_contention(problem, plan)
     times = [_pipeline_step_time(problem, p) for p in plan.pipelines]
     if not times:
         return StepTerms(INF)

@@ -60,6 +60,23 @@ def test_metrics_round_trip_in_seconds() -> None:
     assert calibration_from_metrics(text, "other-job") == (None, {})
 
 
+def test_the_host_sharing_round_trips_and_leaves_when_gone() -> None:
+    m = TrainerMetrics("job-a", 0, 0)
+    m.observe_calibration({**CAL, "shared_cpus": 2, "measured_active": 6}, LINKS)
+    text = m.render().decode()
+    assert 'malleus_calibration_host{malleus_job="job-a",term="shared_cpus"} 2.0' in text
+    cal, _ = calibration_from_metrics(text, "job-a")
+    assert cal is not None and (cal["shared_cpus"], cal["measured_active"]) == (2, 6)
+    problem = calibrated(PlanningProblem.load(_PROBLEM), cal)
+    assert problem.calibration is not None and problem.calibration.shared_cpus == 2
+    m.observe_calibration({**CAL, "shared_cpus": None, "measured_active": None}, LINKS)
+    cal, _ = calibration_from_metrics(m.render().decode(), "job-a")
+    assert cal is not None and "shared_cpus" not in cal and "measured_active" not in cal
+
+
+_PROBLEM = {"nodes": 2, "gpus_per_node": 4, "model": {"layers": 8, "tp": 2}, "micro_batches": 8}
+
+
 def test_a_page_without_calibration_carries_none() -> None:
     m = TrainerMetrics("job-a", 0, 0)
     m.observe_step(3, 1.0, 10.0, 1.0, 0.5)

@@ -95,3 +95,35 @@ def test_the_fit_separates_calls_from_bytes() -> None:
     cal, _ = reduce_calibration(quick, [[[0, 1]], [[2, 3]]], 2, unit)
     assert cal is not None and cal["grad_sync_inter"] == 0.0
     assert cal["grad_sync_call_inter"] == pytest.approx(0.002 / unit)
+
+
+def test_a_kind_the_plan_does_not_sync_is_never_free() -> None:
+    """Two one-stage pipelines across nodes: only cross-node sync groups, so nothing measures
+    the in-node kind. Its figures are the cross-node ones over the transfer probe's cross-node /
+    in-node round trip (4x here), or an earlier calibration's where there is one (at this
+    plan's host sharing): a 0 would price every in-node group's sync as free."""
+    unit = 0.1
+
+    def sample(intra_peer: int, inter_peer: int) -> CostSample:
+        return CostSample(
+            steps=1, step_s=1.0, units=8, compute_s=0.4, calls=8, group=1, run_s=0.8,
+            end_s=0.85, grad_inter_s=0.05, grad_inter_bytes=MIB, grad_inter_calls=1,
+            call_inter_s=0.004, call_inter_groups=1, probe_intra_s=0.001,
+            probe_intra_peer=intra_peer, probe_inter_s=0.004, probe_inter_peer=inter_peer,
+        )  # fmt: skip
+
+    samples = [sample(1, 2), sample(0, 3), sample(3, 0), sample(2, 1)]
+    pipelines = [[[0]], [[1]], [[2]], [[3]]]
+    cal, _ = reduce_calibration(samples, pipelines, 2, unit)
+    assert cal is not None
+    assert cal["grad_sync_call_inter"] == pytest.approx(0.004 / unit)
+    assert cal["grad_sync_call_intra"] == pytest.approx(0.001 / unit)
+    assert cal["grad_sync_inter"] == pytest.approx((0.05 - 0.004) / unit)
+    assert cal["grad_sync_intra"] == pytest.approx((0.05 - 0.004) / 4 / unit)
+    earlier = {"grad_sync_intra": 0.07, "grad_sync_call_intra": 0.02, "grad_sync_inter": 9.0}
+    cal, _ = reduce_calibration(samples, pipelines, 2, unit, earlier)
+    assert cal is not None and cal["grad_sync_inter"] == pytest.approx(0.46)  # measured wins
+    assert (cal["grad_sync_intra"], cal["grad_sync_call_intra"]) == (0.07, 0.02)
+    bare = [CostSample(**{**vars(s), "probe_intra_peer": -1}) for s in samples]
+    cal, _ = reduce_calibration(bare, pipelines, 2, unit)  # no ratio, no earlier: 0
+    assert cal is not None and cal["grad_sync_intra"] == 0 == cal["grad_sync_call_intra"]
