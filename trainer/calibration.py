@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import socket
 import statistics
 import time
@@ -50,6 +49,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+from malleus.job.resources import usable_cpus
 
 from . import membership
 from .calibration_merge import keep_sizes, median_calibration
@@ -264,10 +265,7 @@ def host_identity() -> tuple[int, int]:
         host = int(Path("/proc/sys/kernel/random/boot_id").read_text().replace("-", "")[:12], 16)
     except (OSError, ValueError):
         host = zlib.crc32(socket.gethostname().encode())
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
+    cpus = usable_cpus()
     try:
         quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
         if quota != "max":

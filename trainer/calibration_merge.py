@@ -14,10 +14,11 @@ from malleus.planner.calibration import BY_SIZE_TERMS, COUNT_TERMS, contention
 
 __all__ = ["contention_scale", "fill_unmeasured", "keep_sizes", "median_calibration"]
 
-_GRAD_KINDS = {
-    "intra": ("grad_sync_intra", "grad_sync_call_intra"),
-    "inter": ("grad_sync_inter", "grad_sync_call_inter"),
-}
+_GRAD_TWINS = (
+    ("grad_sync_intra", "grad_sync_inter"),
+    ("grad_sync_call_intra", "grad_sync_call_inter"),
+)
+"""Each gradient-sync term inside a node beside its cross-node twin."""
 
 
 def contention_scale(previous: Mapping[str, Any], now: Mapping[str, Any]) -> float:
@@ -39,17 +40,19 @@ def fill_unmeasured(
     """The gradient-sync terms with the unmeasured ones (None) filled: `previous`'s figure (at
     this contention), else the other kind's times `trip_ratio` (cross-node over in-node round
     trip), else 0."""
-    out: dict[str, float] = {}
     scale = contention_scale(previous, host) if previous is not None else 1.0
-    for kind, terms in _GRAD_KINDS.items():
-        other = _GRAD_KINDS["inter" if kind == "intra" else "intra"]
-        for term, twin in zip(terms, other, strict=True):
-            v = sync[term]
-            if v is None and previous is not None and previous.get(term) is not None:
-                v = float(previous[term]) * scale
-            if v is None and trip_ratio is not None and (o := sync[twin]) is not None:
-                v = o * trip_ratio if kind == "inter" else o / trip_ratio
-            out[term] = v if v is not None else 0.0
+    by_twin: dict[str, float | None] = {}
+    if trip_ratio is not None:
+        for intra, inter in _GRAD_TWINS:
+            by_twin[intra] = sync[inter] / trip_ratio if sync[inter] is not None else None
+            by_twin[inter] = sync[intra] * trip_ratio if sync[intra] is not None else None
+    out: dict[str, float] = {}
+    for term, v in sync.items():
+        if v is None and previous is not None and previous.get(term) is not None:
+            v = float(previous[term]) * scale
+        if v is None:
+            v = by_twin.get(term)
+        out[term] = v if v is not None else 0.0
     return out
 
 

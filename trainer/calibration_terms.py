@@ -238,15 +238,15 @@ def reduce_calibration(
     # force measures p2p alike; the pipeline's shortest exchange (which can be a lone send;
     # twice, for the two directions) only without it.
     probes = [
-        (r, trip, peer)
+        (inter, trip / link((r, peer)))
         for r, s in enumerate(samples)
-        for trip, peer in (
-            (s.probe_intra_s, s.probe_intra_peer),
-            (s.probe_inter_s, s.probe_inter_peer),
+        for inter, trip, peer in (
+            (False, s.probe_intra_s, s.probe_intra_peer),
+            (True, s.probe_inter_s, s.probe_inter_peer),
         )
         if trip > 0 and peer >= 0
     ]
-    p2p = _healthy(trip / link((r, peer)) for r, trip, peer in probes)
+    p2p = _healthy(trip for _, trip in probes)
     if p2p is None:
         p2p = _healthy(
             2 * s.p2p_best / link(neighbours.get(r, ()))
@@ -270,18 +270,7 @@ def reduce_calibration(
     critical_link = link([critical] if critical is not None else [])
     sync_intra = grad_sync_fit(samples, critical, "intra", call_intra or 0.0, critical_link, L)
     sync_inter = grad_sync_fit(samples, critical, "inter", call_inter or 0.0, link(serving), L)
-    trips = [
-        _healthy(
-            s.probe_intra_s / link((r, s.probe_intra_peer))
-            for r, s in enumerate(samples)
-            if s.probe_intra_peer >= 0
-        ),
-        _healthy(
-            s.probe_inter_s / link((r, s.probe_inter_peer))
-            for r, s in enumerate(samples)
-            if s.probe_inter_peer >= 0
-        ),
-    ]
+    trips = [_healthy(trip for inter, trip in probes if inter is kind) for kind in (False, True)]
     host = shared_host(samples, len(serving))
     sync = fill_unmeasured(
         {

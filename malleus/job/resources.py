@@ -39,6 +39,7 @@ __all__ = [
     "job_needs",
     "probe_machine",
     "require_resources",
+    "usable_cpus",
 ]
 
 RANKS_PER_CORE = 4
@@ -94,7 +95,8 @@ def _available_memory_mib() -> float | None:
         return None
 
 
-def _cpus() -> int:
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -129,7 +131,7 @@ def probe_machine(python: str = sys.executable, gpu_probe_timeout: float = 60.0)
     """This machine's cores (the ones this process may use), available memory and GPUs."""
     gpus, gpu_memory = _probe_gpus(python, gpu_probe_timeout)
     return Machine(
-        cpus=_cpus(), memory_mib=_available_memory_mib(), gpus=gpus, gpu_memory_mib=gpu_memory
+        cpus=usable_cpus(), memory_mib=_available_memory_mib(), gpus=gpus, gpu_memory_mib=gpu_memory
     )
 
 

@@ -12,7 +12,15 @@ from typing import Any
 
 import pytest
 
-from malleus.planner import Pipeline, Plan, PlanningProblem, Stage, plan, plan_step_time
+from malleus.planner import (
+    Pipeline,
+    Plan,
+    PlanningProblem,
+    ProblemError,
+    Stage,
+    plan,
+    plan_step_time,
+)
 from malleus.planner import step_time_terms as terms
 from malleus.planner.calibration import HOST_TERMS
 
@@ -112,6 +120,6 @@ def test_the_planner_prices_its_choice_at_its_own_contention() -> None:
     ],
 )
 def test_bad_sharing_is_named(cal: dict[str, Any], expect: str) -> None:
-    with pytest.raises(Exception) as err:
+    with pytest.raises(ProblemError) as err:
         _problem(**cal)
     assert expect in str(err.value)
