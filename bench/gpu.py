@@ -40,8 +40,9 @@ import torch
 import yaml
 
 from malleus.job import ResolvedJob
-from malleus.trainer.launch import DistEnv, init_distributed
-from malleus.trainer.worker import Trainer
+from malleus.trainer.engine.trainer import Trainer
+from malleus.trainer.launch.distributed import DistEnv, init_distributed
+from malleus.trainer.world.world import World
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "examples" / "tiny-cpu.yaml"
@@ -111,11 +112,12 @@ def _free_port() -> int:
 
 def measure(args: argparse.Namespace, global_batch: int) -> dict[str, Any]:
     """One rank, a world of one: the median step of `args.steps` after `args.warmup`."""
-    device = init_distributed(DistEnv(0, 1, 0, "127.0.0.1", _free_port()), init_timeout_s=60)
+    world = World(1)
+    device = init_distributed(DistEnv(0, 1, 0, "127.0.0.1", _free_port()), world, init_timeout_s=60)
     cuda = device.type == "cuda"
     gpu_mib = torch.cuda.get_device_properties(device).total_memory >> 20 if cuda else 81559
     job = make_job(DRY if args.dry_run else LLAMA_1B, global_batch, args.micro, gpu_mib)
-    trainer = Trainer(job, job.initial_plan(), rank=0, world=1, device=device)
+    trainer = Trainer(job, job.initial_plan(), rank=0, world=world, device=device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times = []
     for i in range(args.warmup + args.steps):

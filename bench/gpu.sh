@@ -44,7 +44,7 @@ stage() { # stage NAME SECONDS LOG COMMAND...: run with a time limit, record PAS
 }
 
 stage machine 30 machine.txt bash -c "nvidia-smi || true; $PY -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"available\", torch.cuda.is_available())'"
-stage cuda-tests 150 cuda-tests.txt "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/trainer/test_precision_cuda.py
+stage cuda-tests 150 cuda-tests.txt "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/trainer/model/test_precision_cuda.py
 stage solo 120 solo.txt "$PY" bench/gpu.py solo --out "$OUT" "${DRY[@]}"
 stage share 150 share.txt "$PY" bench/gpu.py share --ranks "${MALLEUS_GPU_SHARE_RANKS:-4}" --out "$OUT" "${DRY[@]}"
 

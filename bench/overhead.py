@@ -4,7 +4,7 @@ Run: .venv/bin/python bench/overhead.py [--steps 12] [--threads 1] [--no-write]
 
 One process, CPU. A random `transformers.LlamaForCausalLM` (config below, saved with
 `save_pretrained`) is trained for the same steps on the same samples, with the same threads,
-two ways: by `malleus.trainer.worker.Trainer` with the model as its `spec.model.path` under the
+two ways: by `malleus.trainer.engine.trainer.Trainer` with the model as its `spec.model.path` under the
 one-GPU plan (world 1, gloo), and by the plain loop everyone writes (`from_pretrained`, forward
 per micro-batch, `clip_grad_norm_`, `torch.optim.AdamW`, the job's LR schedule). Their steps
 alternate, so both see the same machine load; the ratio of median step times is the overhead
@@ -38,10 +38,11 @@ from benchdoc import machine, replace_section  # bench/ is on sys.path when run 
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from malleus.job import ResolvedJob
-from malleus.trainer.data import make_source, micro_batch
-from malleus.trainer.launch import DistEnv, init_distributed
+from malleus.trainer.data.samples import make_source, micro_batch
+from malleus.trainer.engine.trainer import Trainer
+from malleus.trainer.launch.distributed import DistEnv, init_distributed
 from malleus.trainer.parallel.optim import BETAS, EPS, lr_at
-from malleus.trainer.worker import Trainer
+from malleus.trainer.world.world import World
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "examples" / "tiny-cpu.yaml"
@@ -122,9 +123,10 @@ def _free_port() -> int:
 
 def one_gpu_trainer(job: ResolvedJob) -> Trainer:
     """The trainer as one rank of a world of one (gloo on 127.0.0.1)."""
+    world = World(1)  # failures fatal: any World of one is the one the group was formed with
     if not torch.distributed.is_initialized():
-        init_distributed(DistEnv(0, 1, 0, "127.0.0.1", _free_port()), init_timeout_s=30)
-    return Trainer(job, job.initial_plan(), rank=0, world=1, device=torch.device("cpu"))
+        init_distributed(DistEnv(0, 1, 0, "127.0.0.1", _free_port()), world, init_timeout_s=30)
+    return Trainer(job, job.initial_plan(), rank=0, world=world, device=torch.device("cpu"))
 
 
 def _rss_bytes() -> int:

@@ -47,7 +47,7 @@ ALPHA_TP8 = _SETTING_70B["model"]["alpha"]
 
 
 NOTES = [
-    "How the planner works (malleus/planner/search.py): per node, the fastest TP groupings "
+    "How the planner works (malleus/planner/search/): per node, the fastest TP groupings "
     "for each group count (a DP over GPUs sorted by rate); per grouping, template layouts "
     "(healthy groups in the fewest stages memory allows, odd groups in special pipelines "
     "topped up with healthy ones; for the best few groupings with at most 10 odd groups, "
@@ -256,7 +256,7 @@ def spread_case(world: int, spread: str, long_s: float | None) -> dict[str, Any]
     the case's own): the default budget, or a long search of `long_s` CPU seconds."""
     import resource
 
-    from malleus.planner.deadline import Deadline, cpu_clock
+    from malleus.planner.search.deadline import Deadline, cpu_clock
 
     problem = PlanningProblem.load(spread_problem(world, spread))
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -398,7 +398,7 @@ SPREAD_NOTES = [
     "solved, its micro-batches split and, for a tie, its critical pipelines counted by 1F1B "
     "makespans (a third of the climb); and the any-m lines that score large layouts rank "
     "them loosely (at 5%, the 7th best template by lines was the best by 0.9% refined). Now a "
-    "neighbour is a change of a few pipelines judged from those alone (`localsearch._Tally`): "
+    "neighbour is a change of a few pipelines judged from those alone (`localsearch.Tally`): "
     "the linear split's time is at most T exactly when the pipelines take B micro-batches "
     "within T, so the layout's count less the removed pipelines' plus the new ones' says "
     "faster, tie (fewer micro-batches at T: closer) or slower; a pipeline not solved yet "

@@ -12,10 +12,10 @@ are injected through the job's emulation schedule from step 0. Measured speedup 
 uniform step time / median planner-plan step time over the steps after warm-up; predicted =
 cost.plan_step_time(uniform) / cost.plan_step_time(planner's plan) under the calibrated cost
 model: the calibration (and link rates) the uniform plan's trainers measured in their first steps
-(trainer/calibration.py), as the controller would predict a re-plan from the plan in force;
+(trainer/engine/calibrator.py), as the controller would predict a re-plan from the plan in force;
 target within 10%. The uncalibrated model's prediction (layer compute only) is shown beside it.
 Writes the "Trainer" section of docs/benchmarks.md. The cases and the spawned job are
-bench/trainer_cases.py's, the section's text bench/trainer_report.py's.
+bench/trainer_cases.py's, the rows (`Row`) and the section's text bench/trainer_report.py's.
 """
 
 from __future__ import annotations
@@ -26,82 +26,16 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from benchdoc import LoadSampler, replace_section  # bench/ is on sys.path when run as a script
 from trainer_cases import SCALES, Job, Scale, make_jobs, run_scale, situations
-from trainer_report import TARGET, render
+from trainer_report import Row, render
 
 ROOT = Path(__file__).resolve().parent.parent
 
 DOC = ROOT / "docs" / "benchmarks.md"
-
-
-@dataclass
-class Row:
-    scale: Scale
-    situation: str
-    unit_s: float  # seconds of one layer-time unit (forward + backward of one layer-shard)
-    model: dict[str, float]  # plan -> uncalibrated cost-model step time (layer-time units)
-    calibrated: dict[str, float]  # plan -> calibrated cost-model step time (layer-time units)
-    calibration: dict[str, Any]  # the uniform plan's measured terms (the prediction's)
-    own: dict[str, float]  # plan -> calibrated step time under its own trainers' calibration
-    measured: dict[str, float]  # plan -> median step seconds
-    pipelines: dict[str, float]  # plan -> median over steps of the slowest rank's 1F1B run
-    measured_rates: dict[int, float]  # stragglers' rates as the uniform run measured them
-    overruns: int  # layer calls whose real math overran the emulated budget
-    late_ms: float  # mean wake-up lateness per layer call
-
-    @property
-    def predicted(self) -> float:
-        """Calibrated: uniform / planner step time of the cost model with the uniform plan's
-        measured calibration."""
-        return self.calibrated["uniform"] / self.calibrated["planner"]
-
-    @property
-    def predicted_v1(self) -> float:
-        """The same with layer compute only (the cost model without calibration)."""
-        return self.model["uniform"] / self.model["planner"]
-
-    @property
-    def error_v1(self) -> float:
-        return self.speedup / self.predicted_v1 - 1
-
-    def step_fidelity(self, name: str) -> float:
-        """Measured step seconds over the calibrated model's (the uniform calibration's)."""
-        return self.measured[name] / (self.calibrated[name] * self.unit_s)
-
-    @property
-    def speedup(self) -> float:
-        """Measured: uniform / planner median step time."""
-        return self.measured["uniform"] / self.measured["planner"]
-
-    @property
-    def error(self) -> float:
-        return self.speedup / self.predicted - 1
-
-    @property
-    def ok(self) -> bool:
-        return abs(self.error) <= TARGET
-
-    @property
-    def pipeline_speedup(self) -> float:
-        """The same on the pipelines' time alone (what the cost model models)."""
-        return self.pipelines["uniform"] / self.pipelines["planner"]
-
-    @property
-    def pipeline_error(self) -> float:
-        return self.pipeline_speedup / self.predicted - 1
-
-    def fidelity(self, name: str) -> float:
-        """Measured over cost-model pipeline time: > 1 by what the model leaves out."""
-        return self.pipelines[name] / (self.model[name] * self.unit_s)
-
-    def fixed_s(self, name: str) -> float:
-        """Seconds of a step outside the pipelines: gradient sync, world all-reduces, optimizer."""
-        return self.measured[name] - self.pipelines[name]
 
 
 def _slowest_per_step(per_rank: list[list[float]]) -> list[float]:
@@ -177,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--dump", type=Path, help="also write each situation's raw result (JSON)")
     args = ap.parse_args(argv)
-    from malleus.trainer.calibration import CAL_STEPS, CAL_WARMUP
+    from malleus.trainer.engine.calibrator import CAL_STEPS, CAL_WARMUP
 
     scales = args.scales or ([8] if args.quick else sorted(SCALES))
     known = {name for w in scales for name in situations(SCALES[w])}
@@ -188,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--warmup + --steps must be >= {CAL_WARMUP + CAL_STEPS + 1}: the calibration")
     command = "python bench/trainer.py " + " ".join(argv if argv is not None else sys.argv[1:])
 
-    from malleus.trainer.launch import spawn_local
+    from malleus.trainer.launch.spawn import spawn_local
 
     rows: list[Row] = []
     jobs_by_key: dict[tuple[int, str], Job] = {}

@@ -119,15 +119,16 @@ def run_scale(jobs: list[Job], warmup: int, steps: int, out: str) -> None:
     """Spawned-job body: per job, alternate the two plans' steps; rank 0 writes OUT/<i>.json."""
     import torch.distributed as dist
 
-    from malleus.trainer.launch import DistEnv, init_distributed
+    from malleus.trainer.engine.services import Services
+    from malleus.trainer.engine.trainer import Trainer
+    from malleus.trainer.launch.distributed import DistEnv, init_distributed
     from malleus.trainer.parallel.groups import GroupCache
-    from malleus.trainer.services import Services
-    from malleus.trainer.worker import Trainer
+    from malleus.trainer.world.world import World
 
     env = DistEnv.from_env()
-    device = init_distributed(env, init_timeout_s=120)
-    groups = GroupCache()
-    world = env.world_size
+    world = World(env.world_size)
+    device = init_distributed(env, world, init_timeout_s=120)
+    groups = GroupCache(world)
     try:
         for index, job in enumerate(jobs):
             trainers = {
@@ -162,7 +163,7 @@ def run_scale(jobs: list[Job], warmup: int, steps: int, out: str) -> None:
                 "clock": {name: t.services.clock.stats() for name, t in trainers.items()},
                 "pipeline": {name: v[warmup:] for name, v in pipeline.items()},
             }
-            gathered: list[Any] = [None] * world
+            gathered: list[Any] = [None] * world.size
             dist.all_gather_object(gathered, mine)
             if env.rank == 0:
                 calibration = {

@@ -1,21 +1,88 @@
-"""The "Trainer" section of docs/benchmarks.md: the table and notes bench/trainer.py writes."""
+"""The "Trainer" section of docs/benchmarks.md: its rows (`Row`, one situation's figures) and
+the table and notes bench/trainer.py writes."""
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from benchdoc import machine
 
 if TYPE_CHECKING:
-    from trainer_cases import Job
+    from trainer_cases import Job, Scale
 
     from malleus.planner import Plan
-    from trainer import Row  # bench/trainer.py, run as a script
 
 TARGET = 0.10
 """|measured / predicted - 1| allowed for every plan (issue 13: the calibrated cost model)."""
+
+
+@dataclass
+class Row:
+    scale: Scale
+    situation: str
+    unit_s: float  # seconds of one layer-time unit (forward + backward of one layer-shard)
+    model: dict[str, float]  # plan -> uncalibrated cost-model step time (layer-time units)
+    calibrated: dict[str, float]  # plan -> calibrated cost-model step time (layer-time units)
+    calibration: dict[str, Any]  # the uniform plan's measured terms (the prediction's)
+    own: dict[str, float]  # plan -> calibrated step time under its own trainers' calibration
+    measured: dict[str, float]  # plan -> median step seconds
+    pipelines: dict[str, float]  # plan -> median over steps of the slowest rank's 1F1B run
+    measured_rates: dict[int, float]  # stragglers' rates as the uniform run measured them
+    overruns: int  # layer calls whose real math overran the emulated budget
+    late_ms: float  # mean wake-up lateness per layer call
+
+    @property
+    def predicted(self) -> float:
+        """Calibrated: uniform / planner step time of the cost model with the uniform plan's
+        measured calibration."""
+        return self.calibrated["uniform"] / self.calibrated["planner"]
+
+    @property
+    def predicted_v1(self) -> float:
+        """The same with layer compute only (the cost model without calibration)."""
+        return self.model["uniform"] / self.model["planner"]
+
+    @property
+    def error_v1(self) -> float:
+        return self.speedup / self.predicted_v1 - 1
+
+    def step_fidelity(self, name: str) -> float:
+        """Measured step seconds over the calibrated model's (the uniform calibration's)."""
+        return self.measured[name] / (self.calibrated[name] * self.unit_s)
+
+    @property
+    def speedup(self) -> float:
+        """Measured: uniform / planner median step time."""
+        return self.measured["uniform"] / self.measured["planner"]
+
+    @property
+    def error(self) -> float:
+        return self.speedup / self.predicted - 1
+
+    @property
+    def ok(self) -> bool:
+        return abs(self.error) <= TARGET
+
+    @property
+    def pipeline_speedup(self) -> float:
+        """The same on the pipelines' time alone (what the cost model models)."""
+        return self.pipelines["uniform"] / self.pipelines["planner"]
+
+    @property
+    def pipeline_error(self) -> float:
+        return self.pipeline_speedup / self.predicted - 1
+
+    def fidelity(self, name: str) -> float:
+        """Measured over cost-model pipeline time: > 1 by what the model leaves out."""
+        return self.pipelines[name] / (self.model[name] * self.unit_s)
+
+    def fixed_s(self, name: str) -> float:
+        """Seconds of a step outside the pipelines: gradient sync, world all-reduces, optimizer."""
+        return self.measured[name] - self.pipelines[name]
+
 
 NOTES = [
     "Load: this machine's two cores are shared (the header gives this run's load), and "
@@ -91,7 +158,7 @@ def render(
         "",
         "- *predicted*: uniform T / planner T of the **calibrated** cost model "
         '(docs/architecture.md, "Cost model"): the problem carries the calibration the '
-        "uniform plan's trainers measured in their first steps (trainer/calibration.py: TP "
+        "uniform plan's trainers measured in their first steps (trainer/engine/calibrator.py: TP "
         "collectives per layer, embedding, head, pipeline transfers, gradient sync, optimizer, "
         "the rest of a step) and their link rates, as the controller predicts a re-plan from "
         "the plan in force; in parentheses after each step time, the plan's calibrated time "

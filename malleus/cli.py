@@ -73,7 +73,9 @@ def _build_parser() -> argparse.ArgumentParser:
     prep = data.add_parser(
         "prepare", help="tokenize .txt / .jsonl files once into the tokens format"
     )
-    from malleus.trainer import prepare_data  # cheap: numpy and tokenizers load when it runs
+    from malleus.trainer.data import (
+        prepare as prepare_data,  # cheap: numpy and tokenizers load when it runs
+    )
 
     prepare_data.add_arguments(prep)
     prep.set_defaults(func=prepare_data.main)

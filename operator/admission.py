@@ -25,9 +25,9 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from malleus.control import AsyncControlClient, ControlError
 from malleus.errors import BadInput
 from malleus.job import MalleusJobStatus, Phase
-from malleus.job.control import AsyncControlClient, ControlError
 from malleus.job.spec import MalleusJobSpec, SchedulingSpec
 from malleus.planner.plan import Plan
 

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
+from malleus.control import AsyncControlClient, ControlError, ControlStatus
 from malleus.controller.events import DecisionEvent, Migrated
 from malleus.controller.loop import Controller
 from malleus.controller.planning import Planner, default_planner
@@ -39,7 +40,6 @@ from malleus.controller.ports import Observation, RateSource
 from malleus.controller.sources import HttpPlanSink
 from malleus.errors import BadInput
 from malleus.job import MalleusJobStatus, Phase, ResolvedJob
-from malleus.job.control import AsyncControlClient, ControlError, ControlStatus
 from malleus.planner.plan import Plan
 
 from . import jobs, planstore, resources, sources, status, tls

@@ -21,8 +21,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from malleus.control import ControlStatus
 from malleus.controller.ports import Ack, PlanRejected, PlanSink
-from malleus.job.control import ControlStatus
 from malleus.planner.plan import Plan
 
 from . import resources

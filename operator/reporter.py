@@ -19,6 +19,7 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
+from malleus.control import ControlStatus, RecoveryRecord
 from malleus.controller.detector import ShiftDetector
 from malleus.controller.events import (
     DecisionEvent,
@@ -30,7 +31,6 @@ from malleus.controller.events import (
 )
 from malleus.controller.ports import Observation
 from malleus.job import LastReplan, MalleusJobStatus, Phase, ResolvedJob
-from malleus.job.control import ControlStatus, RecoveryRecord
 from malleus.job.rates import bounded_rates
 from malleus.job.status import LastRecovery
 from malleus.planner.plan import Plan

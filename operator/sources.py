@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from malleus.control import ControlTLS
 from malleus.controller.ports import Observation, RateSource
 from malleus.controller.prometheus import (
     PrometheusSource,
@@ -22,7 +23,6 @@ from malleus.controller.prometheus import (
 )
 from malleus.controller.sources import TrainerScrapeSource
 from malleus.job import ResolvedJob
-from malleus.job.control import ControlTLS
 
 from . import resources
 

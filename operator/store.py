@@ -62,7 +62,7 @@ def build_store_pod(job: ResolvedJob, ref: JobRef) -> dict[str, Any]:
     """The store pod: the trainer image running the store server on `STORE_PORT`.
 
     ``restartPolicy: Always``: a crashed store restarts in place, empty, at the same address;
-    the trainers' clients dial it again (trainer/store_client.py), so a later failure is still
+    the trainers' clients dial it again (trainer/world/store_client.py), so a later failure is still
     survived.
     """
     return {

@@ -4,7 +4,7 @@ The store pod (`store.build_store_pod`, ``restartPolicy: Always``) outlives a cr
 (its kubelet restarts it in place), but not its deletion (``kubectl delete``, the node lifecycle
 controller removing the pods of a dead node) nor an eviction (phase Failed: ``restartPolicy``
 no longer applies). Nothing else would bring it back, and the trainers, whose store clients
-dial the Service's address again for up to a minute a call (trainer/store_client.py), would
+dial the Service's address again for up to a minute a call (trainer/world/store_client.py), would
 lose their rendezvous at the next failure. So while the job is active (`status.ACTIVE_PHASES`,
 not being deleted):
 

@@ -5,7 +5,7 @@ makes, per job, a CA and a server certificate signed by it for the workers' stab
 (``<job>-node-<i>.<job>.<namespace>.svc``, by name because a pod's IP is not known before it
 runs), and stores the CA certificate, the server certificate and its key in the job's Secret
 beside the token. The pods mount the certificate and key; the operator (and anyone given the
-Secret) trusts the CA alone (`malleus.job.control.ControlTLS`).
+Secret) trusts the CA alone (`malleus.control.ControlTLS`).
 
 The CA's private key is thrown away as soon as the server certificate is signed: nothing can
 ever sign another certificate that this job's clients trust, so a leaked Secret exposes one

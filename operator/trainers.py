@@ -8,7 +8,7 @@ elsewhere; ``{pod_ip}`` in the template is resolved by reading the pod through t
 
 The coordinator (the lowest GPU still in the job: global rank 0 until a failure takes it out)
 publishes every rank's rate, takes plans and reports the plan in force, so the operator talks
-to it alone, through `malleus.job.control`'s client. Every rank has a control port of its own
+to it alone, through `malleus.control`'s client. Every rank has a control port of its own
 (``spec.controlPort + local rank``, `workers.control_ports`) and only the coordinator serves
 it, so `Endpoints.coordinator` asks the running pods, lowest node first, each of its ranks'
 ports in turn, and takes the first that answers ``GET /status``.
@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from malleus.job.control import AsyncControlClient, ControlError, ControlStatus, ControlTLS
+from malleus.control import AsyncControlClient, ControlError, ControlStatus, ControlTLS
 from malleus.planner.plan import Plan
 
 from . import resources

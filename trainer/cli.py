@@ -24,14 +24,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from malleus.errors import BadInput
-
-from .inputs import judge, load_inputs
+from malleus.trainer.run.inputs import judge, load_inputs
 
 if TYPE_CHECKING:
     from malleus.job import ResolvedJob
     from malleus.planner import Plan
-
-    from .config import RunOptions
+    from malleus.trainer.run.options import RunOptions
 
 __all__ = ["add_arguments", "main", "worker_main"]
 
@@ -104,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace) -> RunOptions:
-    from .config import RunOptions
+    from malleus.trainer.run.options import RunOptions
 
     return RunOptions(
         steps=args.steps,
@@ -134,8 +132,8 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # before any rank started
         print("malleus train: interrupted", file=sys.stderr)
         return 130
-    from .launch import LaunchError
-    from .spawn import Interrupted, spawn_local
+    from malleus.trainer.launch.spawn import Interrupted, spawn_local
+    from malleus.trainer.world.errors import LaunchError
 
     port = None if args.control_port in (None, -1) else args.control_port
     opts = _options(args)
@@ -163,18 +161,18 @@ def main(args: argparse.Namespace) -> int:
 def _failure_report(job: ResolvedJob, opts: RunOptions, code: int, reason: str) -> None:
     """`--report` of a run whose rank 0 was stopped or died before writing its own."""
     if opts.report and not Path(opts.report).exists():
-        from .report import failure_report
+        from malleus.trainer.run.report import failure_report
 
         failure_report(job, opts.report, opts.total_steps(job), code, reason, opts.command)
 
 
 def _run_reference(job: ResolvedJob, args: argparse.Namespace) -> int:
-    from .reference import train_reference
-    from .state import save_atomic
+    from malleus.trainer.engine.state import save_atomic
+    from malleus.trainer.run.reference import train_reference
 
     steps = args.steps if args.steps is not None else job.steps
 
-    from .report import RunLog
+    from malleus.trainer.run.report import RunLog
 
     record = RunLog(job, None, steps, mode="reference", command=shlex.join(sys.argv))
 
@@ -191,7 +189,7 @@ def _run_reference(job: ResolvedJob, args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"[malleus] saved model to {args.save_model}", flush=True)
     if args.save_hf:
-        from .hf import save_hf
+        from malleus.trainer.model.hf import save_hf
 
         save_hf(job, result.full_state(), args.save_hf)
         if not args.quiet:
@@ -202,8 +200,8 @@ def _run_reference(job: ResolvedJob, args: argparse.Namespace) -> int:
 def _local_rank(
     job: ResolvedJob, plan: Plan, opts: RunOptions, port: int | None, init_timeout: float
 ) -> int:
-    from .checkpoint import CheckpointError
-    from .launch import DistEnv, fault_tolerant
+    from malleus.trainer.checkpoint.directory import CheckpointError
+    from malleus.trainer.launch.distributed import DistEnv, fault_tolerant
 
     env = DistEnv.from_env()
     # Fault tolerant: every rank may become the coordinator; it serves the job's one port
@@ -229,23 +227,31 @@ def _run(
     import torch.distributed as dist
 
     from malleus.planner import Plan
-
-    from . import membership
-    from .launch import DEFAULT_COLLECTIVE_TIMEOUT_S, fault_tolerant, init_distributed, note_writer
-    from .loop import run_rank
-    from .recovery import hang_timeout_s
-    from .report import RunLog
-    from .services import Services
+    from malleus.trainer.engine.services import Services
+    from malleus.trainer.launch.distributed import (
+        DEFAULT_COLLECTIVE_TIMEOUT_S,
+        fault_tolerant,
+        init_distributed,
+        note_writer,
+    )
+    from malleus.trainer.recovery.protocol import hang_timeout_s
+    from malleus.trainer.run.loop import join_job, run_rank
+    from malleus.trainer.run.report import RunLog
+    from malleus.trainer.world.world import World
 
     tolerant = fault_tolerant()
     timeout = hang_timeout_s(job) if tolerant else DEFAULT_COLLECTIVE_TIMEOUT_S
-    membership.set_collective_timeout(timeout)
+    world = World(env.world_size)  # this process's view of the job's process group
+    world.set_collective_timeout(timeout)
     admission = None
     if join:
-        device, admission = init_distributed(env, init_timeout_s=init_timeout, join=True)
+        device, store = init_distributed(env, world, init_timeout_s=init_timeout, join=True)
+        admission = join_job(store, env.rank, world, init_timeout)
         plan = Plan.from_json(admission.plan)
     else:
-        device = init_distributed(env, init_timeout_s=init_timeout, collective_timeout_s=timeout)
+        device = init_distributed(
+            env, world, init_timeout_s=init_timeout, collective_timeout_s=timeout
+        )
         # Every rank validated its own plan; a planner need not be deterministic across
         # processes, so all adopt rank 0's.
         shared = [plan.to_json() if env.rank == 0 else None]
@@ -253,9 +259,14 @@ def _run(
         plan = Plan.from_json(shared[0])
     steps = opts.total_steps(job)
     services = Services.create(
-        job, env.rank, control_port=port, steps=steps, serve_when_coordinator=tolerant
+        job,
+        env.rank,
+        control_port=port,
+        steps=steps,
+        serve_when_coordinator=tolerant,
+        coordinator=world.coordinator(),
     )
-    if env.rank == membership.coordinator():
+    if env.rank == world.coordinator():
         services.note = note_writer(env)
     report = opts.report if env.rank == 0 and not join else None
     log = RunLog(job, plan, steps, command=opts.command) if report else None
@@ -265,7 +276,7 @@ def _run(
             plan,
             opts,
             rank=env.rank,
-            world=env.world_size,
+            world=world,
             device=device,
             services=services,
             log=log,
@@ -287,7 +298,8 @@ def _run(
 
 def worker_main(argv: list[str] | None = None) -> int:
     """One rank under torchrun: validate first (exit 2), then join the job and train."""
-    from .launch import DistEnv, LaunchError, quiet_signals
+    from malleus.trainer.launch.distributed import DistEnv, quiet_signals
+    from malleus.trainer.world.errors import LaunchError
 
     quiet_signals()
     parser = argparse.ArgumentParser(prog="python -m malleus.trainer", description=__doc__)
@@ -316,15 +328,15 @@ def worker_main(argv: list[str] | None = None) -> int:
         port = base + env.local_rank
     else:
         port = base if env.local_rank == 0 else None
-    from .launch import fault_tolerant
+    from malleus.trainer.launch.distributed import fault_tolerant
 
     if args.join and not fault_tolerant():
         print(
             "malleus trainer: --join needs $MALLEUS_STORE (a store no rank hosts)", file=sys.stderr
         )
         return 2
-    from .checkpoint import CheckpointError
-    from .recovery import NO_PLAN_EXIT, NoValidPlan
+    from malleus.trainer.checkpoint.directory import CheckpointError
+    from malleus.trainer.recovery.protocol import NO_PLAN_EXIT, NoValidPlan
 
     try:
         return _run(job, plan, _options(args), env, port, args.init_timeout, args.join)

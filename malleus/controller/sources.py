@@ -3,11 +3,11 @@
 `TrainerScrapeSource` reads the coordinator's `GET /metrics` (it publishes every rank's rate,
 and its series tell "not measured yet" from "failed", which `/status` does not need to);
 `HttpPlanSink` posts plans to `POST /plan` and polls `GET /status` for the switch. Both go
-through `malleus.job.control.AsyncControlClient`, the one client of the control API; the
+through `malleus.control.AsyncControlClient`, the one client of the control API; the
 exposition text is parsed by prometheus-client's own parser.
 
 The coordinator speaks for every rank: each rank's figure is its own slot of a collective
-(`trainer/worker.py`), so no rank can write another's. What the page claims is still checked
+(`trainer/engine/trainer.py`), so no rank can write another's. What the page claims is still checked
 against the layout: a series for a rank outside the job, with a rank that is not a number, or
 whose ``node_rank`` label is not the node that holds that rank is dropped, not believed.
 """
@@ -18,14 +18,14 @@ import asyncio
 import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
-from malleus.errors import BadInput
-from malleus.job.control import (
+from malleus.control import (
     AsyncControlClient,
     ControlError,
     ControlStatus,
     ControlTLS,
     PlanConflict,
 )
+from malleus.errors import BadInput
 from malleus.planner.calibration import BY_SIZE_TERMS, COUNT_TERMS, PER_MIB_TERMS, SCALAR_TERMS
 from malleus.planner.plan import Plan
 
@@ -48,7 +48,7 @@ CALIBRATION_METRICS = (
     "malleus_link_rate",
     "malleus_calibration_host",
 )
-"""The trainers' calibration series (trainer/metrics.py)."""
+"""The trainers' calibration series (trainer/endpoint/metrics.py)."""
 JOB_LABEL = "malleus_job"  # the trainers' label naming the job (`job` is Prometheus' own)
 
 
@@ -118,7 +118,7 @@ def calibration_from_metrics(
     text: str, job: str | None = None
 ) -> tuple[dict[str, object] | None, dict[int, float]]:
     """The calibration (the planner's shape, layer-time units) and per-node link rates from a
-    /metrics page (trainer/metrics.py writes them in seconds); None for the calibration when
+    /metrics page (trainer/endpoint/metrics.py writes them in seconds); None for the calibration when
     the page has none (not measured yet). Negative or non-finite figures are dropped."""
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -13,7 +13,6 @@ Rooms:
 - `memory`: the planner's memory model of a job;
 - `resolved`: `ResolvedJob`, the one derived view (sizes, world, faults, problem, first plan);
 - `resources`: can this machine run the job (`malleus run` and `malleus train` both ask);
-- `control`: the trainers' control API (`ControlStatus`) and its client;
 - `report`: the parts of the JSON run report that `malleus run` and `malleus train` share.
 
 Imports: job -> planner (the plan contract), errors; nothing here imports the controller, the

@@ -1,7 +1,7 @@
 """A Hugging Face model folder's config.json, read and judged without torch.
 
 `spec.model.path` names a folder as `save_pretrained` writes it (config.json, *.safetensors,
-maybe model.safetensors.index.json). The trainer executes one decoder (trainer/model.py:
+maybe model.safetensors.index.json). The trainer executes one decoder (trainer/model/decoder.py:
 RMSNorm, rotary positions, SwiGLU, grouped-query attention), so a config is accepted exactly
 when that decoder computes what the config describes: Llama, Mistral without a sliding window
 narrower than the training sequence, and Qwen2 (its q/k/v biases are sharded by heads like the

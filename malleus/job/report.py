@@ -1,6 +1,6 @@
 """The run report's shared parts: its per-step rows, per-generation segments and JSON writing.
 
-`malleus run` (malleus/runner/report.py) and `malleus train --report` (trainer/report.py) write
+`malleus run` (malleus/runner/report/) and `malleus train --report` (trainer/run/report.py) write
 the same JSON report, so that one script reads either; the parts both need live here, since the
 trainer may not import the runner. Torch-free.
 """

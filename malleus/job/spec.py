@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from .presets import GPU_PROFILES, GpuProfile, Preset
-from .spec_base import _Model
+from .spec_base import StrictModel
 from .spec_cluster import (
     ContainerOverride,
     EnvVar,
@@ -93,7 +93,7 @@ class JobMetadata(BaseModel):
     annotations: dict[str, str] = Field(default_factory=dict)
 
 
-class ModelSpec(_Model):
+class ModelSpec(StrictModel):
     """A preset, explicit sizes, or a Hugging Face folder (`path`); explicit sizes override the
     preset's, and beside `path` they must agree with its config.json."""
 
@@ -123,7 +123,7 @@ class ModelSpec(_Model):
     """Share the input embedding with the output head (with `path`: config.json decides)."""
 
 
-class DataSpec(_Model):
+class DataSpec(StrictModel):
     """The user's own data (docs/data.md); the files are read by the trainers, never the operator."""
 
     format: DataFormat
@@ -138,7 +138,7 @@ class DataSpec(_Model):
     """text: a folder holding tokenizer.json."""
 
 
-class TrainingSpec(_Model):
+class TrainingSpec(StrictModel):
     """The optimisation; unchanged by every plan."""
 
     global_batch_size: int
@@ -160,7 +160,7 @@ class TrainingSpec(_Model):
     for one more forward per layer; the same math."""
 
 
-class ParallelismSpec(_Model):
+class ParallelismSpec(StrictModel):
     """Nominal tensor-parallel degree; optional pinned pipelines (dp) and stages (pp)."""
 
     tp: int
@@ -168,7 +168,7 @@ class ParallelismSpec(_Model):
     pp: int | None = None
 
 
-class StragglerPolicy(_Model):
+class StragglerPolicy(StrictModel):
     """When a GPU counts as a straggler and when a new plan is worth its migration."""
 
     threshold: float = 1.2
@@ -197,7 +197,7 @@ class StragglerPolicy(_Model):
         return rate is None or rate >= self.threshold
 
 
-class FailurePolicy(_Model):
+class FailurePolicy(StrictModel):
     """What happens when a GPU, rank or pod dies or hangs: the survivors re-plan and go on."""
 
     hang_timeout_seconds: int | None = None
@@ -214,21 +214,21 @@ class FailurePolicy(_Model):
     the operator sets it as the pods' ``terminationGracePeriodSeconds``."""
 
 
-class DcgmSpec(_Model):
+class DcgmSpec(StrictModel):
     """Names of the DCGM exporter metrics."""
 
     sm_clock_metric: str = "DCGM_FI_DEV_SM_CLOCK"
     clock_event_reasons_metric: str = "DCGM_FI_DEV_CLOCKS_EVENT_REASONS"
 
 
-class KeyRef(_Model):
+class KeyRef(StrictModel):
     """One key of a Secret or ConfigMap in the job's namespace (read by the operator by name)."""
 
     name: str
     key: str
 
 
-class PrometheusTLSSpec(_Model):
+class PrometheusTLSSpec(StrictModel):
     """The CA bundle (PEM) that verifies an https Prometheus URL, from a Secret or a ConfigMap
     (not both); without one the operator's system trust store is used."""
 
@@ -236,7 +236,7 @@ class PrometheusTLSSpec(_Model):
     ca_config_map: KeyRef | None = None
 
 
-class PrometheusSpec(_Model):
+class PrometheusSpec(StrictModel):
     """The Prometheus server to query, and how to authenticate to it."""
 
     url: str | None = None
@@ -246,7 +246,7 @@ class PrometheusSpec(_Model):
     dcgm: DcgmSpec = Field(default_factory=DcgmSpec)
 
 
-class MetricsSpec(_Model):
+class MetricsSpec(StrictModel):
     """Where straggling rates come from."""
 
     source: MetricsSource = "trainer"
@@ -254,7 +254,7 @@ class MetricsSpec(_Model):
     prometheus: PrometheusSpec | None = None
 
 
-class CheckpointSpec(_Model):
+class CheckpointSpec(StrictModel):
     """Periodic checkpoints; ``interval_steps == 0`` turns them off."""
 
     claim_name: str | None = None
@@ -267,7 +267,7 @@ class CheckpointSpec(_Model):
     an older one."""
 
 
-class ResourcesSpec(_Model):
+class ResourcesSpec(StrictModel):
     """Per-pod requests; ``gpu_memory_mib`` is the planner's memory capacity per GPU."""
 
     cpu: int | str | None = None
@@ -278,7 +278,7 @@ class ResourcesSpec(_Model):
 FailKind = Literal["kill", "hang"]
 
 
-class ScheduleEntry(_Model):
+class ScheduleEntry(StrictModel):
     """One emulated event at ``step`` (emulation only); exactly one of three kinds:
 
     - ``{step, rank, factor}``: from ``step`` on, GPU ``rank`` computes ``factor`` times slower
@@ -307,7 +307,7 @@ class ScheduleEntry(_Model):
         return "slowdown"
 
 
-class EmulationSpec(_Model):
+class EmulationSpec(StrictModel):
     """Emulated GPU clock for CPU machines."""
 
     enabled: bool = False
@@ -326,7 +326,7 @@ class EmulationSpec(_Model):
         return self.layer_forward_ms / 1000.0, self.layer_backward_ms / 1000.0
 
 
-class MalleusJobSpec(_Model):
+class MalleusJobSpec(StrictModel):
     """``spec`` of a MalleusJob."""
 
     image: str

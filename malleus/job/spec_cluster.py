@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from .spec_base import _Model
+from .spec_base import StrictModel
 
 __all__ = [
     "ContainerOverride",
@@ -33,14 +33,14 @@ __all__ = [
 ]
 
 
-class PodTemplateMetadata(_Model):
+class PodTemplateMetadata(StrictModel):
     """Labels and annotations added to every worker pod (the operator's own keys win)."""
 
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
 
 
-class EnvVar(_Model):
+class EnvVar(StrictModel):
     """A core/v1 EnvVar for the trainer container; ``value_from`` is kept as Kubernetes reads it."""
 
     name: str
@@ -48,7 +48,7 @@ class EnvVar(_Model):
     value_from: dict[str, Any] | None = None
 
 
-class VolumeMount(_Model):
+class VolumeMount(StrictModel):
     """A core/v1 VolumeMount of one of the override's volumes."""
 
     name: str
@@ -57,7 +57,7 @@ class VolumeMount(_Model):
     read_only: bool | None = None
 
 
-class ResourceOverride(_Model):
+class ResourceOverride(StrictModel):
     """Extra requests/limits (``rdma/hca``, hugepages): device plugins' resources the operator
     does not know; cpu, memory and ``nvidia.com/gpu`` stay the operator's."""
 
@@ -65,7 +65,7 @@ class ResourceOverride(_Model):
     limits: dict[str, int | str] = Field(default_factory=dict)
 
 
-class ContainerOverride(_Model):
+class ContainerOverride(StrictModel):
     """Additions to the trainer container (the pod's only container)."""
 
     name: Literal["trainer"]
@@ -74,13 +74,13 @@ class ContainerOverride(_Model):
     resources: ResourceOverride = Field(default_factory=ResourceOverride)
 
 
-class LocalObjectReference(_Model):
+class LocalObjectReference(StrictModel):
     """A Secret in the job's namespace, by name (an image pull secret)."""
 
     name: str
 
 
-class PodSpecOverride(_Model):
+class PodSpecOverride(StrictModel):
     """The pod spec fields a job may set; deep Kubernetes types (affinity, tolerations,
     volumes) are kept as given, for the API server to judge when the pod is created."""
 
@@ -95,7 +95,7 @@ class PodSpecOverride(_Model):
     containers: list[ContainerOverride] = Field(default_factory=list)
 
 
-class PodTemplate(_Model):
+class PodTemplate(StrictModel):
     """A PodTemplateSpec-shaped override merged into every worker pod (`operator/workers.py`
     says which of the operator's fields win)."""
 
@@ -109,7 +109,7 @@ class PodTemplate(_Model):
         )
 
 
-class RunPolicy(_Model):
+class RunPolicy(StrictModel):
     """How long a job may run, and how long its objects outlive it (unset: no limit)."""
 
     active_deadline_seconds: int | None = None
@@ -121,7 +121,7 @@ class RunPolicy(_Model):
 PodGroupApi = Literal["scheduler-plugins", "volcano"]
 
 
-class PodGroupSpec(_Model):
+class PodGroupSpec(StrictModel):
     """The pod group a coscheduler admits as one gang (Volcano, scheduler-plugins): the operator
     labels and annotates every worker with ``name``. With ``create`` it also creates the
     PodGroup object (``minMember`` = ``spec.nodes``, owned by the job); without, the PodGroup is
@@ -135,7 +135,7 @@ class PodGroupSpec(_Model):
     """The Volcano queue of the PodGroup (``create: volcano`` only; unset: Volcano's default)."""
 
 
-class SchedulingSpec(_Model):
+class SchedulingSpec(StrictModel):
     """How the job's pods get (or fail to get) places on nodes."""
 
     schedule_timeout_seconds: int = 600

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field
 
 from .schema import API_VERSION, KIND
-from .spec import JobMetadata, MalleusJobSpec, _Model
+from .spec import JobMetadata, MalleusJobSpec, StrictModel
 
 __all__ = [
     "Condition",
@@ -51,7 +51,7 @@ class Phase(StrEnum):
     deadline (the conditions say which). A failed pod alone is a recovery, not this."""
 
 
-class Condition(_Model):
+class Condition(StrictModel):
     """``metav1.Condition``."""
 
     type: str
@@ -62,7 +62,7 @@ class Condition(_Model):
     message: str
 
 
-class PlanStatus(_Model):
+class PlanStatus(StrictModel):
     """The plan in force, in brief: the whole plan is ``plan.json`` in the job's ConfigMap
     (hundreds of stages would make ``kubectl describe`` hundreds of lines)."""
 
@@ -76,7 +76,7 @@ class PlanStatus(_Model):
     predicted_step_time: float | None = None
 
 
-class StragglerStatus(_Model):
+class StragglerStatus(StrictModel):
     """A straggling GPU."""
 
     rank: int
@@ -84,7 +84,7 @@ class StragglerStatus(_Model):
     rate: float | None = None
 
 
-class LastReplan(_Model):
+class LastReplan(StrictModel):
     """The most recent re-plan and its migration."""
 
     time: dt.datetime | None = None
@@ -100,7 +100,7 @@ FailureState = Literal["Waiting", "Replaced", "Out"]
 replacement was created), ``Out`` (past ``spec.failurePolicy.maxRestarts``: not replaced)."""
 
 
-class NodeFailure(_Model):
+class NodeFailure(StrictModel):
     """A node whose worker pod failed, and what the operator did about it (one per node)."""
 
     node: int
@@ -121,7 +121,7 @@ class NodeFailure(_Model):
     """When the replacement is due (state ``Waiting``)."""
 
 
-class GpuOut(_Model):
+class GpuOut(StrictModel):
     """A GPU out of the job, and why."""
 
     gpu: int
@@ -132,7 +132,7 @@ class GpuOut(_Model):
     failed pod not yet back."""
 
 
-class LastRecovery(_Model):
+class LastRecovery(StrictModel):
     """The latest recovery from failed GPUs, as the trainers' coordinator measured it."""
 
     epoch: int
@@ -146,7 +146,7 @@ class LastRecovery(_Model):
     generation: int | None = None
 
 
-class MalleusJobStatus(_Model):
+class MalleusJobStatus(StrictModel):
     """``status`` of a MalleusJob, written by the operator."""
 
     phase: Phase | None = None
@@ -172,7 +172,7 @@ class MalleusJobStatus(_Model):
     message: str | None = None
 
 
-class MalleusJob(_Model):
+class MalleusJob(StrictModel):
     """A whole MalleusJob custom resource."""
 
     api_version: Literal["malleus.io/v1alpha1"] = API_VERSION

@@ -1,5 +1,10 @@
 """Malleus's planner: contracts (PlanningProblem, Plan), the cost model, validation, search.
 
+On top: the contract (`problem`, `calibration`, `plan`, `validate`) and the cost model (`cost`,
+`pace`, `schedule`, `memory`), plus `malleus plan`'s input and output (`cli`). The search is
+the `search` package, which imports those and is imported by none of them; `plan` is exported
+here.
+
 No torch and no Kubernetes here: the operator, the local runner and the trainer all import it.
 """
 

@@ -24,7 +24,7 @@ __all__ = [
 
 SCALAR_TERMS = ("embedding", "head", "p2p", "fixed", "grad_sync_call_intra", "grad_sync_call_inter")
 """Calibration terms that are a time (per micro-batch, call or step): /metrics
-`malleus_cost_seconds{term}` (trainer/metrics.py, read back by malleus/controller/sources.py)."""
+`malleus_cost_seconds{term}` (trainer/endpoint/metrics.py, read back by malleus/controller/sources.py)."""
 PER_MIB_TERMS = ("grad_sync_intra", "grad_sync_inter", "optimizer")
 """Calibration terms per MiB held: `malleus_cost_seconds_per_mebibyte{term}`."""
 BY_SIZE_TERMS = ("tp_comm", "embedding_comm", "head_comm")

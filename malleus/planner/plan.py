@@ -15,11 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = ["Estimate", "Pipeline", "Plan", "Stage"]
 
 
-class _Model(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Stage(_Model):
+class Stage(StrictModel):
     """One pipeline stage: a TP group of one node holding a contiguous range of layers."""
 
     ranks: list[int] = Field(description="Global ranks of the TP group, in shard order.")
@@ -39,14 +39,14 @@ class Stage(_Model):
         return range(index * n, (index + 1) * n)
 
 
-class Pipeline(_Model):
+class Pipeline(StrictModel):
     """A data-parallel replica: stages in order, and its share of the step's micro-batches."""
 
     micro_batches: int = Field(description="Micro-batches this pipeline processes per step.")
     stages: list[Stage]
 
 
-class Estimate(_Model):
+class Estimate(StrictModel):
     """Cost-model figures, in layer-time units (DESIGN §4.3); MB for migration."""
 
     step_time: float
@@ -71,7 +71,7 @@ class Estimate(_Model):
     )
 
 
-class Plan(_Model):
+class Plan(StrictModel):
     """A complete layout of the job (DESIGN §4.2)."""
 
     generation: int = Field(default=0, description="Increases by one with every applied plan.")

@@ -25,6 +25,7 @@ __all__ = [
     "ModelSpec",
     "PlanningProblem",
     "ProblemError",
+    "as_fault",
     "validation_faults",
 ]
 
@@ -41,7 +42,7 @@ MAX_MICRO_BATCHES = 1_000_000
 """Most micro-batches per step: the micro-batch solver's work grows with it."""
 
 
-def _as_fault(text: str) -> Fault:
+def as_fault(text: str) -> Fault:
     """`"rates.3: must be >= 1"` -> Fault("rates.3", "must be >= 1"); no path -> Fault("", text)."""
     path, sep, message = text.partition(": ")
     if sep and path and " " not in path:
@@ -53,7 +54,7 @@ class ProblemError(BadInput):
     """A planning problem that cannot be planned; one fault per problem (`BadInput`)."""
 
     def __init__(self, faults: list[str], source: str | None = None) -> None:
-        super().__init__([_as_fault(f) for f in faults], source, what="PlanningProblem")
+        super().__init__([as_fault(f) for f in faults], source, what="PlanningProblem")
 
 
 Count = Annotated[int, Strict()]

@@ -10,7 +10,7 @@ from malleus.errors import BadInput
 
 from .memory import stage_memory_mb
 from .plan import Plan
-from .problem import PlanningProblem, _as_fault
+from .problem import PlanningProblem, as_fault
 
 __all__ = ["PlanError", "check_plan", "validate_plan"]
 
@@ -20,7 +20,7 @@ class PlanError(BadInput):
 
     def __init__(self, violations: list[str], source: str | None = None) -> None:
         self.violations = list(violations)
-        super().__init__([_as_fault(v) for v in violations], source, what="plan")
+        super().__init__([as_fault(v) for v in violations], source, what="plan")
 
 
 def validate_plan(problem: PlanningProblem, plan: Plan) -> list[str]:

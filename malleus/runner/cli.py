@@ -176,7 +176,7 @@ def run(
     if options.report:
         write_json(report, options.report)
     if options.plot and report["per_step"]:
-        from .plot import plot_report
+        from .report.plot import plot_report
 
         plot_report(report, options.plot)
     print("\n".join([summary_text(report), *summary_lines(report)]), file=out)

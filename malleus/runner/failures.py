@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from malleus.control import RecoveryRecord
 from malleus.job import FailurePolicy
-from malleus.job.control import RecoveryRecord
 
 __all__ = [
     "BACKOFF_CAP_SECONDS",
@@ -41,7 +41,7 @@ __all__ = [
 
 BACKOFF_CAP_SECONDS = 300.0
 NO_PLAN_EXIT = 4
-"""A trainer's exit code when no valid plan exists on the GPUs left (trainer/recovery.py
+"""A trainer's exit code when no valid plan exists on the GPUs left (trainer/recovery/protocol.py
 `NO_PLAN_EXIT`, the same number): the end of the job, not a failure to replace."""
 
 
@@ -145,7 +145,7 @@ _RECOVERED = re.compile(
 )
 _JOINED = re.compile(r"\[malleus\] rank (?P<rank>\d+) joined at step (?P<step>\d+)")
 _NO_PLAN = re.compile(r"no valid plan|RecoveryError: ", re.IGNORECASE)
-"""The trainers' verdict that the survivors cannot go on (trainer/recovery.py RecoveryError)."""
+"""The trainers' verdict that the survivors cannot go on (trainer/recovery/protocol.py RecoveryError)."""
 
 
 def parse_trainer_event(line: str) -> tuple[str, dict[str, Any]] | None:

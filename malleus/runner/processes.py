@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import IO
 
 from .launch import LaunchSpec
-from .store_server import StoreServer, _death_signal, free_port, free_ports
+from .store_server import StoreServer, death_signal, free_port, free_ports
 
 __all__ = [
     "EXPELLED",
@@ -167,7 +167,7 @@ class TrainerProcesses:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_death_signal(),
+            preexec_fn=death_signal(),
         )
         rp = RankProcess(rank, proc, log, joins)
         assert proc.stdout is not None

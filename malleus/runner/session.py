@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from malleus.control import AsyncControlClient
 from malleus.controller import Controller, DecisionEvent, EventKind, TrainerScrapeSource
 from malleus.controller.events import Migrated
-from malleus.job.control import AsyncControlClient
 
 from .changes import describe
 from .prepare import Prepared

@@ -23,10 +23,10 @@ from typing import Any
 
 import httpx
 
+from malleus.control import AsyncControlClient, ControlError
 from malleus.controller.ports import Ack, AckTimeout, PlanRejected
 from malleus.controller.sources import HttpPlanSink
 from malleus.errors import BadInput
-from malleus.job.control import AsyncControlClient, ControlError
 from malleus.planner.plan import Plan
 
 from .processes import TrainerProcesses

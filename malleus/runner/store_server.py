@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["StoreServer", "free_port", "free_ports"]
+__all__ = ["StoreServer", "death_signal", "free_port", "free_ports"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -56,7 +56,7 @@ def free_ports(count: int, host: str = "127.0.0.1", tries: int = 100) -> list[in
     raise RuntimeError(f"no {count} consecutive free ports on {host}")
 
 
-def _death_signal() -> Callable[[], None] | None:
+def death_signal() -> Callable[[], None] | None:
     """A preexec function asking Linux to SIGTERM the child when the runner dies."""
     if not sys.platform.startswith("linux"):
         return None
@@ -84,7 +84,7 @@ class StoreServer:
 
     def start(self, timeout: float = 60.0, *, port: int = 0) -> str:
         """Start the server on `port` (0: the OS picks; a restart: the lost one's, which the
-        ranks' clients dial again, trainer/store_client.py)."""
+        ranks' clients dial again, trainer/world/store_client.py)."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
         err = open(self.log, "ab")  # noqa: SIM115 (the child holds it; closed below)
         try:
@@ -103,7 +103,7 @@ class StoreServer:
                 stdout=subprocess.PIPE,
                 stderr=err,
                 start_new_session=True,
-                preexec_fn=_death_signal(),
+                preexec_fn=death_signal(),
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         finally:

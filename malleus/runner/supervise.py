@@ -27,7 +27,7 @@ import queue
 import time
 from collections.abc import Callable
 
-from malleus.job.control import ControlError, RecoveryRecord
+from malleus.control import ControlError, RecoveryRecord
 
 from .failures import (
     NO_PLAN_EXIT,
@@ -48,7 +48,7 @@ from .supervise_restart import RestartMode
 __all__ = ["DEAD_KEY", "Supervisor"]
 
 DEAD_KEY = "malleus/0//rec/dead/"
-"""Where the runner tells the trainers that a GPU's process ended: trainer/launch.py DEAD_KEY
+"""Where the runner tells the trainers that a GPU's process ended: trainer/launch/distributed.py DEAD_KEY
 (`rec/dead/`) under the job's `PrefixStore("malleus/<attempt>/")`, which joins prefix and key
 with one more "/" (hence the double slash: the raw key the trainers read)."""
 _STATUS_EVERY = 0.5
@@ -181,7 +181,7 @@ class Supervisor(RestartMode):
 
     def _keep_store(self) -> None:
         """A rendezvous store that died is started again, empty, on its port: the ranks'
-        clients dial it again (trainer/store_client.py), so a later failure is still survived."""
+        clients dial it again (trainer/world/store_client.py), so a later failure is still survived."""
         store = self.procs.store
         if store is None or (code := store.lost()) is None:
             return

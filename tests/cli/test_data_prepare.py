@@ -15,8 +15,8 @@ import pytest
 from malleus.cli import main
 from malleus.job.data import data_file_faults
 from malleus.job.spec import DataSpec, TrainingSpec
-from malleus.trainer import prepare_data
-from malleus.trainer.prepare_data import Encoder, prepare
+from malleus.trainer.data import prepare as prepare_data
+from malleus.trainer.data.prepare import Encoder, prepare
 from tests.trainer.data_cases import CORPUS_PATH, make_tokenizer
 
 

@@ -1,7 +1,7 @@
 """The trainers' calibration reaches the controller's problem, its decision and its events.
 
 The trainers publish the cost model's measured terms and per-node link rates on /metrics
-(trainer/metrics.py); `observation_from_metrics` reads them back into the planner's shape, and
+(trainer/endpoint/metrics.py); `observation_from_metrics` reads them back into the planner's shape, and
 the controller plans, decides and reports on the calibrated problem (`decision.calibrated`).
 """
 
@@ -19,7 +19,7 @@ from malleus.controller.decision import calibrated
 from malleus.controller.events import Planned, Replanned
 from malleus.controller.sources import calibration_from_metrics, observation_from_metrics
 from malleus.planner import Plan, PlanningProblem, plan_step_time
-from malleus.trainer.metrics import TrainerMetrics
+from malleus.trainer.endpoint.metrics import TrainerMetrics
 
 from .conftest import greedy_planner
 

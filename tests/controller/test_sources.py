@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from malleus.control import ControlClient, ControlStatus, MigrationRecord, PlanFailure
 from malleus.controller import (
     Ack,
     AckTimeout,
@@ -26,12 +27,11 @@ from malleus.controller import (
 )
 from malleus.controller.sources import ack_from_status, observation_from_metrics
 from malleus.job import StragglerPolicy
-from malleus.job.control import ControlClient, ControlStatus, MigrationRecord, PlanFailure
 from malleus.planner import Plan
-from malleus.trainer.control import ControlServer
-from malleus.trainer.metrics import TrainerMetrics
-from malleus.trainer.plan_inbox import PlanInbox
-from malleus.trainer.services import Services, WorkerState
+from malleus.trainer.endpoint.metrics import TrainerMetrics
+from malleus.trainer.endpoint.server import ControlServer
+from malleus.trainer.engine.services import Services, WorkerState
+from malleus.trainer.switching.plan_inbox import PlanInbox
 
 from .conftest import greedy_planner
 

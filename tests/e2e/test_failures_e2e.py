@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import yaml
 
-from malleus.job.control import ControlClient, ControlTLS
+from malleus.control import ControlClient, ControlTLS
 from tests.e2e.pods import LocalKubelet, listen_port
 from tests.e2e.test_operator_e2e import Cluster, Operator, _exactly, _manifest, kubectl
 

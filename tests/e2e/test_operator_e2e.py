@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pytest
 import yaml
 
-from malleus.job.control import ControlClient, ControlError, ControlTLS
+from malleus.control import ControlClient, ControlError, ControlTLS
 from tests.e2e.pods import LocalKubelet, listen_port
 from tests.k8s.apiserver import ApiServerError, wait_until
 

@@ -1,6 +1,6 @@
 """The control API end to end: both clients against the trainer's real HTTP control endpoint.
 
-The server is `trainer/control.py`'s, serving the status that `trainer/services.py` builds
+The server is `trainer/endpoint/server.py`'s, serving the status that `trainer/engine/services.py` builds
 from the loop's state, the coordinator's plan inbox and its stop request: every answer the
 clients parse is one the trainer really gives.
 """
@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 
-from malleus.errors import BadInput
-from malleus.job.control import (
+from malleus.control import (
     AsyncControlClient,
     ControlClient,
     ControlError,
@@ -24,14 +23,15 @@ from malleus.job.control import (
     PlanConflict,
     PlanFailure,
 )
+from malleus.errors import BadInput
 from malleus.planner.plan import Plan
 from malleus.planner.problem import PlanningProblem
-from malleus.trainer.control import ControlServer
-from malleus.trainer.emulation import InjectionQueue
-from malleus.trainer.metrics import TrainerMetrics
-from malleus.trainer.plan_inbox import PlanInbox
-from malleus.trainer.services import Services, WorkerState
-from malleus.trainer.switch import StopControl
+from malleus.trainer.endpoint.metrics import TrainerMetrics
+from malleus.trainer.endpoint.server import ControlServer
+from malleus.trainer.engine.services import Services, WorkerState
+from malleus.trainer.measure.emulation import InjectionQueue
+from malleus.trainer.switching.plan_inbox import PlanInbox
+from malleus.trainer.switching.protocol import StopControl
 
 TOKEN = "s3cret"
 

@@ -6,7 +6,6 @@ torch or transformers); what the trainer cannot compute exactly is refused namin
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,51 +17,15 @@ from malleus.job import ResolvedJob
 from malleus.job.hf import model_config
 from malleus.job.memory import memory_model
 from malleus.job.presets import ModelConfig, RopeScaling
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
-LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 97,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "hidden_act": "silu",
-    "max_position_embeddings": 32,
-    "rms_norm_eps": 1e-06,
-    "tie_word_embeddings": True,
-    "rope_parameters": {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8,
-        "rope_theta": 500000.0,
-    },
-    "attention_bias": False,
-    "mlp_bias": False,
-    "attention_dropout": 0.0,
-}
+from tests.job.tiny_llama import EXAMPLE, LLAMA, model_manifest, write_config
 
 
 def job(folder: Path, **model: Any) -> ResolvedJob:
-    manifest = yaml.safe_load(EXAMPLE.read_text())
-    manifest["spec"]["model"] = {"path": str(folder), "sequence": 16} | model
-    manifest["spec"]["parallelism"] = {"tp": 2}
-    manifest["spec"]["training"]["dataset"] = "synthetic"
-    return ResolvedJob.load(manifest)
-
-
-def folder_with(tmp_path: Path, config: dict[str, Any]) -> Path:
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    return tmp_path
+    return ResolvedJob.load(model_manifest(folder, **model))
 
 
 def test_a_llama_config_resolves_every_field(tmp_path: Path) -> None:
-    cfg = job(folder_with(tmp_path, LLAMA)).check().model
+    cfg = job(write_config(tmp_path, LLAMA)).check().model
     assert cfg == ModelConfig(
         layers=2,
         hidden=64,
@@ -119,21 +82,21 @@ def test_what_the_trainer_cannot_compute_is_refused_naming_the_field(
     tmp_path: Path, change: dict[str, Any], message: str
 ) -> None:
     with pytest.raises(BadInput) as caught:
-        job(folder_with(tmp_path, LLAMA | change))
+        job(write_config(tmp_path, LLAMA | change))
     assert [f.path for f in caught.value.faults] == ["spec.model.path"]
     assert message in str(caught.value)
 
 
 def test_mistral_without_a_window_and_qwen2_with_biases_are_accepted(tmp_path: Path) -> None:
     mistral = LLAMA | {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
-    assert not job(folder_with(tmp_path, mistral | {"sliding_window": None})).model.attention_bias
-    assert job(folder_with(tmp_path, mistral | {"sliding_window": 4096})).check()
+    assert not job(write_config(tmp_path, mistral | {"sliding_window": None})).model.attention_bias
+    assert job(write_config(tmp_path, mistral | {"sliding_window": 4096})).check()
     qwen = LLAMA | {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
-    assert job(folder_with(tmp_path, qwen | {"use_sliding_window": False})).model.attention_bias
+    assert job(write_config(tmp_path, qwen | {"use_sliding_window": False})).model.attention_bias
 
 
 def test_pickled_weights_are_refused_not_replaced_by_random_ones(tmp_path: Path) -> None:
-    folder = folder_with(tmp_path, LLAMA)
+    folder = write_config(tmp_path, LLAMA)
     (folder / "pytorch_model.bin").write_bytes(b"pickle")
     with pytest.raises(BadInput, match=r"holds \*\.bin weights and no \*\.safetensors"):
         job(folder)
@@ -143,18 +106,18 @@ def test_pickled_weights_are_refused_not_replaced_by_random_ones(tmp_path: Path)
 
 def test_a_sequence_longer_than_the_model_knows_is_refused(tmp_path: Path) -> None:
     with pytest.raises(BadInput, match=r"spec\.model\.sequence: 64 exceeds max_position_emb"):
-        job(folder_with(tmp_path, LLAMA), sequence=64)
+        job(write_config(tmp_path, LLAMA), sequence=64)
 
 
 def test_sizes_beside_the_path_must_agree_with_config_json(tmp_path: Path) -> None:
-    folder = folder_with(tmp_path, LLAMA)
+    folder = write_config(tmp_path, LLAMA)
     agreeing = dict(layers=2, hidden=64, heads=8, kvHeads=2, ffn=96, vocab=97)
     assert job(folder, **agreeing, tiedEmbeddings=True).check()
     with pytest.raises(BadInput) as caught:
         job(folder, **agreeing | {"kvHeads": 8, "layers": 3})
     assert [f.path for f in caught.value.faults] == ["spec.model.layers", "spec.model.kvHeads"]
     assert "3 disagrees with" in str(caught.value)
-    untied = folder_with(tmp_path, LLAMA | {"tie_word_embeddings": False})
+    untied = write_config(tmp_path, LLAMA | {"tie_word_embeddings": False})
     with pytest.raises(BadInput, match=r"spec\.model\.tiedEmbeddings: true disagrees"):
         job(untied, tiedEmbeddings=True)
 
@@ -173,7 +136,7 @@ def test_kv_heads_and_tp_must_tile(tmp_path: Path) -> None:
     config = LLAMA | {"num_attention_heads": 12, "num_key_value_heads": 6, "head_dim": 8}
     with pytest.raises(BadInput, match=r"spec\.model\.kvHeads: kvHeads\(6\) and tp\(4\)"):
         manifest = yaml.safe_load(EXAMPLE.read_text())
-        manifest["spec"]["model"] = {"path": str(folder_with(tmp_path, config)), "sequence": 16}
+        manifest["spec"]["model"] = {"path": str(write_config(tmp_path, config)), "sequence": 16}
         manifest["spec"]["parallelism"] = {"tp": 4}
         ResolvedJob.load(manifest).check()
 

@@ -5,18 +5,17 @@ the cluster served by kmock over HTTP."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from typing import Any
 
 import kopf
 import pytest
 
-from malleus.job.control import ControlStatus, MigrationRecord
 from malleus.operator import daemon, handlers, jobs, resources
 from malleus.operator.context import Context
 from malleus.planner.plan import Pipeline, Plan, Stage
 from malleus.planner.problem import PlanningProblem
+from tests.operator.fake_trainer import Coordinator, Stop
 from tests.operator.kube import Kube
 
 REF = resources.JobRef(namespace="ml", name="demo", uid="uid-1234", generation=1)
@@ -39,21 +38,6 @@ def created(
 
 def with_settings(ctx: Context, **changes: Any) -> Context:
     return Context(ctx.cluster, ctx.settings.with_(**changes), ctx.metrics)
-
-
-class Stop:
-    """kopf's DaemonStopped, as far as the daemon uses it."""
-
-    def __init__(self) -> None:
-        self.event = asyncio.Event()
-
-    def __bool__(self) -> bool:
-        return self.event.is_set()
-
-    async def wait(self, timeout: float | None = None) -> bool:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.event.wait(), timeout)
-        return self.event.is_set()
 
 
 def test_effective_job_keeps_the_started_layout_and_the_live_policy(
@@ -100,10 +84,6 @@ def _exclude_slow_groups(problem: PlanningProblem, *, time_limit: float | None =
 def test_run_job_replans_around_a_straggler_end_to_end(
     kube: Kube, memo: kopf.Memo, ctx: Context, make_job: Any
 ) -> None:
-    control = pytest.importorskip("malleus.trainer.control")
-    from malleus.trainer.metrics import TrainerMetrics
-    from malleus.trainer.plan_inbox import PlanInbox
-
     body = created(
         kube,
         memo,
@@ -112,57 +92,14 @@ def test_run_job_replans_around_a_straggler_end_to_end(
             metrics={"scrapeIntervalSeconds": 1},
         ),
     )
-    job = jobs.resolve(body)
     token = run(ctx.cluster.read_secret_value("ml", "demo-control", "token"))
-    inbox = PlanInbox(job.problem(), current_generation=1)
-    tm = TrainerMetrics("demo", rank=0, node=0)
-    tm.observe_plan(1)
-    state: dict[str, Any] = {"step": 0, "migration": None}
-
-    def status() -> ControlStatus:
-        return ControlStatus(
-            job="demo",
-            world=job.world,
-            generation=inbox.current_generation,
-            pending_generation=inbox.pending_generation,
-            step=state["step"],
-            steps=job.steps,
-            done=False,
-            stopping=False,
-            rates={},
-            step_seconds=0.05,
-            tokens_per_second=20480.0,
-            last_migration=state["migration"],
-            last_failure=inbox.last_failure,
-        )
-
-    server = control.ControlServer(
-        "127.0.0.1", 0, token, status=status, inbox=inbox, metrics=tm, inject=None
-    ).start()
-    ours = with_settings(ctx, endpoint_template=f"http://127.0.0.1:{server.port}")
-
-    async def train(stop: Stop) -> None:
-        """The coordinator's side: steps, rates (rank 3 slows at step 3), plan switches."""
-        step = 0
-        while not stop:
-            step += 1
-            plan = inbox.take()
-            if plan is not None:
-                inbox.applied(plan.generation)
-                tm.observe_plan(plan.generation)
-                tm.observe_migration(0.25, 4096)
-                state["migration"] = MigrationRecord(
-                    generation=plan.generation, step=step, seconds=0.25, bytes=4096
-                )
-            rates = {r: (3.0 if r == 3 and step >= 3 else 1.0) for r in range(8)}
-            tm.observe_rates(rates, {r: r // 4 for r in range(8)})
-            tm.observe_step(step, 0.05, 20480.0, rates[0], 0.04)
-            state["step"] = step
-            await asyncio.sleep(0.05)
+    # the coordinator's side: steps, rates (rank 3 slows at step 3), plan switches
+    coordinator = Coordinator(jobs.resolve(body), token, slow={3}, slow_from=3)
+    ours = coordinator.context(ctx)
 
     async def scenario() -> str | None:
         stop = Stop()
-        trainer = asyncio.ensure_future(train(stop))
+        trainer = asyncio.ensure_future(coordinator.train(stop))
         runner = asyncio.ensure_future(
             daemon.run_job(ours, body, stop, planner=_exclude_slow_groups, poll_seconds=0.1)
         )
@@ -180,7 +117,7 @@ def test_run_job_replans_around_a_straggler_end_to_end(
     try:
         result = run(scenario())
     finally:
-        server.stop()
+        coordinator.server.stop()
     assert result is None
     reasons = kube.reasons()
     assert (
@@ -198,7 +135,7 @@ def test_run_job_replans_around_a_straggler_end_to_end(
     assert Plan.from_json(cm["data"]["plan.json"]).generation == 2
     assert "pending-plan.json" not in cm["data"]
     # the token from the Secret is what authorised the POST
-    assert inbox.current_generation == 2
+    assert coordinator.inbox.current_generation == 2
     assert json.loads(cm["data"]["job.json"])["metadata"]["name"] == "demo"
 
 

@@ -419,7 +419,7 @@ def test_a_pod_failed_before_the_job_ran_is_replaced_like_a_first_pod(
 def test_a_pods_ranks_take_their_global_identity_from_the_node_index() -> None:
     """What `workers.torchrun_command` relies on: torchrun launches one pod's ranks
     (``--nnodes=1``); with the job's store, node index and local rank make the global rank."""
-    launch = pytest.importorskip("malleus.trainer.launch")
+    launch = pytest.importorskip("malleus.trainer.launch.distributed")
     env = {
         "RANK": "1",
         "WORLD_SIZE": "2",

@@ -2,7 +2,7 @@
 job, and a suspension asks the coordinator that moved (the lowest survivor), not node 0.
 
 Against kmock (`tests/operator/kube.py`); the coordinator is a real control endpoint
-(`malleus.trainer.control.ControlServer`) on the loopback address of its pod's IP.
+(`malleus.trainer.endpoint.server.ControlServer`) on the loopback address of its pod's IP.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from malleus.operator import admission, children, handlers, resources
 from malleus.operator.context import MEMO_KEY, Context
 from tests.operator.kube import Kube
 
-control = pytest.importorskip("malleus.trainer.control")
+control = pytest.importorskip("malleus.trainer.endpoint.server")
 failures_cases = pytest.importorskip("tests.operator.test_failures_daemon")
 
 T0 = dt.datetime(2026, 3, 1, 12, 0, 0, tzinfo=dt.UTC)

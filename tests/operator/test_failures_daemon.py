@@ -15,13 +15,14 @@ from typing import Any
 import kopf
 import pytest
 
-from malleus.job.control import ControlStatus, RecoveryRecord
+from malleus.control import ControlStatus, RecoveryRecord
 from malleus.operator import daemon, handlers, jobs, resources, trainers
 from malleus.operator.context import Context
 from malleus.planner.plan import Pipeline, Plan, Stage
+from tests.operator.fake_trainer import Stop
 from tests.operator.kube import Kube
 
-control = pytest.importorskip("malleus.trainer.control")
+control = pytest.importorskip("malleus.trainer.endpoint.server")
 pytestmark = pytest.mark.timeout(120)
 
 REF = resources.JobRef(namespace="ml", name="demo", uid="uid-1234", generation=1)
@@ -81,8 +82,8 @@ class Trainers:
         )
 
     def serve(self, host: str, port: int) -> Any:
-        from malleus.trainer.metrics import TrainerMetrics
-        from malleus.trainer.plan_inbox import PlanInbox
+        from malleus.trainer.endpoint.metrics import TrainerMetrics
+        from malleus.trainer.switching.plan_inbox import PlanInbox
 
         job_world = self.world
         inbox = PlanInbox(None, current_generation=self.plan.generation)  # type: ignore[arg-type]
@@ -179,7 +180,7 @@ def test_the_loop_follows_a_moved_coordinator_and_reports_the_recovery(
 
     async def scenario() -> str | None:
         nonlocal other
-        stop = _Stop()
+        stop = Stop()
         task = asyncio.ensure_future(daemon.run_job(ours, job, stop, poll_seconds=0.1))
         await asyncio.sleep(1.5)  # the loop runs against node 0
         server.stop()  # node 0 dies; node 1's rank 0 is the coordinator now
@@ -196,7 +197,7 @@ def test_the_loop_follows_a_moved_coordinator_and_reports_the_recovery(
         job["status"] = kube.job("ml", "demo")["status"]
 
         async def again() -> str | None:
-            stop = _Stop()
+            stop = Stop()
             task = asyncio.ensure_future(daemon.run_job(ours, job, stop, poll_seconds=0.1))
             for _ in range(100):
                 if "Recovered" in kube.reasons():
@@ -226,19 +227,6 @@ def test_the_loop_follows_a_moved_coordinator_and_reports_the_recovery(
     assert "in 2.5 s, 1 step(s) lost" in message
     degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
     assert degraded["status"] == "True" and "0 (killed)" in degraded["message"]
-
-
-class _Stop:
-    def __init__(self) -> None:
-        self.event = asyncio.Event()
-
-    def __bool__(self) -> bool:
-        return self.event.is_set()
-
-    async def wait(self, timeout: float | None = None) -> bool:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.event.wait(), timeout)
-        return self.event.is_set()
 
 
 def jobs_plan(body: dict[str, Any]) -> Plan:

@@ -18,11 +18,11 @@ from typing import Any
 import kopf
 import pytest
 
-from malleus.job.control import ControlStatus, MigrationRecord
 from malleus.operator import daemon, handlers, jobs
 from malleus.operator.context import Context
 from malleus.planner.plan import Pipeline, Plan, Stage
 from malleus.planner.problem import PlanningProblem
+from tests.operator.fake_trainer import Coordinator, Stop
 from tests.operator.kube import Kube
 
 
@@ -45,21 +45,6 @@ def _healthy_groups(problem: PlanningProblem, *, time_limit: float | None = None
     )
 
 
-class Stop:
-    """kopf's DaemonStopped, as far as the daemon uses it."""
-
-    def __init__(self) -> None:
-        self.event = asyncio.Event()
-
-    def __bool__(self) -> bool:
-        return self.event.is_set()
-
-    async def wait(self, timeout: float | None = None) -> bool:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.event.wait(), timeout)
-        return self.event.is_set()
-
-
 async def until(what: Callable[[], bool], seconds: float = 20.0) -> None:
     """Poll `what` every 50 ms; fail the test after `seconds`."""
     for _ in range(int(seconds / 0.05)):
@@ -73,10 +58,6 @@ async def until(what: Callable[[], bool], seconds: float = 20.0) -> None:
 def test_a_daemon_restarted_between_publish_and_ack_converges(
     kube: Kube, memo: kopf.Memo, ctx: Context, make_job: Any, taken: str
 ) -> None:
-    control = pytest.importorskip("malleus.trainer.control")
-    from malleus.trainer.metrics import TrainerMetrics
-    from malleus.trainer.plan_inbox import PlanInbox
-
     job_body = make_job(
         stragglerPolicy={"windowSteps": 1, "cooldownSeconds": 0, "minGain": 0.05},
         metrics={"scrapeIntervalSeconds": 1},
@@ -86,56 +67,11 @@ def test_a_daemon_restarted_between_publish_and_ack_converges(
     asyncio.run(handlers.on_create(body=job_body, patch=patch, memo=memo))
     kube.merge_status("ml", "demo", {**patch["status"], "phase": "Running"})
     body = kube.job("ml", "demo")  # kopf's live view, kept current by `follow` below
-    job = jobs.resolve(body)
     token = asyncio.run(ctx.cluster.read_secret_value("ml", "demo-control", "token"))
-    inbox = PlanInbox(job.problem(), current_generation=1)
-    tm = TrainerMetrics("demo", rank=0, node=0)
-    tm.observe_plan(1)
-    trainers: dict[str, Any] = {"step": 0, "migration": None, "hold": True, "slow": {3}}
-
-    def status() -> ControlStatus:
-        return ControlStatus(
-            job="demo",
-            world=job.world,
-            generation=inbox.current_generation,
-            pending_generation=inbox.pending_generation,
-            step=trainers["step"],
-            steps=job.steps,
-            done=False,
-            stopping=False,
-            rates={},
-            step_seconds=0.05,
-            tokens_per_second=20480.0,
-            last_migration=trainers["migration"],
-            last_failure=inbox.last_failure,
-        )
-
-    server = control.ControlServer(
-        "127.0.0.1", 0, token, status=status, inbox=inbox, metrics=tm, inject=None
-    ).start()
-    ours = Context(
-        ctx.cluster,
-        ctx.settings.with_(endpoint_template=f"http://127.0.0.1:{server.port}"),
-        ctx.metrics,
-    )
-
-    async def train(stop: Stop) -> None:
-        """The coordinator: steps, rates, and plans taken at step boundaries unless held."""
-        step = 0
-        while not stop:
-            step += 1
-            plan = None if trainers["hold"] else inbox.take()
-            if plan is not None:
-                inbox.applied(plan.generation)
-                tm.observe_plan(plan.generation)
-                trainers["migration"] = MigrationRecord(
-                    generation=plan.generation, step=step, seconds=0.25, bytes=4096
-                )
-            rates = {r: (3.0 if r in trainers["slow"] else 1.0) for r in range(8)}
-            tm.observe_rates(rates, {r: r // 4 for r in range(8)})
-            tm.observe_step(step, 0.05, 20480.0, rates[0], 0.04)
-            trainers["step"] = step
-            await asyncio.sleep(0.05)
+    # the coordinator: steps, rates, and plans taken at step boundaries unless held
+    trainers = Coordinator(jobs.resolve(body), token, slow={3}, hold=True)
+    inbox = trainers.inbox
+    ours = trainers.context(ctx)
 
     async def follow(stop: Stop) -> None:
         """kopf refreshes a daemon's body with every change of the object."""
@@ -153,7 +89,10 @@ def test_a_daemon_restarted_between_publish_and_ack_converges(
 
     async def scenario() -> None:
         stop = Stop()
-        background = [asyncio.ensure_future(train(stop)), asyncio.ensure_future(follow(stop))]
+        background = [
+            asyncio.ensure_future(trainers.train(stop)),
+            asyncio.ensure_future(follow(stop)),
+        ]
         try:
             first = start(Stop())
             await until(lambda: inbox.pending_generation == 2)
@@ -166,20 +105,20 @@ def test_a_daemon_restarted_between_publish_and_ack_converges(
                 cm is not None and Plan.from_json(cm["data"]["pending-plan.json"]).generation == 2
             )
             if taken == "before the restart":
-                trainers["hold"] = False
+                trainers.hold = False
                 await until(lambda: inbox.current_generation == 2)
             second_stop = Stop()
             second = start(second_stop)
             if taken == "after the restart":
                 await asyncio.sleep(0.5)  # the new daemon resumes while the plan is pending
                 assert shown()["plan"]["generation"] == 1 and inbox.pending_generation == 2
-                trainers["hold"] = False
+                trainers.hold = False
             await until(lambda: shown()["plan"]["generation"] == 2, seconds=5)
             await until(lambda: shown()["phase"] == "Running", seconds=5)
             cm = kube.get("ConfigMap", "ml", "demo-config")  # recorded before the status
             assert cm is not None and "pending-plan.json" not in cm["data"]
             assert Plan.from_json(cm["data"]["plan.json"]).generation == 2
-            trainers["slow"] = {3, 5}  # a later re-plan: the next generation, applied
+            trainers.slow = {3, 5}  # a later re-plan: the next generation, applied
             await until(lambda: inbox.current_generation == 3)
             await until(lambda: shown()["plan"]["generation"] == 3)
             body["status"]["phase"] = "Succeeded"  # the pod watcher says the job is over
@@ -194,7 +133,7 @@ def test_a_daemon_restarted_between_publish_and_ack_converges(
     try:
         asyncio.run(scenario())
     finally:
-        server.stop()
+        trainers.server.stop()
     assert "ReplanFailed" not in kube.reasons()
     st = kube.job("ml", "demo")["status"]
     assert st["plan"]["excluded"] == [2, 3, 4, 5]

@@ -9,6 +9,7 @@ from typing import Any
 import kopf
 import pytest
 
+from malleus.control import ControlStatus
 from malleus.controller.decision import Decision
 from malleus.controller.detector import Shift
 from malleus.controller.events import (
@@ -21,7 +22,6 @@ from malleus.controller.events import (
     StragglerDetected,
 )
 from malleus.controller.ports import Ack, Observation
-from malleus.job.control import ControlStatus
 from malleus.operator import handlers, jobs, planstore, resources
 from malleus.operator.context import Context
 from malleus.operator.reporter import JobReporter

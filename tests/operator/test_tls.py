@@ -2,7 +2,7 @@
 
 The certificates are read back with `cryptography` and used for real: a `ControlServer` over
 TLS on 127.0.0.1 with a certificate issued for ``localhost``, and the clients of
-`malleus.job.control`, which trust the job's CA and nothing else.
+`malleus.control`, which trust the job's CA and nothing else.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from malleus.job.control import (
+from malleus.control import (
     AsyncControlClient,
     ControlClient,
     ControlError,
@@ -30,15 +30,15 @@ from malleus.job.control import (
 )
 from malleus.operator import jobs, tls, workers
 from malleus.operator.resources import JobRef, coordinator_host
-from malleus.trainer.control import ControlServer
-from malleus.trainer.credentials import (
+from malleus.trainer.endpoint.credentials import (
     TLS_CERT_ENV,
     TLS_KEY_ENV,
     control_host,
     load_tls,
     server_context,
 )
-from malleus.trainer.emulation import InjectionQueue
+from malleus.trainer.endpoint.server import ControlServer
+from malleus.trainer.measure.emulation import InjectionQueue
 
 TOKEN = "s3cret"
 NOW = dt.datetime(2026, 12, 1, 9, 0, tzinfo=dt.UTC)

@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
-from malleus.planner import PlanningProblem, default_budget, evaluate, plan, validate_plan
-from malleus.planner import search as search_mod
-from malleus.planner.deadline import Deadline
-from malleus.planner.evaluate import Evaluator
+from malleus.planner import PlanningProblem, default_budget, plan, validate_plan
+from malleus.planner.search import evaluate
+from malleus.planner.search.deadline import Deadline
+from malleus.planner.search.driver import BUCKET_STEP, bucketed
+from malleus.planner.search.evaluate import Evaluator
 from tests.planner.setting_70b import problem_70b
 
 
@@ -129,15 +130,13 @@ def test_default_budget_meets_the_targets() -> None:
 
 def test_many_distinct_rates_are_bucketed_upwards() -> None:
     p = spread(1024, 0.2)
-    sp = search_mod._bucketed(p)
+    sp = bucketed(p)
     assert sp is not p
     assert all(sp.rates[r] >= v for r, v in p.rates.items() if v is not None)
-    assert all(
-        sp.rates[r] <= v * (1 + search_mod._BUCKET_STEP) + 1e-9 for r, v in p.rates.items() if v
-    )
+    assert all(sp.rates[r] <= v * (1 + BUCKET_STEP) + 1e-9 for r, v in p.rates.items() if v)
     assert len(set(sp.rates.values())) < len(set(p.rates.values())) / 3
     few = spread(64, 0.05)
-    assert search_mod._bucketed(few) is few  # few distinct rates: planned as they are
+    assert bucketed(few) is few  # few distinct rates: planned as they are
 
 
 def test_bucketed_search_is_scored_with_the_true_rates() -> None:
@@ -159,7 +158,8 @@ class OpClock:
     that no load can move."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from malleus.planner import grouping, layers, layersplit, microbatch, nodegroups, schedule
+        from malleus.planner import schedule
+        from malleus.planner.search import grouping, layers, layersplit, microbatch, nodegroups
 
         self.ticks = 0
         schedule._pipeline_time_cached.cache_clear()  # cached makespans would not tick

@@ -1,7 +1,7 @@
 """The climbs' cheap verdicts never reject a neighbour the full score would accept.
 
 `layersplit.LineFloor` bounds what a pipeline not solved yet can take within a step time, and
-`localsearch._Tally` judges a neighbour from its changed pipelines alone (issue 13, item 2):
+`localsearch.Tally` judges a neighbour from its changed pipelines alone (issue 13, item 2):
 both must only ever save work, never change which neighbours a climb accepts.
 """
 
@@ -11,11 +11,11 @@ import itertools
 import random
 
 from malleus.planner import PlanningProblem
-from malleus.planner.evaluate import Evaluator, Layout, merge
-from malleus.planner.layers import Cls
-from malleus.planner.layersplit import line_floor, split_layers
-from malleus.planner.localsearch import _apply, _moves, _Tally, _used
-from malleus.planner.microbatch import line_count
+from malleus.planner.search.evaluate import Evaluator, Layout, merge
+from malleus.planner.search.layers import Cls
+from malleus.planner.search.layersplit import line_floor, split_layers
+from malleus.planner.search.localsearch import Tally, apply_move, candidate_moves, used_groups
+from malleus.planner.search.microbatch import line_count
 from tests.planner.setting_70b import problem_70b
 
 
@@ -64,13 +64,13 @@ def test_tally_rejects_only_neighbours_the_full_score_rejects() -> None:
         best = ev.score(_random_layout(rng, groups, rng.randint(3, 6)), refine=False)
         if best is None or best.refined:
             continue
-        tally = _Tally(ev, best)
-        available = _used(best.layout)
+        tally = Tally(ev, best)
+        available = used_groups(best.layout)
         available[(2.5, 2)] += 2  # idle groups to re-admit
-        idle = available - _used(best.layout)
+        idle = available - used_groups(best.layout)
         order = list(range(len(best.layout)))
-        for move in itertools.islice(_moves(best.layout, idle, order), 400):
-            lay = _apply(best.layout, move)
+        for move in itertools.islice(candidate_moves(best.layout, idle, order), 400):
+            lay = apply_move(best.layout, move)
             if not lay or (sum(n for _, n in lay) + 2) * 4 >= B:
                 continue
             verdict = tally.judge(move)

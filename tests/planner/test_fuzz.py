@@ -4,7 +4,7 @@ of another kind, never a hang.
 Hypothesis builds planning problems and MalleusJob manifests from plausible values mixed with
 garbage (huge counts, 1e307, NaN, wrong types, negative ranks); every one must either be refused
 with `BadInput` (field path + message) or give a plan that `validate_plan` accepts, within a
-bound. The control endpoint's bodies are fuzzed in tests/trainer_services.
+bound. The control endpoint's bodies are fuzzed in tests/trainer/endpoint.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ of its gradients (the trainer's buckets), at the intra- or inter-node figure, ti
 link of the group, beside the per-MB part (docs/architecture.md, "Cost model").
 
 Every expected figure is counted by hand from the plan below (the trainer's own bucket count is
-checked against the model in tests/trainer/test_grad_sync_calls.py).
+checked against the model in tests/trainer/parallel/test_grad_sync_calls.py).
 """
 
 from __future__ import annotations

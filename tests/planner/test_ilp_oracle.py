@@ -11,8 +11,8 @@ import random
 import pulp
 import pytest
 
-from malleus.planner.layersplit import split_layers
-from malleus.planner.microbatch import split_linear
+from malleus.planner.search.layersplit import split_layers
+from malleus.planner.search.microbatch import split_linear
 
 SOLVER = pulp.PULP_CBC_CMD(msg=False)
 # PuLP 3.3 announces its 4.0 API; the 3.x calls used here are the documented ones.

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from malleus.planner import PlanningProblem
-from malleus.planner.layersplit import split_layers
-from malleus.planner.microbatch import greedy_split, split_linear
-from malleus.planner.nodegroups import all_node_options, node_options
+from malleus.planner.search.layersplit import split_layers
+from malleus.planner.search.microbatch import greedy_split, split_linear
+from malleus.planner.search.nodegroups import all_node_options, node_options
 
 
 def compositions(total: int, parts: int) -> list[tuple[int, ...]]:

@@ -12,8 +12,8 @@ import random
 from malleus.planner import PlanningProblem
 from malleus.planner.cost import plan_step_time, uniform_plan
 from malleus.planner.plan import Plan
-from malleus.planner.search import _true_cls
-from malleus.planner.settle import settle
+from malleus.planner.search.driver import true_cls
+from malleus.planner.search.settle import settle
 from malleus.planner.validate import validate_plan
 from tests.planner.setting_70b import problem_70b
 
@@ -46,7 +46,7 @@ def test_settle_lowers_a_plan_that_keeps_slow_groups_together() -> None:
         start = uniform_plan(problem)
         assert start is not None and not validate_plan(problem, start)
         _, stop = _counted(None)
-        out = settle(problem, start, lambda r, p=problem: _true_cls(p, r), stop)
+        out = settle(problem, start, lambda r, p=problem: true_cls(p, r), stop)
         assert out is not None
         assert validate_plan(problem, out) == []
         assert _ranks(out) == _ranks(start)
@@ -60,12 +60,12 @@ def test_settle_stops_at_the_first_true_stop() -> None:
     assert start is not None
     for limit in (1, 3, 10):
         calls, stop = _counted(limit)
-        out = settle(problem, start, lambda r: _true_cls(problem, r), stop)
+        out = settle(problem, start, lambda r: true_cls(problem, r), stop)
         assert calls[0] == limit + 1  # asked once more, answered True, never asked again
         assert out is not None and validate_plan(problem, out) == []
         assert plan_step_time(problem, out) <= plan_step_time(problem, start) + 1e-9
     calls, stop = _counted(0)
-    assert settle(problem, start, lambda r: _true_cls(problem, r), stop) is None
+    assert settle(problem, start, lambda r: true_cls(problem, r), stop) is None
     assert calls[0] == 1
 
 
@@ -74,5 +74,5 @@ def test_settle_leaves_calibrated_problems_alone() -> None:
     start = uniform_plan(problem)
     assert start is not None
     calls, stop = _counted(None)
-    assert settle(problem, start, lambda r: _true_cls(problem, r), stop) is None
+    assert settle(problem, start, lambda r: true_cls(problem, r), stop) is None
     assert calls[0] == 0

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from malleus.control import ControlStatus
 from malleus.controller.ports import Observation
 from malleus.controller.prometheus import (
     PrometheusSource,
@@ -31,10 +32,9 @@ from malleus.controller.prometheus import (
     own_rank_series,
     pod_gpu_rank,
 )
-from malleus.job.control import ControlStatus
 from malleus.operator import tls
-from malleus.trainer.control import ControlServer
-from malleus.trainer.metrics import TrainerMetrics
+from malleus.trainer.endpoint.metrics import TrainerMetrics
+from malleus.trainer.endpoint.server import ControlServer
 
 from .server import Prometheus, binary, serve_text
 

@@ -51,10 +51,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # The reference in this process: `malleus train --reference` saves exactly this state
-    # (tests/trainer/test_cli.py checks it), without another interpreter and torch to start.
+    # (tests/trainer/run/test_cli.py checks it), without another interpreter and torch to start.
     import torch
 
-    from malleus.trainer.reference import train_reference
+    from malleus.trainer.run.reference import train_reference
 
     torch.save(train_reference(ResolvedJob.load(job)).full_state(), tmp / "reference.pt")
     report = json.loads((tmp / "report.json").read_text())

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from malleus.control import RecoveryRecord
 from malleus.job import FailurePolicy
-from malleus.job.control import RecoveryRecord
 from malleus.runner.failures import (
     FailureLog,
     Supervision,

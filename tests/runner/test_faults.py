@@ -88,7 +88,7 @@ def reference(tmp_path: Path, job_file: str) -> dict[str, Any]:
     import torch
 
     from malleus.job import ResolvedJob
-    from malleus.trainer.reference import train_reference
+    from malleus.trainer.run.reference import train_reference
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -157,11 +157,11 @@ def test_killing_the_coordinator_rank_replaces_it_and_a_later_plan_readmits_it(
     tmp_path: Path,
 ) -> None:
     job_file = rejoin_job(tmp_path)
-    from malleus.trainer.recovery_join import AWAIT_JOIN_ENV
+    from malleus.trainer.recovery.join import AWAIT_JOIN_ENV
 
     work, report = tmp_path / "work", tmp_path / "r.json"
     # Deterministic on a loaded machine: the survivor, coordinating alone, waits at its step
-    # boundaries until the replacement of GPU 0 has asked to join (trainer/recovery_join.py's
+    # boundaries until the replacement of GPU 0 has asked to join (trainer/recovery/join.py's
     # test hook), so the run cannot end before it is admitted however slowly it starts.
     run = live_run(tmp_path, job_file, env={AWAIT_JOIN_ENV: "0"})
     wait_for("step 3", lambda: step_done(work, 3, run), 240)
@@ -359,7 +359,7 @@ def test_a_gpu_replaced_before_the_store_was_lost_is_replaced_again_after(
     # replacement must be admitted as well (before, it looked admitted already: the counter's
     # 1 was the first replacement's, so it waited until its timeout and GPU 1 stayed out).
     job_file = rejoin_job(tmp_path)
-    from malleus.trainer.recovery_join import AWAIT_JOIN_ENV
+    from malleus.trainer.recovery.join import AWAIT_JOIN_ENV
 
     work, report = tmp_path / "work", tmp_path / "r.json"
     model = tmp_path / "model.pt"

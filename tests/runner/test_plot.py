@@ -7,7 +7,7 @@ import struct
 import warnings
 from pathlib import Path
 
-from malleus.runner.plot import plot_report, rate_matrix, replan_label, warmup_steps
+from malleus.runner.report.plot import plot_report, rate_matrix, replan_label, warmup_steps
 
 
 def report() -> dict:

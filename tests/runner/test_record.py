@@ -16,7 +16,7 @@ from malleus.runner.record import (
     stragglers,
 )
 
-# Verbatim from a trainer's stdout (trainer/worker.py's step line).
+# Verbatim from a trainer's stdout (trainer/engine/trainer.py's step line).
 LINE = "[malleus] step 10/30 loss 4.2036 norm 1.765 lr 3.00e-03 0.952s 1,075 tok/s"
 
 

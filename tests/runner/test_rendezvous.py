@@ -72,7 +72,7 @@ def test_the_runner_side_sets_keys_through_the_servers_stdin(tmp_path: Path) -> 
         assert host == "127.0.0.1"
         # The runner's key must be the one the trainers read through their PrefixStore.
         from malleus.runner.supervise import DEAD_KEY
-        from malleus.trainer.launch import DEAD_KEY as TRAINER_DEAD_KEY
+        from malleus.trainer.world.errors import DEAD_KEY as TRAINER_DEAD_KEY
 
         assert server.set(f"{DEAD_KEY}3", "1")
         client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=20))

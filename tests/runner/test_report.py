@@ -14,9 +14,10 @@ import pytest
 
 from malleus.controller import Controller, DecisionEvent, ManualClock, SimulatedJob
 from malleus.job import ResolvedJob
+from malleus.job.report import generation_segments
 from malleus.runner.prepare import true_rates
 from malleus.runner.record import PlanSwitch
-from malleus.runner.report import RunFacts, build_report, generation_segments, summary_text
+from malleus.runner.report import RunFacts, build_report, summary_text
 
 from .conftest import manifest
 

@@ -1,4 +1,4 @@
-"""Spawned body of tests/trainer/test_calibration.py (imported by path, so children can
+"""Spawned body of tests/trainer/measure/test_calibration.py (imported by path, so children can
 unpickle it; no test_ prefix, not collected)."""
 
 from __future__ import annotations
@@ -10,22 +10,24 @@ import torch.distributed as dist
 
 from malleus.job import ResolvedJob
 from malleus.planner import Plan
-from malleus.trainer.launch import DistEnv, init_distributed
-from malleus.trainer.services import Services
-from malleus.trainer.worker import Trainer
+from malleus.trainer.engine.services import Services
+from malleus.trainer.engine.trainer import Trainer
+from malleus.trainer.launch.distributed import DistEnv, init_distributed
+from malleus.trainer.world.world import World
 
 
 def run(job: ResolvedJob, plans: list[Plan], steps: int, out: str) -> None:
     """Train `steps` steps under each plan in turn (a live switch between them); rank 0 writes
     OUT/result.json: per plan the step seconds, the calibration and the link rates."""
     env = DistEnv.from_env()
-    device = init_distributed(env, init_timeout_s=60)
+    world = World(env.world_size)
+    device = init_distributed(env, world, init_timeout_s=60)
     try:
         trainer = Trainer(
             job,
             plans[0],
             rank=env.rank,
-            world=env.world_size,
+            world=world,
             device=device,
             services=Services.null(job, env.rank),
         )

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from malleus.trainer.data import CORPUS_PATH
+from malleus.trainer.data.samples import CORPUS_PATH
 
 __all__ = [
     "EOS",

@@ -16,12 +16,13 @@ import torch.distributed as dist
 
 from malleus.job import ResolvedJob
 from malleus.planner import Plan
-from malleus.trainer import membership
-from malleus.trainer.config import RunOptions
-from malleus.trainer.launch import DistEnv, init_distributed
-from malleus.trainer.loop import run_rank
-from malleus.trainer.recovery import hang_timeout_s
-from malleus.trainer.services import Services
+from malleus.trainer.engine.services import Services
+from malleus.trainer.launch.distributed import DistEnv, init_distributed
+from malleus.trainer.recovery.ledger import Ledger
+from malleus.trainer.recovery.protocol import hang_timeout_s
+from malleus.trainer.run.loop import join_job, run_rank
+from malleus.trainer.run.options import RunOptions
+from malleus.trainer.world.world import World
 
 
 def run(
@@ -38,25 +39,33 @@ def run(
     when it is the coordinator); the coordinator writes the final model to `opts.save_model`."""
     env = DistEnv.from_env()
     timeout = hang_timeout_s(job)
-    membership.set_collective_timeout(timeout)
-    admission = None
+    admission, joiner = None, False
     if replace is not None:  # spawned one more than the job: the last is GPU `replace` again
         joiner = env.rank == job.world
         os.environ.update(WORLD_SIZE=str(job.world), RANK=str(replace if joiner else env.rank))
         env = DistEnv.from_env()
-        if joiner:
-            _wait_for_death(env, replace)
-            device, admission = init_distributed(env, init_timeout_s=120, join=True)
-            plan = Plan.from_json(admission.plan)
+    world = World(env.world_size)
+    world.set_collective_timeout(timeout)
+    if joiner:  # GPU `replace` again (its RANK)
+        _wait_for_death(env, env.rank)
+        device, store = init_distributed(env, world, init_timeout_s=120, join=True)
+        admission = join_job(store, env.rank, world, 120)
+        plan = Plan.from_json(admission.plan)
     if admission is None:
-        device = init_distributed(env, init_timeout_s=120, collective_timeout_s=timeout)
+        device = init_distributed(env, world, init_timeout_s=120, collective_timeout_s=timeout)
     seen: dict[str, Any] = {}
+    ledger = Ledger()
     steps = opts.total_steps(job)
     if ports is None:
-        services = Services.null(job, env.rank, steps=steps)
+        services = Services.null(job, env.rank, steps=steps, coordinator=world.coordinator())
     else:
         services = Services.create(
-            job, env.rank, control_port=ports[env.rank], steps=steps, serve_when_coordinator=True
+            job,
+            env.rank,
+            control_port=ports[env.rank],
+            steps=steps,
+            serve_when_coordinator=True,
+            coordinator=world.coordinator(),
         )
     try:
         run_rank(
@@ -64,22 +73,23 @@ def run(
             plan,
             opts,
             rank=env.rank,
-            world=env.world_size,
+            world=world,
             device=device,
             services=services,
             trainer_hook=lambda t: seen.setdefault("trainer", t),
             admission=admission,
+            ledger=ledger,
         )
         trainer = seen["trainer"]
-        m = membership.current()
+        m = world.current
         status = services.status()
         result = {
             "rank": env.rank,
             "step": trainer.step,
             "members": list(m.members) if m else None,
             "epoch": m.epoch if m else 0,
-            "recoveries": trainer.recoveries,
-            "spurious": {str(s): n for s, n in trainer.spurious.items()},  # redone, nobody failed
+            "recoveries": ledger.recoveries,
+            "spurious": {str(s): n for s, n in ledger.spurious.items()},  # redone, nobody failed
             "plan": json.loads(trainer.plan.to_json()),
             "out": {str(g): w for g, w in status.out.items()},
             "last_recovery": status.last_recovery.model_dump(mode="json")

@@ -1,4 +1,4 @@
-"""Spawned-job body for tests/trainer/test_hf_parallel.py: Hugging Face models trained under
+"""Spawned-job body for tests/trainer/model/test_hf_parallel.py: Hugging Face models trained under
 heterogeneous plans with a live switch, several runs in one process group.
 
 Not collected by pytest (no test_ prefix); imported by path so spawned children can unpickle it.
@@ -14,11 +14,12 @@ import torch.distributed as dist
 
 from malleus.job import ResolvedJob
 from malleus.planner import Plan
-from malleus.trainer.launch import DistEnv, init_distributed
+from malleus.trainer.engine.services import Services
+from malleus.trainer.engine.state import gather_full, resume, save_checkpoint
+from malleus.trainer.engine.trainer import Trainer
+from malleus.trainer.launch.distributed import DistEnv, init_distributed
 from malleus.trainer.parallel.groups import GroupCache
-from malleus.trainer.services import Services
-from malleus.trainer.state import gather_full, resume, save_checkpoint
-from malleus.trainer.worker import Trainer
+from malleus.trainer.world.world import World
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,9 @@ def run_chains(chains: list[Chain], out: str) -> None:
     final full model, the step reports, the generations switched to, and the model resumed
     from a checkpoint of the last plan under the first."""
     env = DistEnv.from_env()
-    device = init_distributed(env, init_timeout_s=60)
-    groups = GroupCache()
+    world = World(env.world_size)
+    device = init_distributed(env, world, init_timeout_s=60)
+    groups = GroupCache(world)
     try:
         for chain in chains:
             services = Services.null(chain.job, env.rank)
@@ -46,7 +48,7 @@ def run_chains(chains: list[Chain], out: str) -> None:
                 chain.job,
                 chain.first,
                 rank=env.rank,
-                world=env.world_size,
+                world=world,
                 device=device,
                 services=services,
                 groups=groups,
@@ -70,7 +72,7 @@ def run_chains(chains: list[Chain], out: str) -> None:
                 chain.job,
                 chain.first,
                 rank=env.rank,
-                world=env.world_size,
+                world=world,
                 device=device,
                 services=Services.null(chain.job, env.rank),
                 groups=groups,

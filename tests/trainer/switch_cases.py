@@ -14,10 +14,11 @@ import torch.distributed as dist
 
 from malleus.job import ResolvedJob
 from malleus.planner import Plan
-from malleus.trainer.launch import DistEnv, init_distributed
-from malleus.trainer.services import Services
-from malleus.trainer.state import gather_full
-from malleus.trainer.worker import Trainer
+from malleus.trainer.engine.services import Services
+from malleus.trainer.engine.state import gather_full
+from malleus.trainer.engine.trainer import Trainer
+from malleus.trainer.launch.distributed import DistEnv, init_distributed
+from malleus.trainer.world.world import World
 
 
 def run_chain(
@@ -30,12 +31,11 @@ def run_chain(
     Every rank checks that a piece it keeps across a switch is the very tensor it had (no copy)
     and that pieces it gives up are gone."""
     env = DistEnv.from_env()
-    device = init_distributed(env, init_timeout_s=60)
+    world = World(env.world_size)
+    device = init_distributed(env, world, init_timeout_s=60)
     try:
         services = Services.null(job, env.rank)
-        trainer = Trainer(
-            job, first, rank=env.rank, world=env.world_size, device=device, services=services
-        )
+        trainer = Trainer(job, first, rank=env.rank, world=world, device=device, services=services)
         due = dict(switches)
         models: dict[int, dict[str, torch.Tensor] | None] = {}
         migrations, reports = [], []

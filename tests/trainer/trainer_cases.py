@@ -19,11 +19,12 @@ import yaml
 
 from malleus.job import ResolvedJob
 from malleus.planner import Plan
-from malleus.trainer.launch import DistEnv, init_distributed
+from malleus.trainer.engine.services import Services
+from malleus.trainer.engine.state import gather_full
+from malleus.trainer.engine.trainer import Trainer
+from malleus.trainer.launch.distributed import DistEnv, init_distributed
 from malleus.trainer.parallel.groups import GroupCache
-from malleus.trainer.services import Services
-from malleus.trainer.state import gather_full
-from malleus.trainer.worker import Trainer
+from malleus.trainer.world.world import World
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
 SMALL = {"layers": 6, "hidden": 32, "heads": 4, "ffn": 64, "vocab": 256, "sequence": 16}
@@ -97,15 +98,16 @@ class Case:
 def run_cases(cases: list[Case], out_dir: str) -> None:
     """Spawned-job body: train every case from scratch; rank 0 writes OUT/<name>.pt."""
     env = DistEnv.from_env()
-    device = init_distributed(env, init_timeout_s=60)
-    groups = GroupCache()
+    world = World(env.world_size)
+    device = init_distributed(env, world, init_timeout_s=60)
+    groups = GroupCache(world)
     try:
         for case in cases:
             trainer = Trainer(
                 case.job,
                 case.plan,
                 rank=env.rank,
-                world=env.world_size,
+                world=world,
                 device=device,
                 services=Services.null(case.job, env.rank),
                 groups=groups,

@@ -8,7 +8,7 @@ gradient on every GPU of a TP group: only the group's first GPU contributes, the
 zeros, so each pipeline is counted once. Each bucket's all-reduce is filed with the meter as
 `grad_intra` or `grad_inter` (members in one node or not), with its bytes, for calibration.
 
-The gradients here are the master pieces' (float32 under `precision: bf16`: trainer/precision.py
+The gradients here are the master pieces' (float32 under `precision: bf16`: trainer/model/precision.py
 adds each micro-batch's bf16 gradient into them), so data-parallel sums and the norm are float32.
 """
 
@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import membership
 from .groups import GroupCache
 from .layout import Layout
 from .tensor import CommMeter
@@ -31,7 +30,8 @@ __all__ = ["owned_square_norm", "sync_gradients"]
 def sync_gradients(
     layout: Layout, params: Mapping[str, Tensor], groups: GroupCache, meter: CommMeter
 ) -> None:
-    """Sum every held piece's gradient over its contributors, on every holder."""
+    """Sum every held piece's gradient over its contributors, on every holder (each
+    all-reduce bounded by the step's deadline of the groups' `World`)."""
     for bucket in layout.my_buckets():
         grads = []
         for name in bucket.pieces:
@@ -40,7 +40,7 @@ def sync_gradients(
             grads.append(g.reshape(-1))
         flat = torch.cat(grads)
         group = groups.get(bucket.members)
-        membership.bound(group)
+        groups.world.bound(group)  # ends at the step's deadline
         with meter.timed("grad", bucket.members, flat.numel() * flat.element_size()):
             dist.all_reduce(flat, group=group)
         offset = 0

@@ -3,7 +3,8 @@
 `new_group` is collective over the whole world: every rank, excluded ones included, must call
 it for every group in the same order. The cache makes a later plan reuse the groups it shares
 with an earlier one, so a plan switch creates only the new member sets. Members are GPU ids,
-translated to process-group ranks (trainer/membership.py) when a group is created.
+translated to process-group ranks by the process's `World` (trainer/world/world.py) when a
+group is created.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .. import membership
+from malleus.trainer.world.world import World
 
 __all__ = ["GroupCache"]
 
 
 class GroupCache:
-    def __init__(self) -> None:
+    def __init__(self, world: World) -> None:
+        self.world = world
         self._groups: dict[tuple[int, ...], Any] = {}
 
     def ensure(self, member_sets: Iterable[tuple[int, ...]]) -> None:
@@ -28,14 +30,13 @@ class GroupCache:
         for members in member_sets:
             key = tuple(sorted(members))
             if key not in self._groups:
-                ranks = [membership.pg(g) for g in key]
+                ranks = [self.world.pg(g) for g in key]
                 self._groups[key] = dist.new_group(ranks, timeout=self._timeout())
 
-    @staticmethod
-    def _timeout() -> timedelta | None:
-        if membership.store() is None:  # failures are fatal: the job's own default
+    def _timeout(self) -> timedelta | None:
+        if self.world.store is None:  # failures are fatal: the job's own default
             return None
-        return timedelta(seconds=membership.collective_timeout_s())
+        return timedelta(seconds=self.world.collective_timeout_s)
 
     def groups(self) -> list[Any]:
         return list(self._groups.values())

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 
 from malleus.job import ModelConfig
 from malleus.planner import Plan
-
-from ..model import Piece, pieces
+from malleus.trainer.model.decoder import Piece, pieces
 
 __all__ = ["Bucket", "Layout", "PieceRoles", "Place", "rank_matrix"]
 

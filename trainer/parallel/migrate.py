@@ -8,7 +8,7 @@ volume is the minimum (`minimal_bytes`, computed independently from the planner'
 and spread over the senders. A piece travels with its optimizer state: parameter, both Adam
 moments and the step count, `3n + 1` elements, in the masters' dtype: under `precision: bf16`
 the float32 master weights and Adam state move and each receiver derives its bf16 copies from
-them (trainer/precision.py), so a switch changes no bit of the training state.
+them (trainer/model/precision.py), so a switch changes no bit of the training state.
 
 The executing half (`post` then `Exchange.wait`) packs, per (sender, receiver) pair, the pieces
 in canonical order into one flat buffer and posts every pair in one `batch_isend_irecv`, so
@@ -31,10 +31,10 @@ from torch import Tensor
 from malleus.job import ModelConfig
 from malleus.planner import Plan
 from malleus.planner.memory import Unit, holdings
+from malleus.trainer.model.decoder import param_specs, pieces
+from malleus.trainer.world.errors import first_line
+from malleus.trainer.world.world import World
 
-from .. import membership
-from ..launch import first_line
-from ..model import param_specs, pieces
 from .layout import PieceRoles
 from .optim import AdamState
 
@@ -253,9 +253,12 @@ def post(
     state: Mapping[str, AdamState],
     device: torch.device,
     dtype: torch.dtype = torch.float32,
+    *,
+    world: World,
 ) -> Exchange:
     """Post this rank's sends and receives of `plan`, all at once, in the global pair order;
-    `dtype` is the masters' (every rank's pieces and Adam state share it)."""
+    `dtype` is the masters' (every rank's pieces and Adam state share it); `world` translates
+    the peers' GPU ids to process-group ranks."""
     ops: list[tuple[str, int, list[Transfer], Tensor]] = []
     p2p: list[dist.P2POp] = []
     for src, dst in plan.pairs():
@@ -265,10 +268,10 @@ def post(
         if src == rank:
             buf = _pack(ts, params, state)
             ops.append(("send", dst, ts, buf))
-            p2p.append(dist.P2POp(dist.isend, buf, membership.pg(dst), tag=MIGRATE_TAG))
+            p2p.append(dist.P2POp(dist.isend, buf, world.pg(dst), tag=MIGRATE_TAG))
         else:
             buf = torch.empty(sum(state_elements(t.numel) for t in ts), dtype=dtype, device=device)
             ops.append(("recv", src, ts, buf))
-            p2p.append(dist.P2POp(dist.irecv, buf, membership.pg(src), tag=MIGRATE_TAG))
+            p2p.append(dist.P2POp(dist.irecv, buf, world.pg(src), tag=MIGRATE_TAG))
     works = list(dist.batch_isend_irecv(p2p)) if p2p else []
     return Exchange(ops, works)

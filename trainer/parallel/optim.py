@@ -4,7 +4,7 @@ State is keyed by piece name (not by tensor object, not by GPU slice), so it can
 loaded and migrated piece by piece whatever the plan. The update is elementwise and mirrors
 torch.optim.AdamW exactly; the single-process reference uses torch's and the tests compare.
 It updates the master pieces; the moments take their dtype (float32 under `precision: bf16`,
-float64 in the float64 tests), and the bf16 copies follow after each step (trainer/precision.py).
+float64 in the float64 tests), and the bf16 copies follow after each step (trainer/model/precision.py).
 """
 
 from __future__ import annotations

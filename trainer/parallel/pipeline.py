@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from .. import alarm, membership
+from malleus.trainer.world.world import World
+
 from .layout import Place
 from .stage import StageModel
 from .tensor import CommMeter
@@ -58,13 +59,19 @@ class LayerTimer:
 
     A layer's compute time is its wall time minus the time its TP collectives spent (the
     `CommMeter` delta); the emulated clock then waits until `start + comm + budget`, so a GPU
-    that waited for a slow peer inside a layer is still charged its own full budget.
+    that waited for a slow peer inside a layer is still charged its own full budget. Before
+    each layer it checks the `World`'s recovery alarm (trainer/world/alarm.py).
     """
 
     def __init__(
-        self, clock: Clock, profiler: Profiler, meter: CommMeter, device: torch.device
+        self,
+        clock: Clock,
+        profiler: Profiler,
+        meter: CommMeter,
+        device: torch.device,
+        world: World,
     ) -> None:
-        self.clock, self.profiler, self.meter = clock, profiler, meter
+        self.clock, self.profiler, self.meter, self.world = clock, profiler, meter, world
         self._sync: Callable[[], None] = (
             torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         )
@@ -99,7 +106,7 @@ class LayerTimer:
         return out
 
     def __call__(self, kind: str, shards: int, fn: Callable[[], Tensor]) -> Tensor:
-        alarm.check()  # a peer entered recovery: this step is lost anyway (trainer/alarm.py)
+        self.world.check_alarm()  # a peer entered recovery: this step is lost anyway
         self._sync()
         t0, c0 = time.perf_counter(), self.meter.seconds
         out = fn()
@@ -139,10 +146,11 @@ class PipelineStage:
         act_shape: tuple[int, ...],
         device: torch.device,
         *,
+        world: World,
         dtype: torch.dtype = torch.float32,
         recompute: bool = False,
     ) -> None:
-        self.model, self.place, self.batch = model, place, batch
+        self.model, self.place, self.batch, self.world = model, place, batch, world
         self.total = total_micro_batches
         self.timer = timer
         self.act_shape, self.device, self.dtype = act_shape, device, dtype
@@ -194,16 +202,16 @@ class PipelineStage:
         if recv is not None and recv[0] is not None:
             peers.append(recv[0])
             buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, buf, membership.pg(recv[0]), tag=recv[1]))
+            ops.append(dist.P2POp(dist.irecv, buf, self.world.pg(recv[0]), tag=recv[1]))
         if send is not None and send[0] is not None:
             ops += [
-                dist.P2POp(dist.isend, send[0], membership.pg(dst), tag=send[2]) for dst in send[1]
+                dist.P2POp(dist.isend, send[0], self.world.pg(dst), tag=send[2]) for dst in send[1]
             ]
             peers += send[1]
         if ops:
             nbytes = math.prod(self.act_shape) * self.dtype.itemsize * len(ops)
             members = (self.place.group[self.place.index], *sorted(set(peers)))
-            membership.bound()  # point-to-point goes over the job's group
+            self.world.bound()  # point-to-point goes over the job's group
             with self.timer.meter.timed("p2p", members, nbytes):
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from malleus.job import ModelConfig
+from malleus.trainer.model.decoder import local_names, spec_table
+from malleus.trainer.model.layers import attention, model_rope, rms_norm, swiglu
+from malleus.trainer.model.precision import loss_logits
 
-from ..layers import attention, model_rope, rms_norm, swiglu
-from ..model import local_names, spec_table
-from ..precision import loss_logits
 from .layout import Place
 from .tensor import TPGroup, copy_to_group, gather_from_group, reduce_from_group
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import membership
+from malleus.trainer.world.world import World
 
 __all__ = [
     "CommMeter",
@@ -106,7 +106,8 @@ class CommMeter:
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This GPU's TP group: process group (None when alone), members in shard order, position.
+    """This GPU's TP group: process group (None when alone), members in shard order, position,
+    and the process's `World` (its collectives end at the step's deadline, `World.bound`).
 
     The plan orders a group's ranks by shard; the process group orders them by rank. Only the
     all-gather cares, and it puts the slices back in shard order.
@@ -115,6 +116,7 @@ class TPGroup:
     group: Any
     members: tuple[int, ...]
     index: int
+    world: World
     meter: CommMeter = field(default_factory=CommMeter)
 
     @property
@@ -124,7 +126,7 @@ class TPGroup:
 
 def _all_reduce(x: Tensor, tp: TPGroup) -> Tensor:
     out = x.contiguous().clone()
-    membership.bound(tp.group)
+    tp.world.bound(tp.group)
     with tp.meter.timed("tp", tp.members, out.numel() * out.element_size()):
         dist.all_reduce(out, group=tp.group)
     return out
@@ -157,7 +159,7 @@ class _GatherFromGroup(torch.autograd.Function):
         ctx.tp = tp
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(tp.size)]  # in process-group (rank) order
-        membership.bound(tp.group)
+        tp.world.bound(tp.group)
         with tp.meter.timed("tp", tp.members, x.numel() * x.element_size() * tp.size):
             dist.all_gather(parts, x, group=tp.group)
         by_rank = dict(zip(sorted(tp.members), parts, strict=True))

@@ -1,0 +1,31 @@
+"""The trainers' control API (DESIGN §4.4), torch-free: what rank 0's endpoint serves and takes.
+
+Rooms:
+- `status`: the typed ``GET /status`` body (`ControlStatus`) and the records it carries
+  (`MigrationRecord`, `PlanFailure`, `RecoveryRecord`);
+- `client`: the one client of the endpoint, blocking (`ControlClient`) and asyncio
+  (`AsyncControlClient`), whom it trusts over HTTPS (`ControlTLS`), and what its calls raise:
+  `ControlError` (nothing answered, or an answer outside the contract), `PlanConflict` (409: a
+  plan's generation is not the next one) or `malleus.errors.BadInput` (400).
+
+The trainer serves these models (``trainer/endpoint/``); the controller, the local runner and
+the operator read and write the endpoint only through these clients.
+
+Imports: control -> planner (the plan contract, the calibration), errors; nothing here imports
+the job, the controller, the runner, the operator or the trainer.
+"""
+
+from .client import AsyncControlClient, ControlClient, ControlError, ControlTLS, PlanConflict
+from .status import ControlStatus, MigrationRecord, PlanFailure, RecoveryRecord
+
+__all__ = [
+    "AsyncControlClient",
+    "ControlClient",
+    "ControlError",
+    "ControlStatus",
+    "ControlTLS",
+    "MigrationRecord",
+    "PlanConflict",
+    "PlanFailure",
+    "RecoveryRecord",
+]

@@ -1,0 +1,334 @@
+"""The trainers' control API (DESIGN §4.4): the typed `/status` body and the one client.
+
+Rank 0's control endpoint (``trainer/endpoint/server.py``) serves `ControlStatus` at ``GET /status``
+and takes plans, stop requests and injections; the controller's sources and sinks, the local
+runner and the operator read and write it only through `ControlClient` (blocking) or
+`AsyncControlClient` (asyncio), so no reader guesses keys and every failure arrives as one of
+three exceptions:
+
+- `BadInput` (400): the trainers refused what was sent; ``faults`` hold their reasons;
+- `PlanConflict` (409): a plan's generation is not newer than the trainers'; it carries the
+  generation in force so the caller can resynchronise;
+- `ControlError`: nothing answered, or an answer the contract does not allow.
+
+Over HTTPS (a trainer in a pod serves the job's certificate) a client trusts only what its
+`ControlTLS` names: the job's own CA, never the system's store and never no verification.
+
+Torch-free and in `malleus.control` so that the trainer serves the very model its readers
+parse.
+
+Layout: this module holds the clients, their exceptions and `ControlTLS`; the models of the
+``/status`` body (`ControlStatus` and its records) are `malleus.control.status`'s. Import
+either from `malleus.control`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import ssl
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Self
+
+import httpx
+from pydantic import ValidationError
+
+from malleus.errors import BadInput, Fault
+from malleus.planner.plan import Plan
+
+from .status import ControlStatus
+
+__all__ = [
+    "AsyncControlClient",
+    "ControlClient",
+    "ControlError",
+    "ControlTLS",
+    "PlanConflict",
+]
+
+
+class ControlError(RuntimeError):
+    """The endpoint could not be reached, or answered outside the contract.
+
+    ``code`` is the HTTP status (None when nothing answered); ``url`` the endpoint called.
+    """
+
+    def __init__(self, url: str, message: str, code: int | None = None) -> None:
+        self.url, self.code = url, code
+        super().__init__(f"{url}: {message}" if code is None else f"{url}: HTTP {code}: {message}")
+
+
+class PlanConflict(ControlError):
+    """``POST /plan`` answered 409: the plan's generation is not newer than the trainers'.
+
+    ``generation`` is the generation in force on the trainers; ``newest`` the highest they
+    know (in force, being applied or pending), which a new plan's generation must exceed.
+    """
+
+    def __init__(self, url: str, message: str, generation: int, newest: int) -> None:
+        super().__init__(url, message, 409)
+        self.generation, self.newest = generation, newest
+
+
+@dataclass(frozen=True)
+class ControlTLS:
+    """How a client verifies an HTTPS control endpoint: against the job's CA alone.
+
+    ``ca``: the CA certificate as PEM text (what the job's Secret holds under ``ca.crt``) or a
+    file holding it. ``server_name``: the name the server's certificate must carry when it is
+    not the URL's host, e.g. the pod's stable DNS name while the URL reaches it by IP or
+    through a port-forward; the certificate is then checked for that name (and it is sent as
+    the TLS server name), so a reachable address is never mistaken for the right server.
+    """
+
+    ca: str | os.PathLike[str]
+    server_name: str | None = None
+
+    @cached_property
+    def context(self) -> ssl.SSLContext:
+        """A client context trusting only ``ca``, checking the host name (TLS 1.2+)."""
+        if isinstance(self.ca, str) and "-----BEGIN" in self.ca:
+            ctx = ssl.create_default_context(cadata=self.ca)
+        else:
+            ctx = ssl.create_default_context(cafile=os.fspath(self.ca))
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        return ctx
+
+
+def _decode(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return {"error": response.text.strip()}
+
+
+def _message(body: Any) -> str:
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        return body["error"]
+    return str(body)[:200]
+
+
+_WHAT = {"/plan": "plan", "/stop": "stop request", "/inject": "injection"}
+"""What a 400 answer to each write refused, for the first line of its `BadInput`."""
+
+
+def _bad_input(url: str, path: str, body: Any) -> BadInput:
+    """A 400 answer as `BadInput`: the server's faults, else its one error message."""
+    faults: list[Fault] = []
+    if isinstance(body, dict) and isinstance(body.get("faults"), list):
+        faults = [
+            Fault(str(f.get("path", "")), str(f.get("message", "")))
+            for f in body["faults"]
+            if isinstance(f, dict)
+        ]
+    return BadInput(faults or [Fault("", _message(body))], url, what=_WHAT.get(path, "request"))
+
+
+class _Calls:
+    """What both clients share: URLs, headers, and reading each answer into the contract."""
+
+    def __init__(
+        self, base_url: str, token: str | None, timeout: float, tls: ControlTLS | None
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.token = token or None
+        # Control endpoints are pod-to-pod or localhost: an environment proxy would be wrong.
+        # Without `tls` an https URL is verified against the system's CAs, which never sign
+        # a job's certificate: such a client is refused, it does not fall back to trusting.
+        self._options: dict[str, Any] = {
+            "base_url": self.base_url,
+            "timeout": httpx.Timeout(timeout),
+            "trust_env": False,
+        }
+        if tls is not None:
+            self._options["verify"] = tls.context
+        self._extensions: dict[str, Any] = (
+            {"sni_hostname": tls.server_name} if tls is not None and tls.server_name else {}
+        )
+
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def _url(self, path: str) -> str:
+        return self.base_url + path
+
+    def _expect(self, response: httpx.Response, path: str, code: int) -> None:
+        """Nothing when the answer is `code`; otherwise the exception the answer means."""
+        if response.status_code == code:
+            return
+        url, body = self._url(path), _decode(response)
+        if response.status_code == 400:
+            raise _bad_input(url, path, body)
+        raise ControlError(url, _message(body), response.status_code)
+
+    def _status(self, response: httpx.Response) -> ControlStatus:
+        self._expect(response, "/status", 200)
+        try:
+            return ControlStatus.model_validate_json(response.content)
+        except ValidationError as e:
+            raise ControlError(self._url("/status"), f"not a ControlStatus: {e}", 200) from e
+
+    def _accepted(self, response: httpx.Response) -> int:
+        url = self._url("/plan")
+        if response.status_code == 409:
+            body = _decode(response)
+            try:
+                generation, newest = int(body["generation"]), int(body["newest"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise ControlError(url, f"409 without generations: {body!r}", 409) from e
+            raise PlanConflict(url, _message(body), generation, newest)
+        self._expect(response, "/plan", 202)
+        body = _decode(response)
+        try:
+            return int(body["generation"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ControlError(url, f"202 without a generation: {body!r}", 202) from e
+
+    def _unreachable(self, path: str, error: httpx.HTTPError) -> ControlError:
+        return ControlError(self._url(path), f"{type(error).__name__}: {error}")
+
+
+def _plan_body(plan: Plan) -> bytes:
+    return plan.model_dump_json().encode()
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value).encode()
+
+
+_JSON = {"Content-Type": "application/json"}
+
+
+class ControlClient(_Calls):
+    """Blocking client of one control endpoint (``http(s)://host:port``); a context manager.
+
+    Reads are open; writes send ``Authorization: Bearer <token>``; `tls` says whom to trust
+    over HTTPS.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        timeout: float = 5.0,
+        tls: ControlTLS | None = None,
+    ) -> None:
+        super().__init__(base_url, token, timeout, tls)
+        self._http = httpx.Client(**self._options)
+
+    def _call(
+        self, method: str, path: str, body: bytes | None = None, *, auth: bool = False
+    ) -> httpx.Response:
+        headers = {**(_JSON if body is not None else {}), **(self._auth() if auth else {})}
+        try:
+            return self._http.request(
+                method, path, content=body, headers=headers, extensions=self._extensions
+            )
+        except httpx.HTTPError as e:
+            raise self._unreachable(path, e) from e
+
+    def healthz(self) -> bool:
+        """Whether the endpoint answers ``GET /healthz`` with 200 (False when unreachable)."""
+        try:
+            return self._call("GET", "/healthz").status_code == 200
+        except ControlError:
+            return False
+
+    def status(self) -> ControlStatus:
+        return self._status(self._call("GET", "/status"))
+
+    def metrics_text(self) -> str:
+        """The Prometheus exposition of ``GET /metrics``."""
+        response = self._call("GET", "/metrics")
+        self._expect(response, "/metrics", 200)
+        return response.text
+
+    def post_plan(self, plan: Plan) -> int:
+        """Hand `plan` to the coordinator; the accepted generation (applied at a step boundary)."""
+        return self._accepted(self._call("POST", "/plan", _plan_body(plan), auth=True))
+
+    def stop(self, checkpoint: bool = True) -> None:
+        """Stop at the next step boundary, after writing a checkpoint when `checkpoint`."""
+        body = _json({"checkpoint": checkpoint})
+        self._expect(self._call("POST", "/stop", body, auth=True), "/stop", 202)
+
+    def inject(self, rank: int, factor: float) -> None:
+        """Slow `rank` down by `factor` from the next step on (emulated clock only)."""
+        body = _json({"rank": rank, "factor": factor})
+        self._expect(self._call("POST", "/inject", body, auth=True), "/inject", 200)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncControlClient(_Calls):
+    """The same calls as `ControlClient`, for asyncio code; usable as ``async with``."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        timeout: float = 5.0,
+        tls: ControlTLS | None = None,
+    ) -> None:
+        super().__init__(base_url, token, timeout, tls)
+        self._http = httpx.AsyncClient(**self._options)
+
+    async def _call(
+        self, method: str, path: str, body: bytes | None = None, *, auth: bool = False
+    ) -> httpx.Response:
+        headers = {**(_JSON if body is not None else {}), **(self._auth() if auth else {})}
+        try:
+            return await self._http.request(
+                method, path, content=body, headers=headers, extensions=self._extensions
+            )
+        except httpx.HTTPError as e:
+            raise self._unreachable(path, e) from e
+
+    async def healthz(self) -> bool:
+        """Whether the endpoint answers ``GET /healthz`` with 200 (False when unreachable)."""
+        try:
+            return (await self._call("GET", "/healthz")).status_code == 200
+        except ControlError:
+            return False
+
+    async def status(self) -> ControlStatus:
+        return self._status(await self._call("GET", "/status"))
+
+    async def metrics_text(self) -> str:
+        """The Prometheus exposition of ``GET /metrics``."""
+        response = await self._call("GET", "/metrics")
+        self._expect(response, "/metrics", 200)
+        return response.text
+
+    async def post_plan(self, plan: Plan) -> int:
+        """Hand `plan` to the coordinator; the accepted generation (applied at a step boundary)."""
+        return self._accepted(await self._call("POST", "/plan", _plan_body(plan), auth=True))
+
+    async def stop(self, checkpoint: bool = True) -> None:
+        """Stop at the next step boundary, after writing a checkpoint when `checkpoint`."""
+        body = _json({"checkpoint": checkpoint})
+        self._expect(await self._call("POST", "/stop", body, auth=True), "/stop", 202)
+
+    async def inject(self, rank: int, factor: float) -> None:
+        """Slow `rank` down by `factor` from the next step on (emulated clock only)."""
+        body = _json({"rank": rank, "factor": factor})
+        self._expect(await self._call("POST", "/inject", body, auth=True), "/inject", 200)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,229 @@
+"""The search's phases on one (possibly bucketed) problem: from groupings to the best layouts.
+
+Steps 1-3 of driver.py's `plan()`, up to materialising: candidate groupings (grouping.py), template
+layouts for every grouping, interleaved (templates.py), partition layouts for the best few
+groupings with few odd groups, then a hill climb from each of the best distinct layouts and a
+kick-and-climb from the best (localsearch.py); large layouts, scored on any-m lines, are
+ranked for the climbs by their refined scores (`_starts`). Each phase ends by its share of the one
+`Deadline` (`_GROUPING_END`, `_TEMPLATES_END`, `_PARTITIONS_END`, each at least
+`_TEMPLATES_MIN` / `_PARTITIONS_MIN` after the phase before actually ended; the climbs share
+the rest) and always yields one layout at least. Apart from driver.py, which owns what surrounds the
+phases: the budget, rate bucketing, materialising, polishing and choosing the plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from ..pace import healthy_pace
+from ..problem import PlanningProblem
+from .deadline import Deadline
+from .evaluate import Evaluator, Layout, Scored
+from .grouping import Grouping, candidate_groupings
+from .layers import Cls
+from .localsearch import explore, improve
+from .templates import TopupMemo, partition_layouts, template_layouts
+
+__all__ = ["Candidate", "debug", "score_within", "search_layouts"]
+
+_KEEP = 6  # best distinct template layouts that get a hill climb
+# ... chosen among this many (by lines), refined first within this share of what is left
+_RANK_POOL, _RANK_SHARE = 24, 0.25
+# Partition layouts (templates.partition_layouts): for the best few groupings with at most this
+# many odd groups, every split of them over as many pipelines as their best template has.
+_PART_GROUPINGS, _PART_MAX_ODD, _PART_MAX = 3, 10, 1500
+# Shares of the budget: groupings end by 35% of it, templates by 50%, partitions by 55%; the
+# hill climbs and the kick-and-climb get the rest.
+_GROUPING_END, _TEMPLATES_END, _PARTITIONS_END = 0.35, 0.5, 0.55
+_TEMPLATES_MIN, _PARTITIONS_MIN = 0.12, 0.03
+
+
+@dataclass
+class Candidate:
+    scored: Scored
+    grouping: Grouping
+
+
+def _available(g: Grouping) -> Counter[Cls]:
+    return Counter(x.cls for x in (*g.healthy, *g.odd))
+
+
+def _stopper(dl: Deadline) -> Callable[[], bool]:
+    """A hill climb's stop(): one unit of work per call, True once the deadline passed."""
+
+    def stop() -> bool:
+        dl.spend()
+        return dl.expired()
+
+    return stop
+
+
+def score_within(ev: Evaluator, dl: Deadline, lay: Layout, refine: bool) -> Scored | None:
+    """Score a layout, its pipelines solved one at a time under the deadline first (a layout
+    of many distinct pipelines is many units of work): None once the deadline has passed."""
+    for key, _ in lay:
+        if dl.expired():
+            return None
+        ev.pipe(key)  # cached for the score below
+        dl.spend()
+    return ev.score(lay, refine=refine)
+
+
+def search_layouts(problem: PlanningProblem, ev: Evaluator, dl: Deadline) -> list[Candidate]:
+    """Groupings, templates for every grouping (interleaved), partitions, then hill climbing;
+    each phase ends by its share of the deadline (and always yields one layout at least)."""
+    groupings = candidate_groupings(problem, dl.until(_GROUPING_END))
+    small = problem.world <= 64
+    hc: Cls = (healthy_pace(problem), 0)
+    # a phase that ran late (the nodes' options of a cluster straggling everywhere) does not
+    # eat the next one: templates get at least _TEMPLATES_MIN of the budget
+    templates_dl = dl.until(max(_TEMPLATES_END, dl.used() + _TEMPLATES_MIN))
+    memo: TopupMemo = {}
+
+    def generator(g: Grouping, deadline: Deadline | None) -> Iterator[Layout]:
+        nodes = len({x.node for x in g.odd})
+        odd = [x.cls for x in g.odd]
+        return template_layouts(ev, hc, len(g.healthy), odd, nodes, problem.dp, deadline, memo)
+
+    gens = [(g, generator(g, templates_dl)) for g in groupings]
+    found: list[Candidate] = []
+    while gens and not templates_dl.expired():
+        active = []
+        for g, gen in gens:
+            batch = list(itertools.islice(gen, 4))
+            for lay in batch:
+                sc = score_within(ev, templates_dl, lay, small or len(lay) <= 8)
+                if sc is not None:
+                    found.append(Candidate(sc, g))
+            if len(batch) == 4:
+                active.append((g, gen))
+        gens = active
+    if not found:  # past the deadline with nothing: the first layout that fits, at any cost
+        found = _first_feasible(problem, ev, groupings, generator)
+    found.sort(key=lambda c: c.scored.time)
+    debug(f"templates: {len(groupings)} groupings, {ev.evaluations} layouts")
+    parts_dl = dl.until(max(_PARTITIONS_END, dl.used() + _PARTITIONS_MIN))
+    found.extend(_partition_candidates(problem, ev, found, hc, small, parts_dl))
+    found.sort(key=lambda c: c.scored.time)
+    top = _starts(ev, found, small, dl.share(_RANK_SHARE))
+    out = []
+    for i, (c, ranked) in enumerate(top):
+        # the best start gets half of what is left, the others share the rest
+        share = 0.5 if i == 0 else 1.0 / (len(top) - i)
+        refine = small or len(c.scored.layout) <= 8
+        sc = c.scored
+        if dl.expired():
+            out.append(Candidate(ranked, c.grouping))
+            continue
+        if refine and not sc.refined:
+            sc = score_within(ev, dl, sc.layout, True) or sc
+        stop = _stopper(dl.share(share))
+        better = improve(ev, sc, _available(c.grouping), stop, problem.dp, refine=refine)
+        if not better.refined and (i == 0 or not dl.expired()):
+            better = score_within(ev, dl, better.layout, True) or better
+        if ranked.time < better.time:  # the climb's proxy (any-m lines) can mislead it
+            better = ranked
+        out.append(Candidate(better, c.grouping))
+        debug(f"improve: {sc.time:.2f} -> {better.time:.2f}, {ev.evaluations} layouts")
+    if out and not dl.expired():
+        # time left: kick-and-climb from the best layout found
+        out.sort(key=lambda c: c.scored.time)
+        c = out[0]
+        refine = small or len(c.scored.layout) <= 8
+        found_ils = explore(ev, c.scored, _available(c.grouping), _stopper(dl), problem.dp, refine)
+        if not found_ils.refined and found_ils is not c.scored:
+            found_ils = score_within(ev, dl, found_ils.layout, True) or found_ils
+        if found_ils.time < c.scored.time - 1e-9:
+            out.insert(0, Candidate(found_ils, c.grouping))
+        debug(f"explore: {c.scored.time:.2f} -> {found_ils.time:.2f}, {ev.evaluations} layouts")
+    return out
+
+
+def _starts(
+    ev: Evaluator, found: list[Candidate], small: bool, dl: Deadline
+) -> list[tuple[Candidate, Scored]]:
+    """The best `_KEEP` distinct layouts to climb from, each with its best score so far.
+
+    Large layouts are scored on any-m lines (unrefined), which rank them loosely: at 1024
+    GPUs (5%) the refined (per-m, exact makespan) time of the 7th best by lines was the best
+    by 0.9%.
+    So the best `_RANK_POOL` by lines are refined while `dl` allows and ranked by that."""
+    pool: list[Candidate] = []
+    for c in found:  # found is sorted by time
+        if all(c.scored.layout != t.scored.layout for t in pool):
+            pool.append(c)
+        if len(pool) >= _RANK_POOL:
+            break
+    # only where the climbs are on lines too (the best start is a large layout): elsewhere the
+    # starts are refined already, and refining a few large ones took time from their climbs
+    rank = bool(pool) and not (small or len(pool[0].scored.layout) <= 8 or pool[0].scored.refined)
+    ranked = []
+    for c in pool:
+        sc = c.scored
+        if rank and not (len(sc.layout) <= 8 or sc.refined) and not dl.expired():
+            sc = score_within(ev, dl, sc.layout, True) or sc
+        ranked.append((c, sc if sc.time < c.scored.time else c.scored))
+    ranked.sort(key=lambda x: x[1].time)
+    return ranked[:_KEEP]
+
+
+def _first_feasible(
+    problem: PlanningProblem,
+    ev: Evaluator,
+    groupings: list[Grouping],
+    generator: Callable[[Grouping, Deadline | None], Iterator[Layout]],
+) -> list[Candidate]:
+    """The first layout that fits, trying groupings in order (no deadline: a plan is owed)."""
+    for g in groupings:
+        for lay in generator(g, None):
+            sc = ev.score(lay, refine=False)
+            if sc is not None:
+                return [Candidate(sc, g)]
+    return []
+
+
+def _partition_candidates(
+    problem: PlanningProblem,
+    ev: Evaluator,
+    found: list[Candidate],
+    hc: Cls,
+    small: bool,
+    dl: Deadline,
+) -> list[Candidate]:
+    """Partition layouts for the best few groupings (found sorted by time) with few odd groups."""
+    picked: list[Candidate] = []
+    for c in found:
+        if len(picked) >= _PART_GROUPINGS:
+            break
+        if all(c.grouping.key != p.grouping.key for p in picked):
+            picked.append(c)
+    out: list[Candidate] = []
+    for c in picked:
+        g = c.grouping
+        P = problem.dp if problem.dp is not None else c.scored.dp
+        if not 2 <= P <= min(len(g.odd), problem.micro_batches) or len(g.odd) > _PART_MAX_ODD:
+            continue
+        odd = [x.cls for x in g.odd]
+        lays = partition_layouts(hc, len(g.healthy), odd, P, problem.layers)
+        for lay in itertools.islice(lays, _PART_MAX):
+            if dl.expired():
+                return out
+            sc = score_within(ev, dl, lay, small or len(lay) <= 8)
+            if sc is not None:
+                out.append(Candidate(sc, g))
+    debug(f"partitions: {len(picked)} groupings, {ev.evaluations} layouts")
+    return out
+
+
+def debug(msg: str) -> None:
+    if os.environ.get("MALLEUS_PLANNER_DEBUG"):
+        print(
+            f"[planner {time.perf_counter():.2f} cpu {time.thread_time():.2f}] {msg}",
+            file=sys.stderr,
+        )

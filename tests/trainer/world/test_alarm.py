@@ -1,0 +1,137 @@
+"""The recovery alarm (trainer/world/alarm.py) on a real TCPStore: a computing rank learns that a peer
+entered recovery within a few polls, and only of an epoch it is not part of yet."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch.distributed as dist
+
+from malleus.trainer.world.alarm import (
+    BEAT_KEY,
+    SILENT_BEATS,
+    Alarm,
+    PeerRecovering,
+    Silence,
+    beat_s,
+    interval_s,
+)
+
+
+def _raises_within(alarm: Alarm, seconds: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        try:
+            alarm.check()
+        except PeerRecovering:
+            return time.monotonic() - t0
+        time.sleep(0.005)
+    raise AssertionError(f"no alarm within {seconds} s")
+
+
+def test_a_peer_arriving_at_the_next_epoch_raises_and_the_epoch_after_clears_it() -> None:
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    client = dist.PrefixStore("malleus/0/", dist.TCPStore("127.0.0.1", server.port, 1, False))
+    epoch = [0]
+    alarm = Alarm(client, 0.02, lambda: epoch[0]).start()
+    try:
+        time.sleep(0.1)
+        alarm.check()  # nobody recovering: no alarm
+        client.set("rec/2/arrive", "1")  # an epoch beyond the next one is not this rank's
+        time.sleep(0.1)
+        alarm.check()
+        client.add("rec/1/arrive", 1)  # a survivor entered recovery epoch 1
+        assert _raises_within(alarm, 2.0) < 1.0
+        epoch[0] = 1  # this rank recovered with it: re-formed at epoch 1
+        time.sleep(0.1)
+        assert _raises_within(alarm, 2.0) < 1.0  # rec/2/arrive was there all along
+        epoch[0] = 2
+        time.sleep(0.1)
+        alarm.check()  # over
+    finally:
+        alarm.close()
+
+
+def test_the_poll_interval_keeps_the_store_load_bounded_at_any_world() -> None:
+    assert interval_s(4) == pytest.approx(0.05)
+    for world in (4, 1024, 8192, 65536):
+        assert world / interval_s(world) <= 10_000 + 1e-6
+
+
+def _store() -> object:
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    client = dist.PrefixStore("malleus/0/", dist.TCPStore("127.0.0.1", server.port, 1, False))
+    return server, client
+
+
+def test_a_worlds_alarm_follows_the_membership_it_installs() -> None:
+    """`World.start_alarm`: the alarm reads the epoch of the World's membership in force, so a
+    recovery that installs the next one into the same World is over for it."""
+    from malleus.trainer.world.membership import Membership
+    from malleus.trainer.world.world import World
+
+    server, client = _store()
+    world = World(4)
+    world.install(Membership.full(4), client)
+    world.start_alarm(client, 1)
+    try:
+        world.check_alarm()  # nobody recovering
+        client.add("rec/1/arrive", 1)  # a survivor entered recovery epoch 1
+        deadline = time.monotonic() + 2.0
+        with pytest.raises(PeerRecovering):
+            while time.monotonic() < deadline:
+                world.check_alarm()
+                time.sleep(0.005)
+        world.install(Membership(1, (0, 1, 2)))  # this rank re-formed with them
+        world.check_alarm()  # that recovery is over for it
+    finally:
+        world.close()
+    del server
+
+
+def test_a_beating_rank_is_never_silent_and_a_stopped_one_is_after_the_window() -> None:
+    server, client = _store()
+    now = [0.0]
+    quiet = Silence(client, 3.0, clock=lambda: now[0])
+    alarm = Alarm(client, 0.01, lambda: 0, rank=5, beat=0.01).start()
+    try:
+        for _ in range(5):  # it beats: its count moves between two reads however long apart
+            time.sleep(0.1)
+            now[0] += 10.0
+            assert not quiet.silent(5)
+        assert int(client.add(f"{BEAT_KEY}5", 0)) >= 5
+    finally:
+        alarm.close()
+    assert not quiet.silent(5)  # first read after it stopped: the count has changed since
+    now[0] += 2.9
+    assert not quiet.silent(5)  # unchanged for less than the window
+    now[0] += 0.2
+    assert quiet.silent(5)
+    # A rank that never beat is silent after the window too (a pod deleted before it started)
+    assert not quiet.silent(7)
+    now[0] += 3.1
+    assert quiet.silent(7)
+    del server
+
+
+def test_survivors_stop_waiting_for_a_silent_leader_that_never_decided() -> None:
+    from malleus.trainer.recovery.protocol import DECISION_WAIT_S, _await_decision
+    from malleus.trainer.world.world import World
+
+    server, client = _store()
+    client.add(f"{BEAT_KEY}2", 1)  # the leader beat once, then died with no launcher to say so
+    t0 = time.monotonic()
+    assert _await_decision(client, "rec/1/", 2, World(4).silence(client)) is None
+    took = time.monotonic() - t0
+    assert SILENT_BEATS * beat_s(4) <= took < DECISION_WAIT_S / 4
+    # A decision written before it went silent is still taken
+    client.set("rec/1/decision", '{"members": [0, 1]}')
+    assert _await_decision(client, "rec/1/", 2, World(4).silence(client)) == {"members": [0, 1]}
+    del server
+
+
+def test_heartbeats_keep_the_store_load_bounded_at_any_world() -> None:
+    for world in (4, 1024, 8192, 65536):
+        assert world / beat_s(world) <= 2_000 + 1e-6
+        assert SILENT_BEATS * beat_s(world) >= 3.0

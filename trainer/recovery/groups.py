@@ -1,0 +1,88 @@
+"""Live recovery, the process groups: letting go of the broken one, forming the next.
+
+Kept apart from the protocol (trainer/recovery/protocol.py) because it is the one place that deals with
+torch.distributed's registry and the sockets behind it: a survivor must release every reference
+to the old group for its peers' collectives to fail at once, and every member (a joiner too,
+trainer/recovery/join.py) forms the next epoch's group the same way. `wait_json` is the
+bounded wait on a key of the job's store that the rendezvous and the admission both use.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import time
+import traceback
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from malleus.trainer.world.membership import Membership
+from malleus.trainer.world.world import World
+
+if TYPE_CHECKING:
+    from malleus.trainer.engine.trainer import Trainer
+
+__all__ = ["form_group", "release_groups", "wait_json"]
+
+log = logging.getLogger(__name__)
+
+
+def release_groups(trainer: Trainer, failure: BaseException | None) -> None:
+    """Let go of every process group, so that their sockets close now and the peers blocked
+    on this rank fail their collectives at once instead of waiting out the timeout: a gloo
+    group closes its connections when its last reference goes (the group cache, the
+    pipeline's TP group, the frames of the failed step's traceback), not when destroyed."""
+    trainer.drop_groups()
+    seen: set[int] = set()
+    e = failure
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
+    _destroy()
+    gc.collect()  # cheap: the imports are frozen out of its sight (trainer/launch/distributed.py)
+
+
+def _destroy() -> None:
+    """Abort and destroy every process group (the registry lets go of them)."""
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    try:
+        if dist.is_initialized():
+            _abort_process_group()
+    except (RuntimeError, ValueError) as e:  # already broken: nothing to release
+        log.debug("abort: %s", e)
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except (RuntimeError, ValueError, AssertionError) as e:
+        log.debug("destroy_process_group: %s", e)
+
+
+def form_group(world: World, store: Any, prefix: str, m: Membership, gpu: int) -> None:
+    """Form the process group of membership `m` (collective among its members) and install
+    `m` into `world`."""
+    dist.init_process_group(
+        "gloo" if not torch.cuda.is_available() else "nccl",
+        store=dist.PrefixStore(prefix + "pg/", store),
+        rank=m.pg(gpu),
+        world_size=m.size,
+        timeout=timedelta(seconds=world.collective_timeout_s),
+    )
+    world.install(m)
+    log.info("rank %d: process group of epoch %d formed: %s", gpu, m.epoch, list(m.members))
+
+
+def wait_json(store: Any, key: str, timeout_s: float) -> Any:
+    """The JSON value at `key` once it is there; None after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if store.check([key]):
+            return json.loads(store.get(key))
+        time.sleep(0.02)
+    return None

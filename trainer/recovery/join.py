@@ -1,0 +1,192 @@
+"""Live recovery, replacements joining: a `--join` process enters the running job.
+
+A replacement posts `join/GPU` and waits (`await_admission`); the coordinator finds it before a
+step's world vector (`joiners`) and announces it in a control word, and at that step boundary
+every member and the joiner re-form the process group at the next epoch (`admit`), no step
+lost; the joiner clears its predecessor's death mark (`rec/dead/GPU`) on the way in. Apart
+from trainer/recovery/protocol.py because no rank failed here: nothing is decided or restored, the joiner
+only learns the plan in force, the step, the `out` set and who was admitted so far (`joined`).
+
+A request is told apart from the ones already admitted by a random nonce, not by its place in
+the counter `join/GPU/n`: the store may be started again, empty, mid-run (trainer/world/store_client.py),
+and a counter that starts again at 1 would make the next replacement of a GPU already replaced
+once look admitted (it waited until its timeout). Every member keeps the nonces admitted so far
+(`Ledger.admitted`), and a joiner gets them with its admission, so whichever member coordinates
+next reads the requests alike.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from malleus.trainer.world.errors import DEAD_KEY, LaunchError
+from malleus.trainer.world.membership import Membership
+from malleus.trainer.world.world import World
+
+from .groups import form_group, release_groups, wait_json
+from .ledger import Ledger
+
+if TYPE_CHECKING:
+    from malleus.trainer.engine.trainer import Trainer
+
+__all__ = ["AWAIT_JOIN_ENV", "Admission", "admit", "await_admission", "joined", "joiners"]
+
+log = logging.getLogger(__name__)
+
+JOIN_KEY = "join/"
+AWAIT_JOIN_ENV = "MALLEUS_AWAIT_JOIN"
+"""Test hook: `GPU`. The coordinator, at each step boundary while GPU is out of the job, waits
+(at most `AWAIT_JOIN_S`) until a replacement of it has asked to join, so that a test of
+re-admission does not depend on how fast the replacement's interpreter starts on a loaded
+machine. A wait outside any compute charge (unlike stopping the process), so the emulated clock
+has nothing to catch up afterwards. Only where the coordinator is the only member: the others
+would wait for it in the world all-reduce. Not before the first step after a recovery commits
+(`malleus run` starts a replacement only then)."""
+AWAIT_JOIN_S = 120.0
+
+
+# ---- replacements joining ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Admission:
+    """What a replacement learns when the running job admits it."""
+
+    epoch: int
+    members: tuple[int, ...]
+    step: int
+    plan: str  # the plan in force (JSON)
+    out: dict[int, str]
+    admitted: dict[int, str]  # GPU -> the nonce of its replacement admitted last
+
+
+def await_admission(world: World, store: Any, gpu: int, timeout_s: float) -> Admission:
+    """A replacement for `gpu` (started with `--join`): ask to join, wait until the coordinator
+    admits it at a step boundary, then form the process group with the members (installed
+    into `world`, with `store` to recover by)."""
+    nonce = secrets.token_hex(8)
+    n = store.add(f"{JOIN_KEY}{gpu}/n", 1)
+    store.set(f"{JOIN_KEY}{gpu}/{n}", json.dumps({"at": time.time(), "nonce": nonce}))
+    admit = wait_json(store, _admit_key(gpu, nonce), timeout_s)
+    if admit is None:
+        raise LaunchError(f"rank {gpu}: the running job did not admit it within {timeout_s:g}s")
+    # Its predecessor's death mark (`rec/dead/GPU`) must not outlive it: the recovery reads it
+    # as "this GPU's process is gone" (the leader waits for no arrival of it, the others stop
+    # waiting for a decision of it), which is no longer true of this process.
+    store.delete_key(DEAD_KEY + str(gpu))
+    world.set_collective_timeout(admit["timeout"])
+    m = Membership(admit["epoch"], tuple(admit["members"]), admit["lead"])
+    world.install(m, store)
+    form_group(world, store, f"rec/{m.epoch}/", m, gpu)
+    return Admission(
+        m.epoch,
+        m.members,
+        admit["step"],
+        admit["plan"],
+        {int(g): w for g, w in admit["out"].items()},
+        {int(g): str(v) for g, v in admit["admitted"].items()},
+    )
+
+
+def joined(trainer: Trainer, ledger: Ledger, admission: Admission) -> None:
+    """The replacement's Trainer (built under the plan in force, holding nothing) takes the step,
+    its ledger the `out` set and the admitted nonces; collective with the members' `admit`."""
+    trainer.enter_at(admission.step)
+    ledger.out = dict(admission.out)
+    ledger.admitted = dict(admission.admitted)
+    trainer.services.state.update(step=admission.step, out=dict(ledger.out))
+    print(f"[malleus] rank {trainer.rank} joined at step {trainer.step}", flush=True)
+
+
+def joiners(ledger: Ledger, world: World) -> int:
+    """The coordinator, before a step's world vector: replacements waiting to join (posted
+    under `rec/NEXT_EPOCH/joiners` for the members to read after the vector); their count.
+    The Trainer calls it through the hook the loop passes in."""
+    store, m = world.store, world.current
+    if store is None or m is None:
+        return 0
+    _await_join(store, m, ledger, world.size)
+    found = []
+    for g in range(world.size):
+        if g in m:
+            continue
+        nonce = _pending(store, g, ledger.admitted)
+        if nonce is not None:
+            found.append([g, nonce])
+    if found:
+        store.set(f"rec/{m.epoch + 1}/joiners", json.dumps(found))
+    return len(found)
+
+
+def _await_join(store: Any, m: Membership, ledger: Ledger, world: int) -> None:
+    """`AWAIT_JOIN_ENV` (tests): wait for the named GPU's replacement to ask to join."""
+    want = os.environ.get(AWAIT_JOIN_ENV, "")
+    if not want.isdigit() or int(want) in m or int(want) >= world:
+        return
+    if ledger.recovering is not None:
+        return  # the recovery's first step must commit first: `malleus run` starts it then
+    deadline = time.monotonic() + AWAIT_JOIN_S
+    while _pending(store, int(want), ledger.admitted) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _admit_key(gpu: int, nonce: str) -> str:
+    return f"{JOIN_KEY}{gpu}/admit/{nonce}"
+
+
+def _pending(store: Any, gpu: int, admitted: dict[int, str]) -> str | None:
+    """The nonce of `gpu`'s latest request to join when it is not admitted yet, else None.
+
+    Only the latest request counts (the runner starts one replacement of a GPU at a time; an
+    earlier one that is still waiting has given up by then). A request counted but not yet
+    posted, or not of the shape `await_admission` writes, is not one (yet)."""
+    n = store.add(f"{JOIN_KEY}{gpu}/n", 0)
+    key = f"{JOIN_KEY}{gpu}/{n}"
+    if n <= 0 or not store.check([key]):
+        return None
+    try:
+        nonce = json.loads(store.get(key))["nonce"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(nonce, str) or nonce == admitted.get(gpu):
+        return None
+    return nonce
+
+
+def admit(trainer: Trainer, ledger: Ledger) -> None:
+    """Collective at a step boundary that announced replacements: every member and the
+    joiners re-form the process group at the next epoch (no step is lost)."""
+    store, m = trainer.world.store, trainer.world.current
+    assert store is not None and m is not None
+    epoch = m.epoch + 1
+    found = json.loads(store.get(f"rec/{epoch}/joiners"))
+    new = Membership(epoch, tuple(sorted({*m.members, *(g for g, _ in found)})), m.coordinator)
+    for g, nonce in found:
+        ledger.admitted[g] = nonce
+        ledger.out.pop(g, None)
+    if trainer.rank == m.coordinator:
+        admission = {
+            "epoch": epoch,
+            "members": list(new.members),
+            "lead": new.lead,
+            "step": trainer.step,
+            "plan": trainer.plan.to_json(),
+            "out": {str(g): w for g, w in ledger.out.items()},
+            "timeout": trainer.world.collective_timeout_s,
+            "admitted": {str(g): v for g, v in ledger.admitted.items()},
+        }
+        for g, nonce in found:
+            store.set(_admit_key(g, nonce), json.dumps(admission))
+        inbox = trainer.services.inbox
+        if inbox is not None:
+            inbox.replan(trainer.job.problem({g: None for g in ledger.out}))
+    release_groups(trainer, None)
+    form_group(trainer.world, store, f"rec/{epoch}/", new, trainer.rank)
+    trainer.rebuild_pipeline()  # the groups in the same order as the joiner's Trainer makes them
+    trainer.calibrator.restart()
+    trainer.services.state.update(out=dict(ledger.out))
+    log.info("rank %d: admitted %s at step %d", trainer.rank, [g for g, _ in found], trainer.step)

@@ -1,0 +1,347 @@
+"""Live recovery: the survivors of a failed rank re-form the job among themselves and go on.
+
+Detection. Every collective is bounded by the process group's timeout (the hang timeout,
+counted from the step's start inside a step: trainer/world/world.py `step_deadline`, so that
+the survivors blocked on a hung rank time out together); a rank that dies closes its sockets,
+so its peers' collectives fail at once, and a rank that hangs makes them time out. Either way
+the collective raises on the survivors, which turn it into a `PeerFailure` (only when
+failures are survivable: a store no rank hosts, trainer/launch/distributed.py `fault_tolerant`); the first
+survivor out destroys its process group, which breaks its peers' collectives in turn, so
+every survivor is in recovery within moments.
+
+Commit rule. A step's optimizer update is applied only after the step's world all-reduce (the
+vector of trainer/engine/trainer.py) completed, and a rank enters that all-reduce only after its own
+gradient sync: if any survivor holds the vector of step s, every rank finished the gradient sync
+of s. So step s commits iff some survivor completed its vector: survivors still inside it apply
+the update with the vector that survivor posts; if nobody completed it, every survivor discards
+the step's gradients and redoes it after recovery, with the same samples (a function of the
+step), so no sample is skipped or seen twice.
+
+Rendezvous (no rank hosts it: keys of the job's store, under `rec/EPOCH/`). Each survivor
+posts `alive/GPU` (its step, the vector it holds, the plan in force, the newest generation it
+knows, its rates), `add("arrive", 1)` (which the peers' alarms watch, trainer/world/alarm.py), lets
+go of its process groups and posts `released/GPU`. The first to claim the lead (`compare_set`
+of `leader`: atomic, and names it), the leader, waits until every previous member has arrived
+or is known dead (`rec/dead/GPU`, written by a launcher that saw the process exit, or by
+`malleus run` for a process it saw stopped for the hang timeout) or silent (its heartbeat
+stopped for a few seconds, trainer/world/alarm.py: a pod deleted, a node lost, with no launcher left
+to mark it), or, when some survivor's collective timed out, every arrival has released and a
+short quiet passed (trainer/recovery/wait.py), or `JOIN_WINDOW_S` passed; it decides (members,
+the step, the vector, the recovery plan, where the lost shards come from) and writes
+`decision`. Everyone then forms the process group `rec/EPOCH/pg/` among the members. A leader
+that dies before deciding sends the others to epoch + 1 as soon as a launcher marks it dead
+(`rec/dead/GPU`) or its heartbeat stops, else after `DECISION_WAIT_S`; a replacement clears
+its GPU's mark when it is admitted. A rank that arrives after the decision and is not a member
+(a hung rank that woke up) prints why and exits with `LEFT_OUT_EXIT` (3).
+
+Restoring. The recovery plan is the planner's for the survivors (the dead GPUs unusable), one
+generation above the newest known. Each piece of the new layout comes from a surviving holder
+(data-parallel replicas hold the same pieces) through the migration machinery; when some piece
+has no surviving holder, every survivor rebuilds its state under the new plan from the latest
+plan-independent checkpoint (or the seeded initial state) instead: steps lost = the steps since.
+
+Joining. A replacement (`--join`) posts `join/GPU` and waits; the coordinator announces it at a
+step boundary (a control word), every member and the joiner re-form at the next epoch (no step
+lost) and the joiner receives the plan in force, the step and the `out` set; it holds nothing
+(an excluded GPU) until a later plan re-admits it.
+
+Where it lives. This module is the protocol: the failure types, the survivors' rendezvous and
+the leader's decision. Applying a decision (restoring every piece from replicas or a
+checkpoint, the coordinator's office, the record of the recovery) is trainer/recovery/restore.py;
+letting go of the process groups and forming the next one is trainer/recovery/groups.py;
+replacements joining a running job is trainer/recovery/join.py; the leader's wait is
+trainer/recovery/wait.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from malleus.errors import BadInput
+from malleus.planner import Plan, check_plan
+from malleus.trainer.world.alarm import Silence
+from malleus.trainer.world.errors import (  # DEAD_KEY: a launcher saw a GPU's process end
+    DEAD_KEY,
+    first_line,
+)
+from malleus.trainer.world.faults import at_lead
+from malleus.trainer.world.membership import Membership
+from malleus.trainer.world.world import DEFAULT_HANG_TIMEOUT_S, World
+
+from .groups import form_group, release_groups
+from .ledger import Ledger
+from .restore import apply_decision, redo, survivor_holders
+from .wait import gather, mark_released
+
+if TYPE_CHECKING:
+    from malleus.trainer.engine.trainer import Trainer
+
+__all__ = [
+    "DECISION_WAIT_S",
+    "LEFT_OUT_EXIT",
+    "NO_PLAN_EXIT",
+    "NoValidPlan",
+    "PeerFailure",
+    "RecoveryError",
+    "as_failure",
+    "recover",
+]
+
+log = logging.getLogger(__name__)
+
+DECISION_WAIT_S = 60.0
+"""How long a survivor waits for the leader's decision before starting the next epoch."""
+LEFT_OUT_EXIT = 3
+SPURIOUS_TRIES = 3
+"""Recoveries in which every rank arrived (a collective timed out on a slow machine, say) that
+one step may take before its error is taken for a real one and raised."""
+
+
+class PeerFailure(RuntimeError):
+    """A collective failed on this rank because some other rank died or hung."""
+
+    def __init__(self, what: str, cause: BaseException) -> None:
+        first = first_line(cause)
+        self.timeout = "timed out" in str(cause).lower() or "timeout" in str(cause).lower()
+        self.detected = time.time()
+        super().__init__(f"a collective failed during {what}: {first}")
+
+
+class RecoveryError(RuntimeError):
+    """The survivors could not go on (no plan fits them, a real error on every rank, ...)."""
+
+
+class NoValidPlan(RecoveryError):
+    """No valid plan exists on the GPUs left (the planner refused the survivors' problem): the
+    job cannot go on. Every survivor exits `NO_PLAN_EXIT`, which the operator (reason
+    `NoValidPlan`) and `malleus run` read as the end of the job, not as one more failure."""
+
+
+NO_PLAN_EXIT = 4
+"""Exit code of a rank when no valid plan exists on the GPUs left (operator/failures.py
+`NO_PLAN_EXIT` is the same number, read from the pod's exit code)."""
+
+
+def hang_timeout_s(job: Any) -> float:
+    """The collectives' bound to start with: spec.failurePolicy.hangTimeoutSeconds, else
+    `DEFAULT_HANG_TIMEOUT_S` until the step time is measured (then 10 steps, trainer/run/loop.py)."""
+    given = job.spec.failure_policy.hang_timeout_seconds
+    return float(given) if given is not None else DEFAULT_HANG_TIMEOUT_S
+
+
+def as_failure(e: BaseException, what: str, world: World) -> BaseException:
+    """`e` as a PeerFailure when failures are survivable (`world` has a store), else `e`."""
+    if isinstance(e, PeerFailure) or world.store is None:
+        return e
+    return PeerFailure(what, e)
+
+
+# ---- the survivors' side ------------------------------------------------------------------------
+def recover(
+    trainer: Trainer, ledger: Ledger, failure: PeerFailure, checkpoint_dir: str | None
+) -> None:
+    """Collective among the survivors: re-form the job without the failed ranks and restore
+    every piece; on return the trainer is at the step to run next (the failed one redone, or
+    the one after it)."""
+    store, old = trainer.world.store, trainer.world.current
+    assert store is not None and old is not None
+    log.warning("rank %d: %s; recovering", trainer.rank, failure)
+    _dbg(trainer.rank, f"enter recovery: {failure}")
+    epoch = old.epoch + 1
+    previous = old.members
+    while True:
+        prefix = f"rec/{epoch}/"
+        # Counted in before letting go of the groups (which takes a collection: tenths of a
+        # second on a busy host), so that the leader and the peers still computing (whose
+        # alarm watches `arrive`, trainer/world/alarm.py) hear of this survivor at once.
+        arrival = _arrival(trainer, ledger, failure)
+        store.set(prefix + f"alive/{trainer.rank}", json.dumps(arrival))
+        n = store.add(prefix + "arrive", 1)
+        _dbg(trainer.rank, f"arrived {n}")
+        release_groups(trainer, failure)
+        mark_released(store, prefix, trainer.rank)  # the leader of a hang waits for this
+        _dbg(trainer.rank, "released")
+        # The lead goes to whoever claims it first, atomically and by name, so that the others
+        # can tell when the leader is known dead before it decided (`_await_decision`).
+        leader = int(store.compare_set(prefix + "leader", "", str(trainer.rank)))
+        if leader == trainer.rank:
+            at_lead(trainer.rank, epoch, store=store)  # fault injection (tests): dies here
+            _lead(store, prefix, previous, trainer)
+        decision = _await_decision(store, prefix, leader, trainer.world.silence(store))
+        _dbg(trainer.rank, "decided")
+        if decision is None:  # the leader died before deciding
+            log.warning(
+                "rank %d: no decision at recovery epoch %d (leader rank %d); next epoch",
+                trainer.rank,
+                epoch,
+                leader,
+            )
+            epoch += 1
+            continue
+        members = tuple(decision["members"])
+        if trainer.rank not in members:
+            _left_out(trainer.rank, epoch, "the others went on without it (it did not arrive)")
+        if decision.get("no_plan"):
+            raise NoValidPlan(
+                f"no valid plan exists on the GPUs left at recovery epoch {epoch}: "
+                f"{decision['error']}"
+            ) from failure
+        if decision.get("error"):
+            raise RecoveryError(f"recovery epoch {epoch}: {decision['error']}") from failure
+        if "out" in decision:  # set now: if this epoch fails on the way (a member lost while
+            # forming or restoring), the next one must plan without these GPUs too
+            ledger.out = {int(g): w for g, w in decision["out"].items()}
+        lead = old.coordinator if old.coordinator in members else None
+        try:
+            form_group(trainer.world, store, prefix, Membership(epoch, members, lead), trainer.rank)
+        except RuntimeError as e:  # a member died while the group formed
+            log.warning("rank %d: re-forming epoch %d failed: %s", trainer.rank, epoch, e)
+            previous, epoch = members, epoch + 1
+            continue
+        _dbg(trainer.rank, "formed")
+        if decision.get("spurious"):  # every rank alive: slow, not failed; or a real error
+            tries = ledger.spurious.get(trainer.step, 0) + 1
+            ledger.spurious[trainer.step] = tries
+            if tries > SPURIOUS_TRIES:
+                raise failure.__cause__ or failure
+            log.warning("rank %d: every rank is alive; redoing step %d", trainer.rank, trainer.step)
+            redo(trainer, decision)
+            return
+        try:
+            apply_decision(trainer, ledger, decision, epoch, checkpoint_dir)
+        except RuntimeError as e:  # another failure while restoring: recover again
+            failure = PeerFailure(f"recovery epoch {epoch}", e)
+            previous, epoch = members, epoch + 1
+            continue
+        _dbg(trainer.rank, "applied")
+        return
+
+
+def _await_decision(store: Any, prefix: str, leader: int, quiet: Silence) -> dict[str, Any] | None:
+    """The leader's decision; None when it did not come within `DECISION_WAIT_S`, or as soon
+    as the leader is known dead (a launcher wrote `rec/dead/LEADER`) or silent (its heartbeat
+    stopped, trainer/world/alarm.py) without having written it: a leader killed mid-recovery costs
+    the others one epoch, not the whole wait."""
+    key, dead = prefix + "decision", DEAD_KEY + str(leader)
+    deadline = time.monotonic() + DECISION_WAIT_S
+    while time.monotonic() < deadline:
+        if store.check([key]):
+            return json.loads(store.get(key))
+        # Known dead, or gone without a launcher to say so (its heartbeat stopped): its
+        # decision may have landed just before it died.
+        if store.check([dead]) or quiet.silent(leader):
+            return json.loads(store.get(key)) if store.check([key]) else None
+        time.sleep(0.02)
+    return None
+
+
+def _dbg(rank: int, what: str) -> None:
+    if os.environ.get("MALLEUS_DEBUG_RECOVERY"):
+        print(
+            f"[recovery] {time.time() % 1000:.2f} rank {rank}: {what}", file=sys.stderr, flush=True
+        )
+
+
+def _left_out(gpu: int, epoch: int, why: str) -> None:
+    print(
+        f"[malleus] rank {gpu} was left out of the job at recovery epoch {epoch}: {why}",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    os._exit(LEFT_OUT_EXIT)  # no cleanup: its process group is gone, the job goes on
+
+
+def _arrival(trainer: Trainer, ledger: Ledger, failure: PeerFailure) -> dict[str, Any]:
+    svc = trainer.services
+    inbox = svc.inbox
+    newest = trainer.plan.generation
+    if inbox is not None:  # a switch that failed with this failure counts: it is superseded
+        newest = max(newest, inbox.newest())
+        if inbox.last_failure is not None:
+            newest = max(newest, inbox.last_failure.generation)
+    rates = svc.state.snapshot().rates
+    return {
+        "gpu": trainer.rank,
+        "step": trainer.step,
+        "vec": trainer.last_vec[1]
+        if trainer.last_vec is not None and trainer.last_vec[0] == trainer.step - 1
+        else None,
+        "plan": trainer.plan.to_json(),
+        "newest": newest,
+        "timeout": failure.timeout,
+        "detected": failure.detected,
+        "rates": {str(g): r for g, r in rates.items()},
+        "out": {str(g): w for g, w in ledger.out.items()},
+    }
+
+
+def _lead(store: Any, prefix: str, previous: tuple[int, ...], trainer: Trainer) -> None:
+    """The first survivor to arrive decides who goes on, at which step, under which plan."""
+    seen = gather(store, prefix, previous, trainer.world.silence(store))
+    arrivals, dead, silent = seen.arrivals, seen.dead, seen.silent
+    _dbg(trainer.rank, f"lead: waited, arrived {list(arrivals)} dead {dead} silent {silent}")
+    try:
+        decision = _decide(trainer, arrivals, previous, store)
+    except BadInput as e:  # the planner refused the survivors' problem: nothing fits them
+        log.error("no valid plan on the GPUs left: %s", e)
+        decision = {"members": sorted(arrivals), "error": str(e), "no_plan": True}
+    except Exception as e:
+        log.exception("recovery decision failed")
+        decision = {"members": sorted(arrivals), "error": f"{type(e).__name__}: {e}"}
+    _dbg(trainer.rank, "lead: decided")
+    store.set(prefix + "decision", json.dumps(decision))
+
+
+def _decide(
+    trainer: Trainer, arrivals: dict[int, dict[str, Any]], previous: tuple[int, ...], store: Any
+) -> dict[str, Any]:
+    from malleus.planner.search import plan as planner
+
+    members = sorted(arrivals)
+    gone = [g for g in previous if g not in arrivals]
+    step = max(a["step"] for a in arrivals.values())
+    vec = next((a["vec"] for a in arrivals.values() if a["step"] == step and a["vec"]), None)
+    if not gone:
+        return {"members": members, "spurious": True, "step": step, "vec": vec}
+    hung = any(a["timeout"] for a in arrivals.values())
+    failed: dict[int, str] = {}
+    for g in gone:
+        key = DEAD_KEY + str(g)
+        known = store.get(key).decode() if store.check([key]) else None
+        failed[g] = known if known in ("killed", "left", "hung") else ("hung" if hung else "killed")
+    out = {int(g): w for a in arrivals.values() for g, w in a["out"].items()}
+    out.update(failed)
+    for g in members:
+        out.pop(g, None)
+    plans = {g: Plan.from_json(a["plan"]) for g, a in arrivals.items()}
+    in_force = max(plans.values(), key=lambda p: p.generation)
+    job = trainer.job
+    rates: dict[int, float | None] = {g: None for g in out}
+    for g in members:
+        r = arrivals[trainer.rank]["rates"].get(str(g))
+        rates[g] = r if r is not None else 1.0
+    problem = job.problem(rates, previous_plan=in_force)
+    budget = min(5.0, float(job.policy.planning_timeout_seconds))
+    new = planner(problem, time_limit=budget)
+    generation = max(a["newest"] for a in arrivals.values()) + 1
+    new = new.model_copy(update={"generation": generation})
+    check_plan(problem, new)
+    have = survivor_holders(job, plans)
+    mode = "replicas" if all(have.values()) else "checkpoint"
+    return {
+        "members": members,
+        "failed": {str(g): w for g, w in failed.items()},
+        "out": {str(g): w for g, w in out.items()},
+        "step": step,
+        "vec": vec,
+        "plan": new.to_json(),
+        "plans": {str(g): p.to_json() for g, p in plans.items()},
+        "mode": mode,
+        "detected": min(a["detected"] for a in arrivals.values()),
+    }

@@ -1,0 +1,130 @@
+"""Fault injection for failure tests and demos: a GPU's trainer dies or hangs mid-step.
+
+`spec.emulation.schedule` entries `{step, rank, fail: kill|hang}` (`ResolvedJob.failures`) and
+the `$MALLEUS_FAULT` hook `step:RANK[:STEP]` (`fault_point`) act in the
+middle of a step: right after the rank's first layer forward of that step (an excluded rank's
+benchmark forward included), so its peers are left inside the step's collectives. `kill` is
+SIGKILL (the process is gone, its sockets close at once); `hang` is SIGSTOP (the process stays,
+silent, until someone sends SIGCONT or SIGKILL): the survivors detect it only by timeout.
+
+`$MALLEUS_FAULT=lead:RANK:EPOCH` (`at_lead`; RANK may be `*`, any rank) kills the survivor that
+took the lead of recovery epoch EPOCH right after it claimed it, before it decides: who leads
+is a race among the survivors, so a test cannot name that rank in advance.
+`$MALLEUS_FAULT=rollback:RANK:EPOCH` (`at_rollback`) kills RANK in the middle of recovery epoch
+EPOCH's rollback: its state rebuilt under the recovery plan, the checkpoint not read yet, its
+peers inside the read's agreement on which checkpoint to load (trainer/engine/state.py `resume`).
+
+Before acting the rank writes the wall time into the job's store (`rec/fault/GPU`; the caller
+hands it the store, `World.store`, None when failures are fatal), so a test can measure how
+long the survivors took to notice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["FAULT_ENV", "FAULT_KEY", "Faults", "at_lead", "at_rollback", "die", "fault_point"]
+
+log = logging.getLogger(__name__)
+
+FAULT_ENV = "MALLEUS_FAULT"
+"""Test hook: `POINT:RANK` (or `POINT:RANK:STEP`) makes GPU RANK kill itself (SIGKILL) at POINT:
+`migration` (in the middle of a migration), `checkpoint` (its checkpoint file written, the
+manifest not yet), `step` (mid-step, after its first layer forward; trainer/world/faults.py), `lead`
+(`lead:RANK:EPOCH`, RANK may be `*`: the leader of a recovery, before it decides; faults.py)."""
+FAULT_KEY = "rec/fault/"
+
+
+def die(rank: int, how: str, where: str, *, store: Any) -> None:
+    """SIGKILL (`kill`) or SIGSTOP (`hang`) this process, after noting when in `store`."""
+    if store is not None:
+        with contextlib.suppress(RuntimeError, OSError):
+            store.set(
+                f"{FAULT_KEY}{rank}", json.dumps({"how": how, "at": time.time(), "where": where})
+            )
+    log.error(
+        "fault injection: rank %d %s at %s", rank, "dies" if how == "kill" else "hangs", where
+    )
+    os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+
+
+def fault_point(name: str, rank: int, step: int | None = None, *, store: Any) -> None:
+    """Die here (SIGKILL, no cleanup) when `$MALLEUS_FAULT` is `name:rank` (or
+    `name:rank:step` at that step): failure tests."""
+    want = os.environ.get(FAULT_ENV)
+    if want == f"{name}:{rank}" or (step is not None and want == f"{name}:{rank}:{step}"):
+        die(rank, "kill", name, store=store)
+
+
+def _wanted(point: str, rank: int, epoch: int) -> bool:
+    want = os.environ.get(FAULT_ENV, "").split(":")
+    return want[:1] == [point] and want[1:] in (["*", str(epoch)], [str(rank), str(epoch)])
+
+
+def at_lead(rank: int, epoch: int, *, store: Any) -> None:
+    """Die here (SIGKILL) when `$MALLEUS_FAULT` is `lead:RANK:EPOCH` (or `lead:*:EPOCH`): this
+    rank has just claimed the lead of recovery epoch `epoch` (trainer/recovery/protocol.py)."""
+    if _wanted("lead", rank, epoch):
+        die(rank, "kill", f"the lead of recovery epoch {epoch}", store=store)
+
+
+def at_rollback(rank: int, epoch: int, *, store: Any) -> None:
+    """Die here (SIGKILL) when `$MALLEUS_FAULT` is `rollback:RANK:EPOCH`: this rank is about to
+    read the checkpoint back in recovery epoch `epoch` (trainer/recovery/restore.py)."""
+    if _wanted("rollback", rank, epoch):
+        die(rank, "kill", f"the checkpoint read of recovery epoch {epoch}", store=store)
+
+
+class Faults:
+    """This rank's scheduled failures; `arm(step)` at each step start; `store`: where a fault
+    is noted (`die`)."""
+
+    def __init__(
+        self, failures: Iterable[tuple[int, int, str]], rank: int, store: Any = None
+    ) -> None:
+        self.rank, self.store = rank, store
+        self.due = {step: how for step, r, how in failures if r == rank}
+        env = os.environ.get(FAULT_ENV, "").split(":")
+        if len(env) == 3 and env[0] == "step" and env[1] == str(rank) and env[2].isdigit():
+            self.due.setdefault(int(env[2]), "kill")
+        self.armed: str | None = None
+        self.step = -1
+
+    def arm(self, step: int) -> None:
+        if self.step < 0 and step > 0:
+            # A process that starts past step 0 (a replacement admitted at `step`, a resumed
+            # run) did not live through the earlier steps: their failures were its
+            # predecessor's, and must not fire again when it trains on.
+            self.due = {s: how for s, how in self.due.items() if s >= step}
+        self.step = step
+        self.armed = self.due.pop(step, None)
+
+    def clock(self, clock: Any) -> Any:
+        """The clock the layer timer charges: `clock` itself, or one that fires the armed fault
+        after the step's first layer forward."""
+        return _FaultyClock(clock, self) if self.due else clock
+
+    def after(self, kind: str) -> None:
+        if self.armed is not None and kind == "forward":
+            how, self.armed = self.armed, None
+            die(self.rank, how, f"step {self.step}", store=self.store)
+
+
+class _FaultyClock:
+    def __init__(self, clock: Any, faults: Faults) -> None:
+        self._clock, self._faults = clock, faults
+
+    def compute(self, kind: str, shards: int, started: float) -> Any:
+        out = self._clock.compute(kind, shards, started)
+        self._faults.after(kind)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._clock, name)

@@ -1,0 +1,192 @@
+"""`World`: the job's process group as one object, made once per process and handed around.
+
+One process is one rank, and what it knows of the job's process group lives here rather than
+in module globals (the habit of Megatron's `parallel_state`, which this code avoids): the
+membership in force (trainer/world/membership.py: who is in, at which epoch, who coordinates),
+the client of the rendezvous store that outlives any rank (None: failures are fatal), the bound
+on every collective (the hang timeout), the deadline of the step in progress, and the recovery
+alarm (trainer/world/alarm.py). A rank's start makes it (trainer/cli.py: `World(size)`, then
+trainer/launch/distributed.py `init_distributed` installs the first membership, the store and
+the alarm), the Trainer and its parts hold it, and a recovery re-forming the group installs the
+next membership into the same object (trainer/recovery/).
+A process with no process group (a unit test, a single rank) makes `World(size)` and installs
+nothing: GPU ids are then process-group ranks and GPU 0 coordinates.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import time
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+from typing import Any
+
+from .alarm import MIN_BEAT_S, SILENT_BEATS, Alarm, Silence, beat_s, interval_s
+from .membership import Membership
+
+__all__ = [
+    "DEFAULT_HANG_TIMEOUT_S",
+    "HANG_MAX_S",
+    "HANG_MIN_S",
+    "HANG_STEPS",
+    "STEP_FLOOR",
+    "World",
+    "sized_hang_timeout",
+]
+
+DEFAULT_HANG_TIMEOUT_S = 600.0
+"""The collectives' bound until the step time is measured (spec.failurePolicy unset)."""
+HANG_STEPS, HANG_MIN_S, HANG_MAX_S = 10, 30.0, 600.0
+"""Unset `hangTimeoutSeconds`: 10 measured steps, clamped to [30, 600] s."""
+STEP_FLOOR = 0.5
+"""Inside a step a collective's timeout is at least this share of the hang timeout."""
+
+
+def sized_hang_timeout(step_seconds: float) -> float:
+    return min(HANG_MAX_S, max(HANG_MIN_S, HANG_STEPS * step_seconds))
+
+
+class World:
+    """The job's GPUs `0..size-1` as this process sees them (see the module)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        """GPUs in the job (the plan's ranks), whoever of them is in the process group now."""
+        self._current: Membership | None = None
+        self._store: Any = None  # the rendezvous store client (None: failures are fatal)
+        self._timeout_s = DEFAULT_HANG_TIMEOUT_S
+        self._step_start: float | None = None  # monotonic start of the step in progress
+        self._bounds: dict[int, tuple[Any, float]] = {}  # id(group) -> (group, its timeout)
+        self._alarm: Alarm | None = None
+        self._held: list[Any] = []  # store connections kept alive (`hold`)
+
+    # ---- the membership ---------------------------------------------------------------------
+    def install(self, membership: Membership, rendezvous: Any = None) -> None:
+        """Record the process group just formed (and, the first time, the store to recover by)."""
+        self._current = membership
+        if rendezvous is not None:
+            self._store = rendezvous
+
+    @property
+    def current(self) -> Membership | None:
+        """The membership in force; None before any was installed."""
+        return self._current
+
+    @property
+    def store(self) -> Any:
+        """The rendezvous store that outlives any rank, or None when failures are not survivable."""
+        return self._store
+
+    def pg(self, gpu: int) -> int:
+        """GPU id -> process-group rank under the membership in force (the identity before any)."""
+        return gpu if self._current is None else self._current.pg(gpu)
+
+    def coordinator(self) -> int:
+        """The coordinator's GPU id: the lowest member (0 before any membership is installed)."""
+        return 0 if self._current is None else self._current.coordinator
+
+    def hold(self, connection: Any) -> None:
+        """Keep `connection` alive as long as this World: a store written in Python
+        (trainer/world/store_client.py) and handed to C++ (a PrefixStore over it, a process
+        group) keeps only its C++ half alive on its own, and its methods are gone without it."""
+        self._held.append(connection)
+
+    # ---- the bound on collectives -----------------------------------------------------------
+    @property
+    def collective_timeout_s(self) -> float:
+        """The bound on every collective of a fault-tolerant job: the hang timeout."""
+        return self._timeout_s
+
+    def set_collective_timeout(self, seconds: float, groups: Iterable[Any] = ()) -> None:
+        """Bound every later collective by `seconds`: the default group's and `groups`'
+        timeouts change in place (no collective; `dist.new_group` is given it too,
+        trainer/parallel/groups.py)."""
+        self._timeout_s = float(seconds)
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _rank_not_in_group, _set_pg_timeout
+
+        if not dist.is_initialized():
+            return
+        limit = timedelta(seconds=self._timeout_s)
+        for group in (None, *groups):
+            if group is None or not _rank_not_in_group(group):
+                _set_pg_timeout(limit, group)
+
+    @contextlib.contextmanager
+    def step_deadline(self) -> Iterator[None]:
+        """Inside: every collective passed through `bound` times out at one deadline, the hang
+        timeout after the step started, rather than the hang timeout after it was entered.
+
+        Why: the ranks leave the previous step's world all-reduce within milliseconds of each
+        other, so this deadline is common to the job, and when a rank hangs every survivor
+        blocked on it fails at once. With a timeout counted from each collective's entry, the
+        survivor that entered its collective with the hung rank last (the other replica's
+        gradient sync, entered a backward pass after the hung rank's TP partner got stuck in its
+        forward) would be waited for that much longer, and nobody else can wake it: the hung
+        rank's end of that connection never closes. A collective entered late in a slow step
+        keeps at least `STEP_FLOOR` of the timeout, so a slow step is not taken for a hang any
+        sooner than before. On the way out the groups get the plain bound back (switches,
+        checkpoints)."""
+        self._step_start = time.monotonic()
+        try:
+            yield
+            for group, seconds in list(self._bounds.values()):
+                if seconds != self._timeout_s:
+                    self._set(group, self._timeout_s)
+        finally:
+            # Holds no group past the step: a failed step's groups must lose their last
+            # reference for their sockets to close (trainer/recovery/groups.py `_release`).
+            self._step_start = None
+            self._bounds.clear()
+
+    def bound(self, group: Any = None) -> None:
+        """Before a collective of the step on `group` (None: the job's group): its timeout ends
+        at the step's deadline (`step_deadline`; outside one, nothing changes). Costs a clock
+        read; the group's timeout is set (a call into the backend) only when it is 20 ms or
+        more off."""
+        if self._step_start is None or self._store is None:
+            return
+        elapsed = time.monotonic() - self._step_start
+        left = max(self._timeout_s - elapsed, self._timeout_s * STEP_FLOOR)
+        known = self._bounds.get(id(group))  # held while in here, so an id is never reused
+        if known is None or abs(known[1] - left) >= 0.02:
+            self._set(group, left)
+
+    def _set(self, group: Any, seconds: float) -> None:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        try:
+            _set_pg_timeout(timedelta(seconds=seconds), group)
+        except (RuntimeError, ValueError, AssertionError):  # a group already torn down
+            return
+        self._bounds[id(group)] = (group, seconds)
+
+    # ---- the recovery alarm -----------------------------------------------------------------
+    def start_alarm(self, store: Any, rank: int) -> None:
+        """Watch the job's store and beat for `rank` from now on (once per World)."""
+        if self._alarm is None:
+            self._alarm = Alarm(
+                store, interval_s(self.size), self._epoch, rank=rank, beat=beat_s(self.size)
+            ).start()
+            atexit.register(self._alarm.close)
+
+    def _epoch(self) -> int | None:
+        m = self._current
+        return None if m is None else m.epoch
+
+    def check_alarm(self) -> None:
+        """`Alarm.check`: raise `PeerRecovering` when a peer entered a recovery this rank is
+        not in yet; nothing when no alarm runs (failures are not survivable)."""
+        if self._alarm is not None:
+            self._alarm.check()
+
+    def close(self) -> None:
+        """Stop the alarm's thread now (it is stopped at exit anyway: `Alarm.close`)."""
+        if self._alarm is not None:
+            self._alarm.close()
+
+    def silence(self, store: Any) -> Silence:
+        """A `Silence` over the job's store, its window `SILENT_BEATS` of this process's beats."""
+        beat = self._alarm.beat if self._alarm is not None else MIN_BEAT_S
+        return Silence(store, SILENT_BEATS * beat)
