@@ -97,7 +97,7 @@ def render(
             "before the switch, the new plan after it, under the same rates; tokens/s of the "
             "median step, warm-up steps left out):",
             "",
-            "| steps | generation | shift | before tok/s | after tok/s | gain |",
+            "| steps | generation | shift | before tok/s | after tok/s | speedup |",
             "|---|---|---|---:|---:|---:|",
         ]
         for w in live["windows"]:
@@ -181,7 +181,7 @@ def baseline_lines(reports: dict[str, dict[str, Any]]) -> list[str]:
         f"Static baseline predicted from the live run (the first plan held all run, at the live "
         f"run's measured rates; {how}): "
         f"{base['predicted_seconds']:.1f} s over {base['steps']} steps against "
-        f"{base['measured_seconds']:.1f} s measured live: a predicted gain of "
+        f"{base['measured_seconds']:.1f} s measured live: a predicted speedup of "
         f"{base['gain']:.2f}x.",
     ]
     if static:

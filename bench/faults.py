@@ -122,7 +122,8 @@ def trainer_pids(workdir: Path) -> dict[int, int]:
 def committed(workdir: Path, step: int) -> bool:
     logs = workdir / "logs" / "launch-1"
     return logs.is_dir() and any(
-        f"[malleus] step {step}/" in p.read_text(errors="replace") for p in logs.glob("rank-*.log")
+        f"[malleus] step {step - 1} ({step}/" in p.read_text(errors="replace")
+        for p in logs.glob("rank-*.log")
     )
 
 

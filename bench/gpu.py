@@ -1,8 +1,10 @@
-"""GPU throughput: tokens/s and MFU of a ~1B Llama in bf16 under the trainer, alone and shared.
+"""GPU throughput: tokens/s and MFU of a ~1B Llama in bf16 under the trainer, alone and shared,
+and the same model in a plain transformers training loop.
 
 Run by bench/gpu.sh (one NVIDIA GPU); by hand:
 
     python bench/gpu.py solo --out gpu-results            # one rank, the whole GPU
+    python bench/gpu.py plain --out gpu-results           # the plain loop, the whole GPU
     python bench/gpu.py share --ranks 4 --out gpu-results # 4 one-rank jobs on the same GPU
     python bench/gpu.py solo --dry-run --out /tmp/x       # the same code, tiny model, CPU
 
@@ -12,6 +14,13 @@ Run by bench/gpu.sh (one NVIDIA GPU); by hand:
 median step after warm-up gives tokens/s, and MFU = model FLOPs per token x tokens/s / the
 GPU's dense bf16 peak (model FLOPs: 6 x the parameters the matmuls touch, embedding lookup
 excluded, + 12 x layers x heads x head_dim x sequence for attention, as PaLM counts them).
+
+*plain*: the same model, sizes, micro-batches and samples in the loop a transformers user
+writes, as the transformers Trainer runs it with `bf16=True`: a `LlamaForCausalLM` (sdpa
+attention) with float32 weights under bf16 autocast, a forward and backward per micro-batch,
+`clip_grad_norm_`, `torch.optim.AdamW` (fused on CUDA, the Trainer's default optimizer), the
+job's LR schedule; the losses stay on the device until the end, as the Trainer keeps them.
+Trainer step time / plain step time is the trainer's overhead on the GPU (target <= 1.10).
 
 *share*: NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected",
 NCCL >= 2.5), so ranks of one job cannot share a GPU; what can is several jobs. `share` starts
@@ -40,8 +49,11 @@ import torch
 import yaml
 
 from malleus.job import ResolvedJob
+from malleus.trainer.data.samples import make_source, micro_batch
 from malleus.trainer.engine.trainer import Trainer
 from malleus.trainer.launch.distributed import DistEnv, init_distributed
+from malleus.trainer.model.hf import hf_config
+from malleus.trainer.parallel.optim import BETAS, EPS, lr_at
 from malleus.trainer.world.world import World
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,19 +140,81 @@ def measure(args: argparse.Namespace, global_batch: int) -> dict[str, Any]:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     torch.distributed.destroy_process_group()
+    params = sum(p.numel() for p in trainer.params.values())
+    return _result(args, job, device, times, params, report.loss)
+
+
+def plain(args: argparse.Namespace) -> dict[str, Any]:
+    """The same model in a plain transformers loop on the same device (module docstring)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    cuda = device.type == "cuda"
+    gpu_mib = torch.cuda.get_device_properties(device).total_memory >> 20 if cuda else 81559
+    job = make_job(DRY if args.dry_run else LLAMA_1B, args.global_batch, args.micro, gpu_mib)
+    tr, M = job.spec.training, job.micro_batches
+    config = LlamaConfig(**hf_config(job), attn_implementation="sdpa")
+    torch.manual_seed(tr.seed)
+    with device:  # initialised where it trains: no 4 GiB copy from the host
+        model = LlamaForCausalLM(config)
+    model.train()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": tr.weight_decay}, {"params": rest}]
+    opt = torch.optim.AdamW(
+        groups, lr=tr.learning_rate, betas=BETAS, eps=EPS, weight_decay=0.0, fused=cuda
+    )
+    source = make_source(tr.dataset, job.model.sequence, job.model.vocab, tr.seed)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    losses, times = [], []
+    for i in range(args.warmup + args.steps):
+        sync()
+        t0 = time.perf_counter()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(i, tr.learning_rate, tr.warmup_steps, job.steps)
+        total = torch.zeros((), device=device)
+        for j in range(M):
+            x, y = micro_batch(source, i, j, tr.global_batch_size, tr.micro_batch_size)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                logits = model(input_ids=x).logits  # (b, T, V)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            (loss / M).backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tr.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total / M)
+        sync()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    params = sum(p.numel() for p in model.parameters())
+    return _result(args, job, device, times, params, float(losses[-1]))
+
+
+def _result(
+    args: argparse.Namespace,
+    job: ResolvedJob,
+    device: torch.device,
+    times: list[float],
+    params: int,
+    loss: float,
+) -> dict[str, Any]:
+    """The figures of one measured loop: the median step after the warm-up."""
+    cuda = device.type == "cuda"
     step = statistics.median(times)
     tokens = job.tokens_per_step / step
     peak = peak_flops(device, args.peak_tflops)
-    params = sum(p.numel() for p in trainer.params.values())
     return {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "dry_run": args.dry_run,
         "parameters": params,
         "tokens_per_step": job.tokens_per_step,
         "step_seconds": step,
         "tokens_per_second": tokens,
         "mfu": None if peak is None else flops_per_token(job) * tokens / peak,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
-        "last_loss": report.loss,
+        "last_loss": loss,
     }
 
 
@@ -163,6 +237,7 @@ def share(args: argparse.Namespace) -> dict[str, Any]:
     total = sum(r["tokens_per_second"] for r in runs)
     mfus = [r["mfu"] for r in runs]
     return {
+        "dry_run": args.dry_run,
         "ranks": args.ranks,
         "jobs": runs,
         "tokens_per_second": total,
@@ -172,7 +247,7 @@ def share(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", choices=["solo", "share"])
+    ap.add_argument("mode", choices=["solo", "plain", "share"])
     ap.add_argument("--out", type=Path, default=Path("gpu-results"))
     ap.add_argument("--ranks", type=int, default=4, help="share: one-rank jobs on the GPU")
     ap.add_argument("--steps", type=int, default=8)
@@ -193,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.child:
             print(json.dumps(result))
             return 0
+    elif args.mode == "plain":
+        result = plain(args)
     else:
         result = share(args)
     args.out.mkdir(parents=True, exist_ok=True)

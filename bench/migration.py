@@ -39,6 +39,7 @@ from typing import Any
 import yaml
 from benchdoc import machine, replace_section  # bench/ is on sys.path when run as a script
 
+from malleus.notation import layer_range, parse_size, size, size_mib
 from malleus.planner import Plan, PlanningProblem, migration_mb
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,10 +60,12 @@ SWEEP_RATES: list[dict[int, float | None]] = [  # the plans the sweep switches t
     {7: 8.0, 0: 8.0},
 ]
 
-STEP_RE = re.compile(r"\[malleus\] step (\d+)/\d+ loss \S+ norm \S+ lr \S+ ([\d.]+)s")
+# The trainer's lines (malleus.notation): `[malleus] step 4 (5/30) loss ... 0.846s ...` keyed here
+# by steps done; sizes in binary units, read back to their precision (0.1 of the unit).
+STEP_RE = re.compile(r"\[malleus\] step \d+ \((\d+)/\d+\) loss \S+ norm \S+ lr \S+ ([\d.]+)s")
 SWITCH_RE = re.compile(
-    r"switched to plan generation (\d+) at step (\d+): moved ([\d,]+) bytes "
-    r"\(minimal ([\d,]+)\) in ([\d.]+)s"
+    r"switched to plan generation (\d+) from step (\d+): moved ([\d.,]+ \w+) "
+    r"\(minimal ([\d.,]+ \w+)\) in ([\d.]+) s"
 )
 
 
@@ -133,8 +136,8 @@ def train(args: list[str], log: Log) -> None:
                     {
                         "generation": int(m[1]),
                         "step": int(m[2]),
-                        "bytes": int(m[3].replace(",", "")),
-                        "minimal": int(m[4].replace(",", "")),
+                        "bytes": round(parse_size(m[3])),
+                        "minimal": round(parse_size(m[4])),
                         "seconds": float(m[5]),
                     }
                 )
@@ -257,7 +260,7 @@ def render(old: Plan, new: Plan, outcomes: list[Outcome], live: Log, rows: list[
     gain = live_o.old_step - live_o.new_step
     lines += [
         "",
-        f"The live switch moved {mig['bytes']:,} bytes (minimal: {mig['minimal']:,}) in "
+        f"The live switch moved {size(mig['bytes'])} (minimal: {size(mig['minimal'])}) in "
         f"{mig['seconds']:.3f} s; it lost {live_o.lost:.2f} s in all (migration, then a first "
         f"step on new groups). Restarting lost {restart_o.lost:.1f} s: checkpoint, exit, "
         f"relaunch of 8 processes (each importing torch), join, load, a cold first step. "
@@ -275,14 +278,14 @@ def render(old: Plan, new: Plan, outcomes: list[Outcome], live: Log, rows: list[
         "(malleus.planner.cost.holdings); the planner's estimate counts its memory model's "
         "16 bytes per parameter (gradient included), hence ~4/3 of the real volume.",
         "",
-        "| switch to rates | bytes moved | minimal bytes | planner estimate (MB) | seconds | MB/s |",
+        "| switch to rates | moved | minimal | planner estimate | seconds | MiB/s |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         rate = r["bytes"] / 2**20 / r["seconds"] if r["seconds"] > 0 else float("nan")
         lines.append(
-            f"| {_rates(r['rates'])} | {r['bytes']:,} | {r['minimal']:,} | "
-            f"{r['planner_mb']:.1f} | {r['seconds']:.3f} | {rate:.0f} |"
+            f"| {_rates(r['rates'])} | {size(r['bytes'])} | {size(r['minimal'])} | "
+            f"{size_mib(r['planner_mb'])} | {r['seconds']:.3f} | {rate:.0f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -290,7 +293,7 @@ def render(old: Plan, new: Plan, outcomes: list[Outcome], live: Log, rows: list[
 def _layout(plan: Plan) -> str:
     parts = []
     for p in plan.pipelines:
-        stages = " / ".join(f"{s.ranks} L{s.layers[0]}-{s.layers[1] - 1}" for s in p.stages)
+        stages = " / ".join(f"{s.ranks} layers {layer_range(s.layers)}" for s in p.stages)
         parts.append(f"({stages}, m={p.micro_batches})")
     text = " ".join(parts)
     return text + (f", excluded {plan.excluded}" if plan.excluded else "")

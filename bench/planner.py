@@ -58,7 +58,9 @@ NOTES = [
     "is started. Tests hold it within 2% of a brute-force optimum on every problem of up to "
     "8 GPUs that they try. The budget (`default_budget`: CPU seconds of the planning thread, "
     "0.6 s up to 64 GPUs, 0.7 s at 1024, 3.9 s at 4096) is one deadline that every phase "
-    "asks before each unit of work; with more than 48 distinct straggling rates the search "
+    "asks before each unit of work (problems of up to 8 GPUs have none: their search runs "
+    "to its end, so their plan does not depend on the machine's load); with more than 48 "
+    "distinct straggling rates the search "
     "plans on rates rounded up to a 4% grid and re-splits the plans it finds under the true "
     "rates (see the Planner spread section).",
     "",

@@ -193,7 +193,7 @@ def _time_pipeline(trainer: Any, sink: list[float]) -> None:
         return
     run = stage.run
 
-    def timed() -> float:
+    def timed() -> Any:  # the stage's loss sum
         t0 = time.perf_counter()
         try:
             return run()

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from benchdoc import machine
 
+from malleus.notation import layer_range
+
 if TYPE_CHECKING:
     from trainer_cases import Job, Scale
 
@@ -114,11 +116,12 @@ NOTES = [
 
 
 def describe(p: Plan) -> str:
-    """A plan in one line: per pipeline `m: ranks[layers] > ...`; excluded ranks."""
+    """A plan in one line: per pipeline `m: ranks[layers] > ...` (layers inclusive, as
+    `malleus.notation` writes them everywhere); excluded ranks."""
     parts = []
     for pipe in p.pipelines:
         stages = " > ".join(
-            f"{','.join(map(str, st.ranks))}[{st.layers[0]}:{st.layers[1]}]" for st in pipe.stages
+            f"{','.join(map(str, st.ranks))}[{layer_range(st.layers)}]" for st in pipe.stages
         )
         parts.append(f"{pipe.micro_batches}: {stages}")
     text = "; ".join(parts)

@@ -25,18 +25,51 @@ __all__ = ["describe_job", "main"]
 
 _PLAN_INPUT = "MalleusJob or PlanningProblem"
 
+_DESCRIPTION = """\
+Train a model on many GPUs and keep it fast when some of them slow down or fail.
+
+  malleus check JOB.yaml    is the job valid? its model, sizes and first plan
+  malleus plan JOB.yaml     the parallel layout, also for what-if slowdowns (--rates)
+  malleus run JOB.yaml      train on this machine, re-planning around slow GPUs
+  malleus train JOB.yaml    train on this machine under one plan (or --plan FILE)
+  malleus data prepare      tokenize text files once into a token file
+
+A job that cannot run is refused before anything starts: every fault is printed with the
+manifest field to change, and the command exits with status 2."""
+
+_NO_FILE_CHECK = (
+    "if these paths exist only on the cluster's volumes, `malleus check --no-file-check` judges "
+    "the rest here (each trainer checks them when it starts)"
+)
+
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="malleus", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="malleus",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    c = sub.add_parser("check", help="judge a MalleusJob as the operator would, show its plan")
+    c = sub.add_parser(
+        "check",
+        help="judge a MalleusJob as the operator would, show its model and first plan",
+        description="Judge a MalleusJob as the operator would, and read the files it names "
+        "(spec.model.path, spec.training.data) as the trainers will: exit 0 with the resolved "
+        "job and its first plan, or 2 with every fault and the field to change.",
+    )
     c.add_argument("job", help="MalleusJob manifest (YAML)")
     c.add_argument("--json", action="store_true", help="print the verdict as JSON on stdout")
+    c.add_argument(
+        "--no-file-check",
+        action="store_true",
+        help="do not look for the model folder and data files here (a cluster job whose "
+        "paths exist only on the pods' volumes; each trainer checks them when it starts)",
+    )
     c.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("plan", help="plan a layout for a MalleusJob or a PlanningProblem")
-    p.add_argument("problem", help="MalleusJob manifest (YAML) or PlanningProblem JSON (§4.1)")
+    p.add_argument("problem", help="MalleusJob manifest (YAML) or PlanningProblem (JSON)")
     p.add_argument(
         "--rates",
         metavar="RANK=RATE,...",
@@ -56,7 +89,13 @@ def _build_parser() -> argparse.ArgumentParser:
 
     from malleus.trainer import cli as trainer_cli  # cheap: torch loads only when it runs
 
-    t = sub.add_parser("train", help="train a MalleusJob locally under a plan")
+    t = sub.add_parser(
+        "train",
+        help="train a MalleusJob on this machine under one plan",
+        description="Train a MalleusJob on this machine: one process per GPU of the job "
+        "(nodes x gpusPerNode), under the job's first plan or --plan, without re-planning "
+        "(`malleus run` re-plans around slow GPUs).",
+    )
     trainer_cli.add_arguments(t)
     t.set_defaults(func=trainer_cli.main)
 
@@ -86,7 +125,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def describe_job(job: ResolvedJob) -> dict[str, Any]:
-    """The resolved job as `check` shows it: what the operator derives from the manifest."""
+    """The resolved job as `check` shows it: what the operator derives from the manifest
+    (`parameters`: exactly the trainer's model's)."""
+    from malleus.job.memory import decoder_parameters
+
     cfg, par = job.model, job.spec.parallelism
     seconds = job.layer_seconds()
     return {
@@ -107,7 +149,7 @@ def describe_job(job: ResolvedJob) -> dict[str, Any]:
             "sequence": cfg.sequence,
             "tied_embeddings": cfg.tied_embeddings,
         },
-        "parameters": job.parameters,
+        "parameters": decoder_parameters(cfg),
         "tp": job.tp,
         "dp": par.dp,
         "pp": par.pp,
@@ -171,6 +213,15 @@ def _step_seconds(job: ResolvedJob, plan: Plan) -> float | None:
     return plan.estimate.step_time * unit
 
 
+def _check_files(job: ResolvedJob) -> None:
+    """`job.check_files()`; a path that does not exist here gets the way out for a cluster
+    job, whose paths exist only in its pods."""
+    faults = job.file_faults()
+    if faults:
+        missing = any(": no such " in f.message for f in faults)
+        raise BadInput(faults, job.source, hint=_NO_FILE_CHECK if missing else None)
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     from malleus.job import ResolvedJob
     from malleus.planner.cli import summary
@@ -178,23 +229,28 @@ def _cmd_check(args: argparse.Namespace) -> int:
     try:
         job = ResolvedJob.load(args.job)
         plan = job.initial_plan()
-        job.check_files()  # the data files, as the trainers will read them
+        if not args.no_file_check:
+            _check_files(job)  # the model folder and data files, as the trainers will read them
     except BadInput as error:
         if args.json:
             faults = [{"path": f.path, "message": f.message} for f in error.faults]
-            print(json.dumps({"valid": False, "source": args.job, "faults": faults}))
+            verdict = {"valid": False, "source": args.job, "faults": faults, "hint": error.hint}
+            print(json.dumps(verdict))
         raise
     seconds = _step_seconds(job, plan)
     if args.json:
         verdict = {
             "valid": True,
             "job": describe_job(job),
+            "files_checked": not args.no_file_check,
             "plan": json.loads(plan.to_json()),
             "predicted_step_seconds": seconds,
         }
         print(json.dumps(verdict, indent=1))
         return 0
     print(_job_text(describe_job(job)))
+    if args.no_file_check:
+        print("files: not looked for here (--no-file-check); each trainer checks them at start")
     print(f"\ninitial plan:\n{summary(job.problem(), plan)}")
     if seconds is not None:
         print(f"predicted step time: {seconds:.3f} s on the emulated clock")

@@ -3,8 +3,9 @@
 Everything a user hands Malleus (a MalleusJob manifest, a PlanningProblem, a plan, command-line
 values, a file) is judged before anything starts; what is wrong is raised as `BadInput`, listing
 every fault at once, each with where it is (`spec.parallelism.tp`, `rates.3`, `--rates`) and what
-is allowed. Commands print `str(error)` and exit 2; the operator turns the faults into an
-InvalidSpec condition; the trainers' control endpoint answers 400 with them.
+is allowed, and optionally a `hint`: the way out that applies to all of them (a command-line
+option, say). Commands print `str(error)` and exit `BAD_INPUT_EXIT` (2); the operator turns the
+faults into an InvalidSpec condition; the trainers' control endpoint answers 400 with them.
 
 A leaf module (no imports from the rest of Malleus) so that the planner, the bottom layer, can
 raise it too.
@@ -15,7 +16,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["BadInput", "Fault"]
+__all__ = ["BAD_INPUT_EXIT", "BAD_INPUT_REASON", "BadInput", "Fault"]
+
+BAD_INPUT_EXIT = 2
+"""Exit code of every command (and of a trainer in a pod) that refused its input."""
+BAD_INPUT_REASON = "BadInput"
+"""The reason a job fails with when its trainers refuse its input; also the first word of such a
+trainer's termination message (torchrun exits 1 whatever its ranks' codes, so the message is
+what tells the operator)."""
 
 
 @dataclass(frozen=True)
@@ -33,19 +41,28 @@ class BadInput(ValueError):
     """Input that cannot be used as given; ``faults`` lists every fault found.
 
     ``what`` names the kind of input (``MalleusJob``, ``PlanningProblem``, ``plan``) and
-    ``source`` where it came from (a file name), both for the first line of the message.
+    ``source`` where it came from (a file name), both for the first line of the message;
+    ``hint``, when given, is the message's last line.
     """
 
     def __init__(
-        self, faults: Sequence[Fault], source: str | None = None, *, what: str = "MalleusJob"
+        self,
+        faults: Sequence[Fault],
+        source: str | None = None,
+        *,
+        what: str = "MalleusJob",
+        hint: str | None = None,
     ) -> None:
         self.faults: list[Fault] = list(faults)
         self.source = source
         self.what = what
+        self.hint = hint
         where = f" in {source}" if source else ""
         count = len(self.faults)
         lines = [f"invalid {what}{where} ({count} fault{'s' if count != 1 else ''}):"]
         lines += [f"  - {fault}" for fault in self.faults]
+        if hint:
+            lines.append(hint)
         super().__init__("\n".join(lines))
 
     @classmethod

@@ -25,7 +25,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from malleus.control import AsyncControlClient, ControlError
+from malleus.control import ControlError
 from malleus.errors import BadInput
 from malleus.job import MalleusJobStatus, Phase
 from malleus.job.spec import MalleusJobSpec, SchedulingSpec
@@ -159,11 +159,20 @@ async def _ask_stop(
     token = await ctx.cluster.read_secret_value(ref.namespace, name, resources.TOKEN_KEY)
     ca = await ctx.cluster.read_secret_value(ref.namespace, name, tls.CA_KEY)
     template = ctx.settings.endpoint_template
-    endpoints = Endpoints(ctx.cluster, ref, port, template, gpus_per_node=gpus_per_node, ca=ca)
+    endpoints = Endpoints(
+        ctx.cluster,
+        ref,
+        port,
+        template,
+        gpus_per_node=gpus_per_node,
+        ca=ca,
+        token=token,
+        max_bytes=ctx.settings.max_response_bytes,
+    )
     timeout = ctx.settings.http_timeout_seconds
     try:
         found = await endpoints.coordinator(timeout)
-        async with AsyncControlClient(found.url, token, timeout=timeout, tls=found.tls) as client:
+        async with endpoints.client(found.url, found.tls, timeout) as client:
             await client.stop(checkpoint=checkpoint)
     except (ConnectionError, ControlError) as e:
         log.warning("%s/%s: could not ask the trainers to stop: %s", ref.namespace, ref.name, e)

@@ -23,7 +23,7 @@ from malleus.job import FailurePolicy, Phase, ResolvedJob
 from malleus.job.status import MalleusJobStatus, NodeFailure
 from malleus.planner.plan import Plan
 
-from . import failures, jobs, lifecycle, resources, status, store, tls, workers
+from . import failures, jobs, lifecycle, monitoring, resources, status, store, tls, workers
 from .context import Context
 from .settings import Settings
 
@@ -91,6 +91,8 @@ async def ensure_children(
             text = (stored.get("data") or {}).get(resources.PLAN_KEY)
             if text:
                 plan = Plan.from_json(text)
+    if await monitoring.ensure_pod_monitor(ctx, job, ref):  # never holds the job back
+        created.append(f"PodMonitor/{monitoring.pod_monitor_name(ref.name)}")
     return created, plan
 
 

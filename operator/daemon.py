@@ -231,7 +231,7 @@ async def _follow(
     misses = 0
     loop = asyncio.get_running_loop()
     due = loop.time() + interval
-    async with AsyncControlClient(coordinator.url, timeout=timeout, tls=coordinator.tls) as c:
+    async with endpoints.client(coordinator.url, coordinator.tls, timeout) as c:
         while not ended():
             await stopped.wait(min(tick, interval))
             if ended():
@@ -303,13 +303,15 @@ async def run_job(
         settings.endpoint_template,
         gpus_per_node=job.gpus_per_node,
         ca=ca,
+        token=token,
+        max_bytes=settings.max_response_bytes,
     )
     timeout = settings.http_timeout_seconds
     coordinator = await _find_coordinator(endpoints, ref, stopped, poll_seconds, timeout)
     if coordinator is None:
         return None
     url, trust = coordinator.url, coordinator.tls
-    async with AsyncControlClient(url, token, timeout=timeout, tls=trust) as client:
+    async with endpoints.client(url, trust, timeout) as client:
         plan, pending = await _plan_in_force(ctx, ref, job, client, coordinator.status)
     rates = believed_rates(body)
     reporter = JobReporter(ctx, ref, job, body)
@@ -337,18 +339,21 @@ async def run_job(
             tls=trust,
             prometheus_auth=prom_auth,
             coordinator_node=coordinator.node,
+            token=token,
+            max_bytes=settings.max_response_bytes,
         ),
         ended,
         reporter,
     )
 
     async def trainers_plan() -> Plan | None:
-        async with AsyncControlClient(url, timeout=timeout, tls=trust) as client:
+        async with endpoints.client(url, trust, timeout) as client:
             return await fetch_plan(client)
 
-    plan_sink = planstore.ConfigMapPlanSink(
-        ctx.cluster, ref, HttpPlanSink(url, token, timeout=timeout, tls=trust), trainers_plan
+    sink = HttpPlanSink(
+        url, token, timeout=timeout, tls=trust, max_bytes=settings.max_response_bytes
     )
+    plan_sink = planstore.ConfigMapPlanSink(ctx.cluster, ref, sink, trainers_plan)
 
     async def on_event(event: DecisionEvent) -> None:
         if isinstance(event.data, Migrated):

@@ -16,9 +16,12 @@ the process group through the job's store, `store`) and the operator replaces th
   ``--join`` the running job (`due_replacements`, acted on by `replacement`);
 - a node that failed more than ``maxRestarts`` times stays ``Out``: not replaced, its GPUs
   planned around (its last pod is kept for its logs);
-- the job fails only when no worker is left (every node ``Out``: reason ``NoWorkersLeft``) or
+- the job fails only when no worker is left (every node ``Out``: reason ``NoWorkersLeft``),
   the trainers say no valid plan exists on the GPUs left (a rank exits `NO_PLAN_EXIT`:
-  reason ``NoValidPlan``).
+  reason ``NoValidPlan``), or a trainer refused the job's input before training (a mistyped
+  ``spec.model.path``, data that is not there: exit `BAD_INPUT_EXIT`, or a termination message
+  headed ``BadInput`` since torchrun exits 1 whatever its ranks' codes: reason ``BadInput``,
+  with the trainer's faults), which no replacement pod could train on.
 
 Deterministic pod names make a restarted operator safe: a node ``Waiting`` whose replacement
 already exists (created just before a crash, status not yet written) is marked ``Replaced``
@@ -32,12 +35,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from malleus.errors import BAD_INPUT_EXIT, BAD_INPUT_REASON
 from malleus.job import Condition, FailurePolicy
 from malleus.job.status import GpuOut, NodeFailure
 
 from .status import condition
 
 __all__ = [
+    "BAD_INPUT",
+    "BAD_INPUT_EXIT",
     "DEGRADED",
     "LEFT_OUT_EXIT",
     "MAX_BACKOFF_SECONDS",
@@ -62,6 +68,8 @@ __all__ = [
 DEGRADED = "Degraded"
 """Condition type: True while some node or GPU is out of the job."""
 NO_VALID_PLAN = "NoValidPlan"
+BAD_INPUT = BAD_INPUT_REASON
+"""A trainer refused the job's input (`BAD_INPUT_EXIT`, or its termination message says so)."""
 NO_WORKERS_LEFT = "NoWorkersLeft"
 MAX_BACKOFF_SECONDS = 300
 REPLACE_POLL_SECONDS = 2.0
@@ -87,7 +95,8 @@ class PodFailure:
 def _node_of(name: str, job: str) -> int | None:
     prefix = f"{job}-node-"
     tail = name[len(prefix) :] if name.startswith(prefix) else ""
-    return int(tail) if tail.isdigit() else None
+    # exactly the name the operator gives: `<job>-node-01` is not node 1
+    return int(tail) if tail.isdigit() and str(int(tail)) == tail else None
 
 
 def pod_failure(pod: Mapping[str, Any], job: str, *, deleted: bool = False) -> PodFailure | None:
@@ -108,12 +117,16 @@ def pod_failure(pod: Mapping[str, Any], job: str, *, deleted: bool = False) -> P
         term = (cs.get("state") or {}).get("terminated")
         if term and int(term.get("exitCode", 0)) != 0:
             code = int(term["exitCode"])
+            said = str(term.get("message") or "")
             why = "LeftOut" if code == LEFT_OUT_EXIT else str(term.get("reason") or "Error")
             if code == NO_PLAN_EXIT:
                 why = NO_VALID_PLAN
+            if code == BAD_INPUT_EXIT or said.startswith(f"{BAD_INPUT}: "):
+                why = BAD_INPUT
+                said = said.removeprefix(f"{BAD_INPUT}: ")
             text = f"container {cs.get('name')} exited with code {code} ({why})"
-            if term.get("message"):
-                text += f": {term['message']}"
+            if said:
+                text += f": {said}"
             return PodFailure(node, name, uid, why, text, code)
     if st.get("phase") == "Failed":
         why = str(st.get("reason") or "Failed")
@@ -162,7 +175,7 @@ def record_failures(
                 continue  # the failed pod going away (deleted for its replacement, or by hand)
         count = (old.failures if old else 0) + 1
         restarts = old.restarts if old else 0
-        out = count > policy.max_restarts or f.reason == NO_VALID_PLAN
+        out = count > policy.max_restarts or f.reason in (NO_VALID_PLAN, BAD_INPUT)
         wait = backoff_seconds(policy, count)
         new = NodeFailure(
             node=f.node,
@@ -234,6 +247,12 @@ def reconcile_replaced(
 def terminal_reason(records: Iterable[NodeFailure], nodes: int) -> tuple[str, str] | None:
     """(reason, message) when the job cannot go on, else None."""
     records = list(records)
+    refused = [r for r in records if r.reason == BAD_INPUT]
+    if refused:
+        return BAD_INPUT, (
+            f"a trainer refused the job's input before training ({refused[0].pod}: "
+            f"{refused[0].message}); correct the spec and create the job again"
+        )
     no_plan = [r for r in records if r.reason == NO_VALID_PLAN]
     if no_plan:
         return NO_VALID_PLAN, (

@@ -145,8 +145,8 @@ def pods_transition(
     - a worker failed (or was deleted under a live job) -> recorded in ``failures`` with a
       ``PodFailed`` event and ``Degraded=True`` (`failures`): the others recover without it and
       the operator replaces it after its backoff, up to ``maxRestarts``; the phase stays;
-    - no worker left, or the trainers found no valid plan -> ``Failed`` (``NoWorkersLeft``,
-      ``NoValidPlan``);
+    - no worker left, the trainers found no valid plan, or a trainer refused the job's input
+      -> ``Failed`` (``NoWorkersLeft``, ``NoValidPlan``, ``BadInput``);
     - every live worker (not waiting for a replacement nor out) succeeded, or a replacement
       still pending beside the ones that did -> ``Succeeded``;
     - every live worker running -> ``Running`` (from ``Pending``);
@@ -205,12 +205,13 @@ def pods_transition(
 def _failure_event(r: NodeFailure, policy: FailurePolicy) -> Event:
     text = f"{r.pod}: {r.message}"
     if r.state == "Out":
-        why = (
-            "no valid plan"
-            if r.reason == failures.NO_VALID_PLAN
-            else (
-                f"failed {r.failures} time(s), spec.failurePolicy.maxRestarts {policy.max_restarts}"
-            )
+        final = {
+            failures.NO_VALID_PLAN: "no valid plan",
+            failures.BAD_INPUT: "its trainers refused the job's input",
+        }
+        why = final.get(
+            r.reason,
+            f"failed {r.failures} time(s), spec.failurePolicy.maxRestarts {policy.max_restarts}",
         )
         text += f"; node {r.node} stays out of the job ({why})"
     else:

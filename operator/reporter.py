@@ -33,6 +33,7 @@ from malleus.controller.ports import Observation
 from malleus.job import LastReplan, MalleusJobStatus, Phase, ResolvedJob
 from malleus.job.rates import bounded_rates
 from malleus.job.status import LastRecovery
+from malleus.notation import size
 from malleus.planner.plan import Plan
 
 from . import failures, resources, status
@@ -206,7 +207,7 @@ def recovered_message(rec: RecoveryRecord) -> str:
     lost = ", ".join(f"{g} ({why})" for g, why in sorted(rec.failed.items())) or "none"
     return (
         f"recovery {rec.epoch}: the job went on without GPU(s) {lost} in {rec.seconds:.1f} s, "
-        f"{rec.steps_lost} step(s) lost, {rec.bytes_restored} bytes restored from "
+        f"{rec.steps_lost} step(s) lost, {size(rec.bytes_restored)} restored from "
         f"{'surviving replicas' if rec.mode == 'replicas' else 'the checkpoint'}; training "
         f"resumed at step {rec.step} on plan generation {rec.generation}"
     )

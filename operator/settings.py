@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from malleus.control.capped import MAX_RESPONSE_BYTES
 from malleus.errors import Fault
 
 __all__ = ["DEFAULT_ENDPOINT", "Settings", "url_allowed"]
@@ -75,6 +76,12 @@ def url_allowed(url: str, allowed: Iterable[str]) -> bool:
     return False
 
 
+def _pairs(text: str) -> dict[str, str]:
+    """``key=value,key=value`` as a dict."""
+    pairs = (item.partition("=") for item in text.split(",") if item.strip())
+    return {k.strip(): v.strip() for k, _, v in pairs}
+
+
 def _parse(raw: str, default: object, name: str) -> object:
     if isinstance(default, bool):
         word = raw.strip().lower()
@@ -105,7 +112,12 @@ class Settings:
     ack_timeout_seconds: float = 600.0
     """How long the trainers may take to switch to a posted plan (a migration included)."""
     http_timeout_seconds: float = 5.0
-    """Timeout of one request to a trainer or to Prometheus."""
+    """Deadline of one whole request to a trainer or to Prometheus (connect, headers and body:
+    a server that drips its answer is cut off at it, not at each read)."""
+    max_response_bytes: int = MAX_RESPONSE_BYTES
+    """The largest answer the operator reads from a trainer or from Prometheus; a larger one
+    fails the request (a job's coordinator runs its author's image: a 400 MiB ``/status``
+    must not take the operator's memory). The default fits a 65,536-GPU job's ``/metrics``."""
     kubeconfig: str = ""
     """Kubeconfig for the operator's own API calls; empty = in-cluster, then the default file."""
     context: str = ""
@@ -117,6 +129,14 @@ class Settings:
     network_policies: bool = True
     """Give every job a NetworkPolicy (`resources.build_network_policy`). Off only where no
     NetworkPolicy controller runs (the chart's ``networkPolicy.enabled``)."""
+    pod_monitors: bool = False
+    """Give every job a PodMonitor (`monitoring.build_pod_monitor`: the Prometheus Operator's,
+    TLS verified against the job's own CA). The chart's ``metrics.podMonitor.enabled``."""
+    pod_monitor_interval: str = "15s"
+    """The scrape interval of the jobs' PodMonitors."""
+    pod_monitor_labels: str = ""
+    """Labels of the jobs' PodMonitors, ``key=value,key=value`` (what a Prometheus selects its
+    monitors by)."""
     disruption_budgets: bool = True
     """Give every job a PodDisruptionBudget (`resources.build_disruption_budget`). Off only
     where the API has no ``policy/v1`` (the end-to-end tests' core-only cluster)."""
@@ -182,8 +202,11 @@ class Settings:
 
     def operator_selector(self) -> dict[str, str]:
         """`operator_labels` as a label selector's ``matchLabels``."""
-        pairs = (item.partition("=") for item in self.operator_labels.split(",") if item.strip())
-        return {k.strip(): v.strip() for k, _, v in pairs}
+        return _pairs(self.operator_labels)
+
+    def pod_monitor_label_map(self) -> dict[str, str]:
+        """`pod_monitor_labels` as a dict."""
+        return _pairs(self.pod_monitor_labels)
 
     def control_port_peer_list(self) -> list[dict[str, Any]]:
         """`control_port_peers` parsed; ValueError unless a JSON list of objects."""

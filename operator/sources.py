@@ -13,13 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from malleus.control import ControlTLS
+from malleus.control import MAX_RESPONSE_BYTES, ControlTLS
 from malleus.controller.ports import Observation, RateSource
 from malleus.controller.prometheus import (
     PrometheusSource,
     default_queries,
     own_rank_series,
     pod_gpu_rank,
+    worker_pod_regex,
 )
 from malleus.controller.sources import TrainerScrapeSource
 from malleus.job import ResolvedJob
@@ -93,11 +94,15 @@ def rate_source(
     tls: ControlTLS | None = None,
     prometheus_auth: tuple[str | None, str | None] = (None, None),
     coordinator_node: int = 0,
+    token: str | None = None,
+    max_bytes: int = MAX_RESPONSE_BYTES,
 ) -> RateSource:
     """The source ``spec.metrics`` asks for: the coordinator's /metrics (verified with
-    `tls`, the job's CA), or Prometheus (with `prometheus_auth`, from
-    `prometheus_credentials`), reading the step and generation from the coordinator's pod
-    (``coordinator_node``: node 0's until a failure moves the coordinator)."""
+    `tls`, the job's CA; `token`, the job's control token), or Prometheus (with
+    `prometheus_auth`, from `prometheus_credentials`), reading the step and generation from
+    the coordinator's pod (``coordinator_node``: node 0's until a failure moves the
+    coordinator) and each rank's rate from the pod of exactly its node's name in the job's
+    namespace. Every answer is read under `max_bytes`."""
     metrics = job.spec.metrics
     interval = float(metrics.scrape_interval_seconds)
     prom = metrics.prometheus
@@ -105,7 +110,7 @@ def rate_source(
         queries = default_queries(
             ref.name,
             namespace=ref.namespace,
-            pod_regex=f"{ref.name}-node-[0-9]+",
+            pod_regex=worker_pod_regex(ref.name),
             coordinator_pod=resources.pod_name(ref.name, coordinator_node),
             sm_clock_metric=prom.dcgm.sm_clock_metric,
             clock_reasons_metric=prom.dcgm.clock_event_reasons_metric,
@@ -113,19 +118,22 @@ def rate_source(
         return PrometheusSource(
             prom.url,
             queries,
-            rank_of=pod_gpu_rank(job.spec.gpus_per_node, r"-node-(\d+)$"),
-            keep=own_rank_series(job.spec.gpus_per_node, r"-node-(\d+)$"),
+            rank_of=pod_gpu_rank(job.spec.gpus_per_node, job=ref.name, namespace=ref.namespace),
+            keep=own_rank_series(job.spec.gpus_per_node, job=ref.name, namespace=ref.namespace),
             interval=interval,
             timeout=timeout,
             bearer_token=prometheus_auth[0],
             ca_pem=prometheus_auth[1],
+            max_bytes=max_bytes,
         )
     return TrainerScrapeSource(
         coordinator_url,
+        token,
         job=ref.name,
         world=job.world,
         gpus_per_node=job.gpus_per_node,
         interval=interval,
         timeout=timeout,
         tls=tls,
+        max_bytes=max_bytes,
     )

@@ -16,8 +16,8 @@ status flips, ``observedGeneration`` set to the spec generation the operator act
   trainers leave GPUs out (`failures.degraded_condition`); False (``AllGpusIn``) otherwise.
 - ``Succeeded`` / ``Failed``: set True, once, when the job ends (``kubectl wait
   --for=condition=Succeeded mj/NAME``), with the reason (``Completed``; ``InvalidSpec``,
-  ``NoValidPlan``, ``NoWorkersLeft``, ``DeadlineExceeded``); ``completionTime`` is set with
-  them.
+  ``BadInput`` (a trainer refused the job's files), ``NoValidPlan``, ``NoWorkersLeft``,
+  ``DeadlineExceeded``); ``completionTime`` is set with them.
 """
 
 from __future__ import annotations

@@ -21,7 +21,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from malleus.control import AsyncControlClient, ControlError, ControlStatus, ControlTLS
+from malleus.control import (
+    MAX_RESPONSE_BYTES,
+    AsyncControlClient,
+    ControlError,
+    ControlStatus,
+    ControlTLS,
+)
 from malleus.planner.plan import Plan
 
 from . import resources
@@ -51,8 +57,9 @@ def running_nodes(pods: list[Mapping[str, Any]], job: str, uid: str) -> list[int
         meta = p.get("metadata") or {}
         name = str(meta.get("name") or "")
         prefix = f"{job}-node-"
-        if not name.startswith(prefix) or not name[len(prefix) :].isdigit():
-            continue
+        tail = name[len(prefix) :]
+        if not name.startswith(prefix) or not tail.isdigit() or str(int(tail)) != tail:
+            continue  # not exactly a worker's name: `<job>-node-01` is not node 1
         if not resources.owned_by(p, uid) or meta.get("deletionTimestamp"):
             continue
         phase = (p.get("status") or {}).get("phase") or "Pending"
@@ -74,6 +81,8 @@ class Endpoints:
         *,
         gpus_per_node: int = 1,
         ca: str | None = None,
+        token: str | None = None,
+        max_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
         self.cluster = cluster
         self.ref = ref
@@ -81,6 +90,16 @@ class Endpoints:
         self.template = template
         self.gpus_per_node = gpus_per_node
         self.ca = ca
+        self.token = token
+        """The job's control token: ``GET /status`` needs it like every call but health."""
+        self.max_bytes = max_bytes
+        """The largest answer read from a trainer (`malleus.control.MAX_RESPONSE_BYTES`)."""
+
+    def client(self, url: str, trust: ControlTLS | None, timeout: float) -> AsyncControlClient:
+        """A client of the endpoint at `url` with the job's token and the operator's cap."""
+        return AsyncControlClient(
+            url, self.token, timeout=timeout, tls=trust, max_bytes=self.max_bytes
+        )
 
     async def url(self, index: int = 0, local_rank: int = 0) -> str:
         """Base URL of rank ``local_rank`` of worker ``index``; ConnectionError if unknown yet."""
@@ -121,7 +140,7 @@ class Endpoints:
                     break
                 trust = self.trust(node)
                 try:
-                    async with AsyncControlClient(url, timeout=timeout, tls=trust) as client:
+                    async with self.client(url, trust, timeout) as client:
                         answer = await client.status()
                 except ControlError as e:
                     tried.append(str(e))
@@ -134,14 +153,8 @@ class Endpoints:
 
 async def fetch_plan(client: AsyncControlClient) -> Plan | None:
     """The plan in force on the trainers (``GET /plan``: a recovery's plan too), or None when
-    the endpoint does not serve it."""
+    the endpoint does not serve it (or serves more than the client's cap, or garbage)."""
     try:
-        response = await client._call("GET", "/plan")  # no public read in the client yet
+        return await client.plan()
     except ControlError:
-        return None
-    if response.status_code != 200:
-        return None
-    try:
-        return Plan.model_validate(response.json())
-    except ValueError:
         return None

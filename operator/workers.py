@@ -59,8 +59,10 @@ RUN_AS_USER = 1000
 GPU_RESOURCE = "nvidia.com/gpu"
 TLS_MOUNT = "/etc/malleus-tls"
 """Where the job Secret's server certificate, key and CA are mounted (the trainer's
-``MALLEUS_CONTROL_TLS_CERT`` / ``_KEY`` point there; the CA is for clients run in the pod);
-beside, not inside, the ConfigMap's mount."""
+``MALLEUS_CONTROL_TLS_CERT`` / ``_KEY`` point there; the CA is for clients run in the pod),
+and its control token (``MALLEUS_CONTROL_TOKEN_FILE``: a file, not an environment variable,
+which every process of the pod would inherit and which pod inspection shows); beside, not
+inside, the ConfigMap's mount."""
 
 
 def control_ports(job: ResolvedJob) -> list[int]:
@@ -119,10 +121,7 @@ def _env(job: ResolvedJob, ref: JobRef, index: int) -> list[dict[str, Any]]:
         {"name": STORE_ENV, "value": store_address(ref)},
         {"name": "MALLEUS_JOB", "value": f"{CONFIG_MOUNT}/job.json"},
         {"name": "MALLEUS_PLAN", "value": f"{CONFIG_MOUNT}/plan.json"},
-        {
-            "name": "MALLEUS_CONTROL_TOKEN",
-            "valueFrom": {"secretKeyRef": {"name": secret_name(ref.name), "key": TOKEN_KEY}},
-        },
+        {"name": "MALLEUS_CONTROL_TOKEN_FILE", "value": f"{TLS_MOUNT}/{TOKEN_KEY}"},
         # The control endpoint serves HTTPS with the job's certificate, on the pod IP only.
         {"name": "MALLEUS_CONTROL_TLS_CERT", "value": f"{TLS_MOUNT}/{tls.CERT_KEY}"},
         {"name": "MALLEUS_CONTROL_TLS_KEY", "value": f"{TLS_MOUNT}/{tls.KEY_KEY}"},
@@ -161,7 +160,10 @@ def _volumes(job: ResolvedJob, ref: JobRef) -> tuple[list[dict[str, Any]], list[
             "name": "control-tls",
             "secret": {
                 "secretName": secret_name(ref.name),
-                "items": [{"key": k, "path": k} for k in (tls.CERT_KEY, tls.KEY_KEY, tls.CA_KEY)],
+                "items": [
+                    {"key": k, "path": k}
+                    for k in (tls.CERT_KEY, tls.KEY_KEY, tls.CA_KEY, TOKEN_KEY)
+                ],
                 "defaultMode": 0o440,  # owner root, group fsGroup (the trainer's)
             },
         },
@@ -268,11 +270,10 @@ def build_pod(
             ref,
             name,
             labels=labels,
+            # No prometheus.io/scrape: the common annotation-driven scrape job keeps the
+            # series' own `pod` and `namespace` (honor_labels: true), so any scraped pod could
+            # speak for these. Prometheus comes in through the job's PodMonitor (`resources`).
             annotations={
-                "prometheus.io/scrape": "true",
-                "prometheus.io/port": str(port),
-                "prometheus.io/path": "/metrics",
-                "prometheus.io/scheme": "https",
                 **({RESTART_ANNOTATION: str(restart)} if restart else {}),
                 **gang_annotations,
             },

@@ -26,4 +26,13 @@ if [ -z "${MALLEUS_PROMETHEUS:-}" ] && [ -x scripts/prometheus-bin.sh ]; then
   export MALLEUS_PROMETHEUS=$cache/prometheus/usr/bin/prometheus
   export MALLEUS_PROMTOOL=$cache/prometheus/usr/bin/promtool
 fi
+# The wheels bench/gpu.sh carries to a lent GPU machine (Python 3.12, .gpu-wheels), and the same
+# pins for this Python, which tests/trainer/run/test_precision_gpu_script.py installs into a bare
+# interpreter: downloaded once, then kept (a failure here stops the run, as above).
+if [ -z "${MALLEUS_GPU_TEST_WHEELS:-}" ] && [ -x scripts/gpu-wheels.sh ]; then
+  here=$("$venv/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  PYTHON=$venv/bin/python scripts/gpu-wheels.sh "${MALLEUS_GPU_WHEELS:-.gpu-wheels}" 3.12
+  PYTHON=$venv/bin/python scripts/gpu-wheels.sh "$cache/gpu-wheels-$here" "$here"
+  export MALLEUS_GPU_TEST_WHEELS=$cache/gpu-wheels-$here
+fi
 exec "$venv/bin/python" -m pytest -q "$@"

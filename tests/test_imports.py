@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 ROOMS: dict[str, Path] = {
     "errors": REPO / "malleus" / "errors.py",
+    "notation": REPO / "malleus" / "notation.py",
     "planner": REPO / "malleus" / "planner",
     "control": REPO / "malleus" / "control",
     "job": REPO / "malleus" / "job",
@@ -29,20 +30,32 @@ ROOMS: dict[str, Path] = {
 
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
-    "planner": {"errors"},
-    "control": {"errors", "planner"},
-    "job": {"errors", "planner"},
-    "controller": {"errors", "planner", "control", "job"},
-    "runner": {"errors", "planner", "control", "job", "controller"},
-    "operator": {"errors", "planner", "control", "job", "controller"},
-    "trainer": {"errors", "planner", "control", "job"},
+    "notation": set(),
+    "planner": {"errors", "notation"},
+    "control": {"errors", "notation", "planner"},
+    "job": {"errors", "notation", "planner"},
+    "controller": {"errors", "notation", "planner", "control", "job"},
+    "runner": {"errors", "notation", "planner", "control", "job", "controller"},
+    "operator": {"errors", "notation", "planner", "control", "job", "controller"},
+    "trainer": {"errors", "notation", "planner", "control", "job"},
     "cli": set(ROOMS),
 }
 """Who may import whom: operator -> controller -> job -> planner; trainer -> control, job,
 planner; control -> planner (the trainers' control API, which the controller, the runner and the
-operator read through)."""
+operator read through). `errors` and `notation` (how figures are written for people) are leaves
+every room may use."""
 
-NO_TORCH = {"errors", "planner", "control", "job", "controller", "runner", "operator", "cli"}
+NO_TORCH = {
+    "errors",
+    "notation",
+    "planner",
+    "control",
+    "job",
+    "controller",
+    "runner",
+    "operator",
+    "cli",
+}
 """Rooms that must import without torch (the operator image carries none)."""
 
 

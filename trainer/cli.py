@@ -9,14 +9,16 @@ that this machine can carry the job's ranks, as `malleus run` does, before start
 Under torchrun (a pod), the checkpoint directory defaults to spec.checkpoint and an existing
 checkpoint there is always resumed, so a recreated worker continues the job.
 
-Exit codes: 0 done, 1 training failed, 2 bad input (manifest, plan, machine, a checkpoint that
-fails its checks) refused before any process or collective starts, 130 interrupted (Ctrl-C or
-SIGTERM: every rank is stopped).
+Exit codes: 0 done, 1 training failed, 2 bad input (manifest, plan, machine, the files the job
+names, a checkpoint that fails its checks) refused before any process or collective starts, 130
+interrupted (Ctrl-C or SIGTERM: every rank is stopped). A rank in a pod that refuses its input
+also leaves the faults as the container's termination message, for the job's Failed condition.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import sys
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from malleus.errors import BadInput
+from malleus.notation import step_progress
 from malleus.trainer.run.inputs import judge, load_inputs
 
 if TYPE_CHECKING:
@@ -36,7 +39,12 @@ __all__ = ["add_arguments", "main", "worker_main"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", help="MalleusJob manifest (YAML)")
-    parser.add_argument("--plan", help="Plan JSON to train under (default: the job's first plan)")
+    parser.add_argument(
+        "--plan",
+        metavar="PLAN.json",
+        help="the plan to train under, as `malleus plan -o` writes it (default: the job's "
+        "first plan, the one `malleus check` shows)",
+    )
     parser.add_argument(
         "--steps",
         type=int,
@@ -45,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--until", type=int, help="stop after this many steps; --resume continues later"
     )
-    parser.add_argument("--save-model", metavar="PATH", help="write the final full state dict")
+    parser.add_argument(
+        "--save-model", metavar="PATH", help="write the final model's full state dict (PyTorch)"
+    )
     parser.add_argument(
         "--save-hf",
         metavar="DIR",
@@ -58,11 +68,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "as malleus run does",
     )
     parser.add_argument(
-        "--reference", action="store_true", help="train in one process, no parallelism"
+        "--reference",
+        action="store_true",
+        help="train in one process without parallelism (what every plan must match)",
     )
-    parser.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here")
+    parser.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints in DIR")
     parser.add_argument(
-        "--checkpoint-every", type=int, default=0, metavar="N", help="save every N steps"
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="save a checkpoint every N steps (0: only at the end; needs --checkpoint-dir)",
     )
     parser.add_argument(
         "--resume", action="store_true", help="continue from the latest checkpoint in DIR"
@@ -70,34 +86,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--control-port",
         type=int,
-        help="serve /healthz /status /metrics /inject here (rank 0 locally; "
-        "under torchrun default spec.controlPort on each node's first rank, or with "
-        "$MALLEUS_STORE on every rank at port + local rank; -1 = off)",
+        metavar="PORT",
+        help="serve the job's control endpoint (health, status, metrics, injected slowdowns) "
+        "on PORT; off by default here, spec.controlPort in a cluster; -1: off",
     )
-    parser.add_argument("--log-every", type=int, default=1, metavar="N")
+    parser.add_argument(
+        "--log-every", type=int, default=1, metavar="N", help="print every N-th step (default 1)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no per-step lines")
     parser.add_argument(
-        "--init-timeout", type=float, default=60.0, metavar="S", help="bound on joining the job"
+        "--init-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds the processes have to start and meet (default 60)",
     )
     parser.add_argument(
         "--switch",
         action="append",
         default=[],
         metavar="STEP:PLAN.json",
-        help="switch to this plan (migrating state in place) so that it is in force from STEP "
-        "on; repeatable. Goes through the coordinator's plan inbox like POST /plan. A plan "
-        "whose generation is not above the previous one's is renumbered previous + 1.",
+        help="switch to this plan, moving the model's state in place, so that it is in force "
+        "from STEP on, as a re-plan of a running job would; repeatable",
     )
     parser.add_argument(
         "--join",
         action="store_true",
-        help="a replacement for this rank: join the running job at a step boundary "
-        "(needs $MALLEUS_STORE; python -m malleus.trainer only)",
+        help="in a cluster only: a replacement worker joins the running job at a step boundary",
     )
     parser.add_argument(
         "--no-resource-check",
         action="store_true",
-        help="start even if the machine looks too small (malleus train only)",
+        help="start even if this machine looks too small for the job",
     )
 
 
@@ -179,7 +199,7 @@ def _run_reference(job: ResolvedJob, args: argparse.Namespace) -> int:
     def log(step: int, loss: float) -> None:
         record.step(step, loss)
         if not args.quiet and ((step + 1) % max(1, args.log_every) == 0):
-            print(f"[malleus] reference step {step + 1}/{steps} loss {loss:.4f}", flush=True)
+            print(f"[malleus] reference {step_progress(step, steps)} loss {loss:.4f}", flush=True)
 
     result = train_reference(job, steps=steps, until=args.until, log=log)
     if args.report:
@@ -237,6 +257,7 @@ def _run(
     from malleus.trainer.recovery.protocol import hang_timeout_s
     from malleus.trainer.run.loop import join_job, run_rank
     from malleus.trainer.run.report import RunLog
+    from malleus.trainer.world.exchange import broadcast_bytes
     from malleus.trainer.world.world import World
 
     tolerant = fault_tolerant()
@@ -253,10 +274,12 @@ def _run(
             env, world, init_timeout_s=init_timeout, collective_timeout_s=timeout
         )
         # Every rank validated its own plan; a planner need not be deterministic across
-        # processes, so all adopt rank 0's.
-        shared = [plan.to_json() if env.rank == 0 else None]
-        dist.broadcast_object_list(shared, src=0)
-        plan = Plan.from_json(shared[0])
+        # processes, so all adopt the coordinator's (GPU 0 at the start): JSON bytes, never a
+        # pickle (trainer/world/exchange.py), validated again by `Plan.from_json`.
+        mine = plan.to_json().encode() if env.rank == world.coordinator() else None
+        plan = Plan.from_json(
+            broadcast_bytes(mine, world=world, device=device, what="the starting plan")
+        )
     steps = opts.total_steps(job)
     services = Services.create(
         job,
@@ -296,12 +319,38 @@ def _run(
     return 0
 
 
+TERMINATION_LOG = Path("/dev/termination-log")
+"""The container's termination message file (Kubernetes' default terminationMessagePath)."""
+_IN_POD = (
+    "in a pod, paths are read where spec.podTemplate mounts the volumes: is the volume that "
+    "holds them mounted at that path?"
+)
+
+
+def _refuse(error: BadInput) -> int:
+    """A rank in a pod refuses its input: the faults on stderr and, where the kubelet made the
+    file, as the container's termination message headed `BAD_INPUT_REASON`, which the operator
+    turns into the job's Failed condition (`malleus.operator.failures`): no replacement pod
+    could train on input every trainer refuses."""
+    from malleus.errors import BAD_INPUT_EXIT, BAD_INPUT_REASON
+
+    if error.hint is None and any(": no such " in f.message for f in error.faults):
+        error = BadInput(error.faults, error.source, what=error.what, hint=_IN_POD)
+    print(error, file=sys.stderr)
+    if TERMINATION_LOG.is_file():
+        with contextlib.suppress(OSError):  # the message on stderr is still in the pod's log
+            TERMINATION_LOG.write_text(f"{BAD_INPUT_REASON}: {error}"[:4000])
+    return BAD_INPUT_EXIT
+
+
 def worker_main(argv: list[str] | None = None) -> int:
     """One rank under torchrun: validate first (exit 2), then join the job and train."""
     from malleus.trainer.launch.distributed import DistEnv, quiet_signals
+    from malleus.trainer.launch.output import whole_lines
     from malleus.trainer.world.errors import LaunchError
 
     quiet_signals()
+    whole_lines()  # torchrun's local ranks share one stdout and stderr
     parser = argparse.ArgumentParser(prog="python -m malleus.trainer", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
@@ -316,8 +365,7 @@ def worker_main(argv: list[str] | None = None) -> int:
                 what="environment",
             )
     except BadInput as e:
-        print(e, file=sys.stderr)
-        return 2
+        return _refuse(e)
     except LaunchError as e:
         print(f"malleus trainer: {e}", file=sys.stderr)
         return 2

@@ -6,7 +6,9 @@ Rooms:
 - `client`: the one client of the endpoint, blocking (`ControlClient`) and asyncio
   (`AsyncControlClient`), whom it trusts over HTTPS (`ControlTLS`), and what its calls raise:
   `ControlError` (nothing answered, or an answer outside the contract), `PlanConflict` (409: a
-  plan's generation is not the next one) or `malleus.errors.BadInput` (400).
+  plan's generation is not the next one) or `malleus.errors.BadInput` (400);
+- `capped`: reading an HTTP answer under a byte cap (`MAX_RESPONSE_BYTES`) and one deadline for
+  the whole request, which the clients here and the controller's Prometheus source share.
 
 The trainer serves these models (``trainer/endpoint/``); the controller, the local runner and
 the operator read and write the endpoint only through these clients.
@@ -15,10 +17,12 @@ Imports: control -> planner (the plan contract, the calibration), errors; nothin
 the job, the controller, the runner, the operator or the trainer.
 """
 
+from .capped import MAX_RESPONSE_BYTES
 from .client import AsyncControlClient, ControlClient, ControlError, ControlTLS, PlanConflict
 from .status import ControlStatus, MigrationRecord, PlanFailure, RecoveryRecord
 
 __all__ = [
+    "MAX_RESPONSE_BYTES",
     "AsyncControlClient",
     "ControlClient",
     "ControlError",

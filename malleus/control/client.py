@@ -14,6 +14,13 @@ three exceptions:
 Over HTTPS (a trainer in a pod serves the job's certificate) a client trusts only what its
 `ControlTLS` names: the job's own CA, never the system's store and never no verification.
 
+Every call sends the bearer token when the client has one (the endpoint wants it for everything
+but ``/healthz`` and ``/metrics``), and every answer is read under a byte cap (``max_bytes``,
+`MAX_RESPONSE_BYTES` by default) and one deadline for the whole request (``timeout``), never
+whole and never for as long as the server likes (`malleus.control.capped`): a coordinator runs
+the job author's image, and a 400 MiB ``/status`` must cost its reader a `ControlError`, not
+its memory. Redirects are never followed.
+
 Torch-free and in `malleus.control` so that the trainer serves the very model its readers
 parse.
 
@@ -37,9 +44,18 @@ from pydantic import ValidationError
 from malleus.errors import BadInput, Fault
 from malleus.planner.plan import Plan
 
+from .capped import (
+    IDENTITY,
+    MAX_RESPONSE_BYTES,
+    Answer,
+    CappedReadError,
+    read_answer,
+    read_answer_async,
+)
 from .status import ControlStatus
 
 __all__ = [
+    "MAX_RESPONSE_BYTES",
     "AsyncControlClient",
     "ControlClient",
     "ControlError",
@@ -96,7 +112,7 @@ class ControlTLS:
         return ctx
 
 
-def _decode(response: httpx.Response) -> Any:
+def _decode(response: Answer) -> Any:
     try:
         return response.json()
     except ValueError:
@@ -129,10 +145,19 @@ class _Calls:
     """What both clients share: URLs, headers, and reading each answer into the contract."""
 
     def __init__(
-        self, base_url: str, token: str | None, timeout: float, tls: ControlTLS | None
+        self,
+        base_url: str,
+        token: str | None,
+        timeout: float,
+        tls: ControlTLS | None,
+        max_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.token = token or None
+        self.timeout = timeout
+        """Seconds one whole request may take (connect, send, headers and body)."""
+        self.max_bytes = max_bytes
+        """The largest answer read; a larger one is a `ControlError`."""
         # Control endpoints are pod-to-pod or localhost: an environment proxy would be wrong.
         # Without `tls` an https URL is verified against the system's CAs, which never sign
         # a job's certificate: such a client is refused, it does not fall back to trusting.
@@ -140,6 +165,7 @@ class _Calls:
             "base_url": self.base_url,
             "timeout": httpx.Timeout(timeout),
             "trust_env": False,
+            "follow_redirects": False,
         }
         if tls is not None:
             self._options["verify"] = tls.context
@@ -153,7 +179,19 @@ class _Calls:
     def _url(self, path: str) -> str:
         return self.base_url + path
 
-    def _expect(self, response: httpx.Response, path: str, code: int) -> None:
+    def _build(
+        self, http: httpx.Client | httpx.AsyncClient, method: str, path: str, body: bytes | None
+    ) -> httpx.Request:
+        headers = {**IDENTITY, **(_JSON if body is not None else {}), **self._auth()}
+        return http.build_request(
+            method,
+            self._url(path),
+            content=body,
+            headers=headers,
+            extensions=self._extensions,
+        )
+
+    def _expect(self, response: Answer, path: str, code: int) -> None:
         """Nothing when the answer is `code`; otherwise the exception the answer means."""
         if response.status_code == code:
             return
@@ -162,14 +200,23 @@ class _Calls:
             raise _bad_input(url, path, body)
         raise ControlError(url, _message(body), response.status_code)
 
-    def _status(self, response: httpx.Response) -> ControlStatus:
+    def _status(self, response: Answer) -> ControlStatus:
         self._expect(response, "/status", 200)
         try:
             return ControlStatus.model_validate_json(response.content)
         except ValidationError as e:
             raise ControlError(self._url("/status"), f"not a ControlStatus: {e}", 200) from e
 
-    def _accepted(self, response: httpx.Response) -> int:
+    def _plan(self, response: Answer) -> Plan | None:
+        if response.status_code == 404:
+            return None
+        self._expect(response, "/plan", 200)
+        try:
+            return Plan.model_validate_json(response.content)
+        except ValidationError as e:
+            raise ControlError(self._url("/plan"), f"not a Plan: {e}", 200) from e
+
+    def _accepted(self, response: Answer) -> int:
         url = self._url("/plan")
         if response.status_code == 409:
             body = _decode(response)
@@ -185,7 +232,9 @@ class _Calls:
         except (KeyError, TypeError, ValueError) as e:
             raise ControlError(url, f"202 without a generation: {body!r}", 202) from e
 
-    def _unreachable(self, path: str, error: httpx.HTTPError) -> ControlError:
+    def _unreachable(self, path: str, error: httpx.HTTPError | CappedReadError) -> ControlError:
+        if isinstance(error, CappedReadError):
+            return ControlError(self._url(path), str(error), error.code)
         return ControlError(self._url(path), f"{type(error).__name__}: {error}")
 
 
@@ -203,8 +252,9 @@ _JSON = {"Content-Type": "application/json"}
 class ControlClient(_Calls):
     """Blocking client of one control endpoint (``http(s)://host:port``); a context manager.
 
-    Reads are open; writes send ``Authorization: Bearer <token>``; `tls` says whom to trust
-    over HTTPS.
+    Sends ``Authorization: Bearer <token>`` on every call; `tls` says whom to trust over
+    HTTPS; ``timeout`` bounds each whole request (checked after every read: it ends within
+    one read of it) and ``max_bytes`` each answer.
     """
 
     def __init__(
@@ -214,19 +264,16 @@ class ControlClient(_Calls):
         *,
         timeout: float = 5.0,
         tls: ControlTLS | None = None,
+        max_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
-        super().__init__(base_url, token, timeout, tls)
+        super().__init__(base_url, token, timeout, tls, max_bytes)
         self._http = httpx.Client(**self._options)
 
-    def _call(
-        self, method: str, path: str, body: bytes | None = None, *, auth: bool = False
-    ) -> httpx.Response:
-        headers = {**(_JSON if body is not None else {}), **(self._auth() if auth else {})}
+    def _call(self, method: str, path: str, body: bytes | None = None) -> Answer:
         try:
-            return self._http.request(
-                method, path, content=body, headers=headers, extensions=self._extensions
-            )
-        except httpx.HTTPError as e:
+            request = self._build(self._http, method, path, body)
+            return read_answer(self._http, request, max_bytes=self.max_bytes, seconds=self.timeout)
+        except (httpx.HTTPError, CappedReadError) as e:
             raise self._unreachable(path, e) from e
 
     def healthz(self) -> bool:
@@ -239,6 +286,10 @@ class ControlClient(_Calls):
     def status(self) -> ControlStatus:
         return self._status(self._call("GET", "/status"))
 
+    def plan(self) -> Plan | None:
+        """The plan in force on the trainers (``GET /plan``); None before the first."""
+        return self._plan(self._call("GET", "/plan"))
+
     def metrics_text(self) -> str:
         """The Prometheus exposition of ``GET /metrics``."""
         response = self._call("GET", "/metrics")
@@ -247,17 +298,17 @@ class ControlClient(_Calls):
 
     def post_plan(self, plan: Plan) -> int:
         """Hand `plan` to the coordinator; the accepted generation (applied at a step boundary)."""
-        return self._accepted(self._call("POST", "/plan", _plan_body(plan), auth=True))
+        return self._accepted(self._call("POST", "/plan", _plan_body(plan)))
 
     def stop(self, checkpoint: bool = True) -> None:
         """Stop at the next step boundary, after writing a checkpoint when `checkpoint`."""
         body = _json({"checkpoint": checkpoint})
-        self._expect(self._call("POST", "/stop", body, auth=True), "/stop", 202)
+        self._expect(self._call("POST", "/stop", body), "/stop", 202)
 
     def inject(self, rank: int, factor: float) -> None:
         """Slow `rank` down by `factor` from the next step on (emulated clock only)."""
         body = _json({"rank": rank, "factor": factor})
-        self._expect(self._call("POST", "/inject", body, auth=True), "/inject", 200)
+        self._expect(self._call("POST", "/inject", body), "/inject", 200)
 
     def close(self) -> None:
         self._http.close()
@@ -270,7 +321,8 @@ class ControlClient(_Calls):
 
 
 class AsyncControlClient(_Calls):
-    """The same calls as `ControlClient`, for asyncio code; usable as ``async with``."""
+    """The same calls as `ControlClient`, for asyncio code; usable as ``async with``. Each
+    request is cancelled at ``timeout``."""
 
     def __init__(
         self,
@@ -279,19 +331,18 @@ class AsyncControlClient(_Calls):
         *,
         timeout: float = 5.0,
         tls: ControlTLS | None = None,
+        max_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
-        super().__init__(base_url, token, timeout, tls)
+        super().__init__(base_url, token, timeout, tls, max_bytes)
         self._http = httpx.AsyncClient(**self._options)
 
-    async def _call(
-        self, method: str, path: str, body: bytes | None = None, *, auth: bool = False
-    ) -> httpx.Response:
-        headers = {**(_JSON if body is not None else {}), **(self._auth() if auth else {})}
+    async def _call(self, method: str, path: str, body: bytes | None = None) -> Answer:
         try:
-            return await self._http.request(
-                method, path, content=body, headers=headers, extensions=self._extensions
+            request = self._build(self._http, method, path, body)
+            return await read_answer_async(
+                self._http, request, max_bytes=self.max_bytes, seconds=self.timeout
             )
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, CappedReadError) as e:
             raise self._unreachable(path, e) from e
 
     async def healthz(self) -> bool:
@@ -304,6 +355,10 @@ class AsyncControlClient(_Calls):
     async def status(self) -> ControlStatus:
         return self._status(await self._call("GET", "/status"))
 
+    async def plan(self) -> Plan | None:
+        """The plan in force on the trainers (``GET /plan``); None before the first."""
+        return self._plan(await self._call("GET", "/plan"))
+
     async def metrics_text(self) -> str:
         """The Prometheus exposition of ``GET /metrics``."""
         response = await self._call("GET", "/metrics")
@@ -312,17 +367,17 @@ class AsyncControlClient(_Calls):
 
     async def post_plan(self, plan: Plan) -> int:
         """Hand `plan` to the coordinator; the accepted generation (applied at a step boundary)."""
-        return self._accepted(await self._call("POST", "/plan", _plan_body(plan), auth=True))
+        return self._accepted(await self._call("POST", "/plan", _plan_body(plan)))
 
     async def stop(self, checkpoint: bool = True) -> None:
         """Stop at the next step boundary, after writing a checkpoint when `checkpoint`."""
         body = _json({"checkpoint": checkpoint})
-        self._expect(await self._call("POST", "/stop", body, auth=True), "/stop", 202)
+        self._expect(await self._call("POST", "/stop", body), "/stop", 202)
 
     async def inject(self, rank: int, factor: float) -> None:
         """Slow `rank` down by `factor` from the next step on (emulated clock only)."""
         body = _json({"rank": rank, "factor": factor})
-        self._expect(await self._call("POST", "/inject", body, auth=True), "/inject", 200)
+        self._expect(await self._call("POST", "/inject", body), "/inject", 200)
 
     async def aclose(self) -> None:
         await self._http.aclose()

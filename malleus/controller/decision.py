@@ -30,6 +30,7 @@ from typing import Any
 from malleus.errors import BadInput
 from malleus.job.memory import MIB
 from malleus.job.spec import StragglerPolicy
+from malleus.notation import speedup, time_saved
 from malleus.planner.cost import (
     ideal_step_time,
     migration_mb,
@@ -192,6 +193,9 @@ def decide(
         return result(True, "the plan in force cannot run (a GPU in it is unusable)", 1.0, None)
 
     rel = (t_old - t_new) / t_old
+    # time saved as %, speedup as x, each named (malleus.notation)
+    x = speedup(t_old / t_new) if t_new > 0 else "-"
+    saved = f"predicted time saved {time_saved(rel)} (speedup {x})"
     gain = (
         (old_s - new_s) * policy.horizon_steps if old_s is not None and new_s is not None else None
     )
@@ -199,14 +203,14 @@ def decide(
     if rel < policy.min_gain:
         return result(
             False,
-            f"predicted gain {rel:.1%} is below minGain {policy.min_gain:.1%}",
+            f"{saved} is below minGain {time_saved(policy.min_gain)}",
             rel,
             gain,
         )
     if gain is None:
         return result(
             True,
-            f"predicted gain {rel:.1%} >= minGain {policy.min_gain:.1%} "
+            f"{saved} >= minGain {time_saved(policy.min_gain)} "
             "(no step time measured yet, so the migration cost is not weighed)",
             rel,
             gain,
@@ -221,7 +225,7 @@ def decide(
         )
     return result(
         True,
-        f"predicted gain {rel:.1%}: saves {gain:.1f} s over {policy.horizon_steps} steps for a "
+        f"{saved}: saves {gain:.1f} s over {policy.horizon_steps} steps for a "
         f"migration of {mig_s:.1f} s plus planning of {planning_seconds:.1f} s",
         rel,
         gain,

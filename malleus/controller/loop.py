@@ -17,6 +17,10 @@ Publishing, acknowledging and adopting a plan, and that catching up, are `switch
 
 Rates are bounded and the share of the job one re-plan may write off is limited (`guard`).
 
+Steps are believed only forward and within what training could have done since the last one
+(`steps.StepGuard`): one forged ``step 10^9`` is ignored, with a warning, instead of making
+every real observation after it look old.
+
 The first `warmup_steps` steps under each plan pay one-off costs (allocations, new groups) that
 look like stragglers; they are ignored here, so the operator and the runner decide alike.
 """
@@ -37,6 +41,7 @@ from typing import Any
 
 from malleus.job.rates import bounded_rates
 from malleus.job.spec import StragglerPolicy
+from malleus.notation import size_mib
 from malleus.planner.cost import plan_step_time
 from malleus.planner.plan import Plan
 from malleus.planner.problem import PlanningProblem
@@ -56,6 +61,7 @@ from .generations import Generations
 from .guard import ExclusionGuard
 from .planning import Planner, default_planner, run_planner
 from .ports import Observation, PlanSink, RateSource
+from .steps import StepGuard
 from .switching import PlanSwitching
 
 __all__ = ["Controller", "EventCallback", "ProblemBuilder"]
@@ -109,7 +115,8 @@ class Controller(PlanSwitching):
         self.world = problem_builder({}, None).world
         self.guard = ExclusionGuard(self.policy, self.world)
         self._history: deque[DecisionEvent] = deque(maxlen=history_limit)
-        self.last_step = -1  # the last step observed
+        self.steps = StepGuard(clock=clock, what="controller")
+        self.last_step = -1  # the last step observed and believed
         self._plan_first_step: int | None = None  # first step seen under the plan in force
 
         self._applied_at: float | None = None
@@ -170,9 +177,11 @@ class Controller(PlanSwitching):
 
     async def observe(self, obs: Observation) -> None:
         """Process one step's observation: detect, and if needed plan, decide, publish, wait."""
-        if obs.step <= self.last_step:
-            return  # the same step read twice (a scrape faster than the training)
+        if not self.steps.accept(obs.step):
+            return  # the same step read twice (a scrape faster than the training), or implausible
         self.last_step = obs.step
+        if self.steps.moved:  # a confirmed jump (a restart from a checkpoint): warm up anew
+            self._plan_first_step = None
         now = self.clock()
         await self._adopt_if_seen(obs)
         if self._warming_up(obs):
@@ -260,7 +269,7 @@ class Controller(PlanSwitching):
         new = with_estimate(problem, new, decision, planning_seconds)
         await self._emit(
             f"planned in {planning_seconds:.2f} s: step time {decision.new_units:.1f} vs "
-            f"{decision.old_units:.1f} (layer-time units), {decision.migration_mb:.1f} MiB to move",
+            f"{decision.old_units:.1f} (layer-time units), {size_mib(decision.migration_mb)} to move",
             Planned(new, decision),
         )
         excluded = [r for r in new.excluded if problem.rate(r) is not None]

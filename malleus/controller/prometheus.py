@@ -14,37 +14,52 @@ DCGM-exporter series name the workload pod in `pod`/`namespace`; scraped with
 queries match either style, and the workload pod is `exported_pod` where it exists.
 
 Ownership: every worker pod publishes every rank's figure, and Prometheus stamps each series
-with the `pod` it scraped it from. A rate is read from the pod that holds its rank only
-(`own_rank_series`): a pod cannot speak for GPUs that are not its own. Series without a `pod`
-label are dropped, with a warning.
+with the `pod` and `namespace` it scraped it from. A rate is read from the pod that holds its
+rank only (`own_rank_series`): a pod cannot speak for GPUs that are not its own. Pod names are
+matched exactly (with the job's name: ``<job>-node-<n>``, ``n`` without leading zeros, so
+``train-node-01`` is nobody) and, with the namespace, a series from another namespace is
+nobody's either; the query already selects both, this is the second check. Series without a
+`pod` label are dropped, with a warning. Steps are believed only forward and plausibly
+(`steps.StepGuard`).
 
 Auth and TLS: a bearer token (`Authorization: Bearer`) and a CA bundle (PEM) for the server's
-certificate, as Thanos, OpenShift's and managed Prometheus need. Everything but
-`PrometheusSource._query` is a pure function of JSON; tests/prometheus runs the whole against a
-real Prometheus.
+certificate, as Thanos, OpenShift's and managed Prometheus need. Redirects are never followed
+(one would carry the token to wherever it points, past the operator's URL allowlist), and every
+answer is read under a byte cap and one deadline per query (`malleus.control.capped`).
+Everything but `PrometheusSource._query` is a pure function of JSON; tests/prometheus runs the
+whole against a real Prometheus.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import re
 import ssl
 import urllib.parse
-import urllib.request
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+
+from malleus.control.capped import (
+    IDENTITY,
+    MAX_RESPONSE_BYTES,
+    CappedReadError,
+    read_answer_async,
+)
+
 from .ports import Observation
 from .sources import CALIBRATION_METRICS, calibration_from_samples
+from .steps import StepGuard
 
 __all__ = [
     "CLOCK_EVENT_REASONS",
     "THROTTLE_MASK",
     "PromQueries",
+    "PrometheusError",
     "PrometheusSource",
     "dcgm_evidence",
     "decode_clock_reasons",
@@ -54,6 +69,7 @@ __all__ = [
     "parse_vector",
     "pod_gpu_rank",
     "query_url",
+    "worker_pod_regex",
 ]
 
 CLOCK_EVENT_REASONS: Mapping[int, str] = {
@@ -144,7 +160,7 @@ def default_queries(
         return " or ".join(f"{metric}{sel}" for sel in dcgm_styles) if metric else None
 
     return PromQueries(
-        rates=f"max by (rank, pod) (malleus_gpu_straggling_rate{trainer})",
+        rates=f"max by (rank, pod, namespace) (malleus_gpu_straggling_rate{trainer})",
         step=f"max(malleus_step{owner})",
         step_seconds=f"max(malleus_step_seconds{owner})",
         generation=f"max(malleus_plan_generation{owner})",
@@ -179,35 +195,77 @@ def decode_clock_reasons(mask: int) -> list[str]:
     return [name for bit, name in CLOCK_EVENT_REASONS.items() if mask & bit]
 
 
+def worker_pod_regex(job: str) -> str:
+    """The PromQL regex of `job`'s worker pods, exactly: ``<job>-node-<n>``, ``n`` without
+    leading zeros (PromQL regexes are anchored)."""
+    return re.escape(job) + "-node-(0|[1-9][0-9]*)"
+
+
+def _node_of(pattern: str, job: str | None) -> Callable[[str], int | None]:
+    """node(pod name): the worker's node index, or None when the name is not one of the job's
+    (with `job`: exactly ``<job>-node-<n>``; else `pattern`'s group); never a number written
+    with leading zeros, so ``x-node-01`` is not node 1."""
+    rx = re.compile(worker_pod_regex(job) if job is not None else pattern)
+
+    def node(pod: str) -> int | None:
+        m = rx.fullmatch(pod) if job is not None else rx.search(pod)
+        if m is None:
+            return None
+        digits = m.group(1)
+        if not digits.isdigit() or (len(digits) > 1 and digits[0] == "0"):
+            return None
+        return int(digits)
+
+    return node
+
+
 def pod_gpu_rank(
-    gpus_per_node: int, pattern: str = r"-(\d+)$"
+    gpus_per_node: int,
+    pattern: str = r"-(\d+)$",
+    *,
+    job: str | None = None,
+    namespace: str | None = None,
 ) -> Callable[[Mapping[str, str]], int | None]:
-    """rank_of(labels) for DCGM series: node index from the workload pod name's trailing number
-    (`exported_pod` where Prometheus renamed it, else `pod`), GPU index from the `gpu` label (one
-    worker pod per node, DESIGN §4.5)."""
-    rx = re.compile(pattern)
+    """rank_of(labels) for DCGM series: node index from the workload pod's name (`exported_pod`
+    where Prometheus renamed it, else `pod`; exactly ``<job>-node-<n>`` with `job`, else
+    `pattern`'s trailing number), GPU index from the `gpu` label (one worker pod per node,
+    DESIGN §4.5). With `namespace`, the workload's namespace (`exported_namespace` beside an
+    `exported_pod`) must be it."""
+    node_of = _node_of(pattern, job)
 
     def rank_of(labels: Mapping[str, str]) -> int | None:
-        m = rx.search(labels.get("exported_pod") or labels.get("pod", ""))
-        gpu = labels.get("gpu")
-        if m is None or gpu is None or not gpu.isdigit():
+        exported = "exported_pod" in labels
+        pod = labels.get("exported_pod") if exported else labels.get("pod")
+        where = labels.get("exported_namespace" if exported else "namespace")
+        if namespace is not None and where != namespace:
             return None
-        return int(m.group(1)) * gpus_per_node + int(gpu)
+        node = node_of(pod or "")
+        gpu = labels.get("gpu")
+        if node is None or gpu is None or not gpu.isdigit():
+            return None
+        return node * gpus_per_node + int(gpu)
 
     return rank_of
 
 
 def own_rank_series(
-    gpus_per_node: int, pattern: str = r"-(\d+)$"
+    gpus_per_node: int,
+    pattern: str = r"-(\d+)$",
+    *,
+    job: str | None = None,
+    namespace: str | None = None,
 ) -> Callable[[Mapping[str, str]], bool]:
-    """keep(labels) for rate series: true when the series' `pod` (node index from the pod name's
-    trailing number, one worker pod per node) holds its `rank`."""
-    rx = re.compile(pattern)
+    """keep(labels) for rate series: true when the series' `pod` (node index from the pod name:
+    exactly ``<job>-node-<n>`` with `job`, else `pattern`'s trailing number; one worker pod per
+    node) holds its `rank`, and, with `namespace`, the series' `namespace` is it."""
+    node_of = _node_of(pattern, job)
 
     def keep(labels: Mapping[str, str]) -> bool:
-        m = rx.search(labels.get("pod", ""))
+        if namespace is not None and labels.get("namespace") != namespace:
+            return False
+        node = node_of(labels.get("pod", ""))
         rank = labels.get("rank", "")
-        return m is not None and rank.isdigit() and int(rank) // gpus_per_node == int(m.group(1))
+        return node is not None and rank.isdigit() and int(rank) // gpus_per_node == node
 
     return keep
 
@@ -274,8 +332,13 @@ def observation_from_results(
     )
 
 
+class PrometheusError(RuntimeError):
+    """A query that got no usable answer: unreachable, refused (the HTTP status), redirected
+    (never followed), too large or too slow (`malleus.control.capped`)."""
+
+
 class PrometheusSource:
-    """RateSource over the Prometheus HTTP API; polls until a new step appears."""
+    """RateSource over the Prometheus HTTP API; polls until a new, plausible step appears."""
 
     def __init__(
         self,
@@ -289,53 +352,83 @@ class PrometheusSource:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         bearer_token: str | None = None,
         ca_pem: str | None = None,
+        max_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
-        """`bearer_token` is sent on every query; `ca_pem` (PEM certificates) replaces the
-        system's trust store for an https `url`."""
+        """`bearer_token` is sent on every query, to `url` only (no redirect is followed);
+        `ca_pem` (PEM certificates) replaces the system's trust store for an https `url`;
+        `timeout` bounds each whole query and `max_bytes` each answer."""
         self.url = url
-        self._headers = {"Authorization": f"Bearer {bearer_token}"} if bearer_token else {}
-        self._ssl = ssl.create_default_context(cadata=ca_pem) if ca_pem else None
+        self._headers = {**IDENTITY}
+        if bearer_token:
+            self._headers["Authorization"] = f"Bearer {bearer_token}"
+        self._ssl = (
+            ssl.create_default_context(cadata=ca_pem) if ca_pem else ssl.create_default_context()
+        )
         self.queries = queries
         self.rank_of = rank_of
         self.keep = keep
         self._warned = False
         self.interval = interval
         self.timeout = timeout
+        self.max_bytes = max_bytes
         self._sleep = sleep
-        self._last_step = -1
+        self._steps = StepGuard(what=f"Prometheus {url}")
 
-    def _query_blocking(self, promql: str) -> list[Sample]:
-        req = urllib.request.Request(query_url(self.url, promql), headers=self._headers)
-        with urllib.request.urlopen(req, timeout=self.timeout, context=self._ssl) as resp:
-            return parse_vector(json.loads(resp.read()))
+    def _client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            verify=self._ssl, timeout=httpx.Timeout(self.timeout), follow_redirects=False
+        )
 
-    async def _query(self, promql: str) -> list[Sample]:
-        return await asyncio.to_thread(self._query_blocking, promql)
+    async def _query(self, http: httpx.AsyncClient, promql: str) -> list[Sample]:
+        url = query_url(self.url, promql)
+        try:
+            request = http.build_request("GET", url, headers=self._headers)
+            answer = await read_answer_async(
+                http, request, max_bytes=self.max_bytes, seconds=self.timeout
+            )
+        except (httpx.HTTPError, CappedReadError) as e:
+            raise PrometheusError(f"{self.url}: {type(e).__name__}: {e}") from e
+        code = answer.status_code
+        if 300 <= code < 400:
+            where = answer.headers.get("Location", "?")
+            raise PrometheusError(
+                f"{self.url}: HTTP {code} to {where}: redirects are not followed (set "
+                "spec.metrics.prometheus.url to where the server answers)"
+            )
+        try:
+            payload = answer.json()
+        except ValueError:
+            payload = None
+        if code != 200 and not (isinstance(payload, dict) and payload.get("status") == "error"):
+            raise PrometheusError(f"{self.url}: HTTP {code}: {answer.text[:200]}")
+        if not isinstance(payload, dict):
+            raise PrometheusError(f"{self.url}: HTTP {code}: not a JSON object")
+        return parse_vector(payload)
 
     async def _observe(self) -> Observation | None:
         q = self.queries
-        rates, step, seconds, generation = await asyncio.gather(
-            self._query(q.rates),
-            self._query(q.step),
-            self._query(q.step_seconds),
-            self._query(q.generation),
-        )
-        evidence: dict[int, str] = {}
-        if self.rank_of is not None and (q.sm_clock or q.clock_reasons):
-            clocks = await self._query(q.sm_clock) if q.sm_clock else []
-            reasons = await self._query(q.clock_reasons) if q.clock_reasons else []
-            evidence = dcgm_evidence(clocks, reasons, self.rank_of)
+        async with self._client() as http:
+            rates, step, seconds, generation = await asyncio.gather(
+                self._query(http, q.rates),
+                self._query(http, q.step),
+                self._query(http, q.step_seconds),
+                self._query(http, q.generation),
+            )
+            evidence: dict[int, str] = {}
+            if self.rank_of is not None and (q.sm_clock or q.clock_reasons):
+                clocks = await self._query(http, q.sm_clock) if q.sm_clock else []
+                reasons = await self._query(http, q.clock_reasons) if q.clock_reasons else []
+                evidence = dcgm_evidence(clocks, reasons, self.rank_of)
+            cal = await self._query(http, q.calibration) if q.calibration else None
         refused = sorted({m.get("pod", "?") for m, _ in rates if self.keep and not self.keep(m)})
         if refused and not self._warned:
             self._warned = True
             log.warning("rate series from pods that do not hold their rank dropped: %s", refused)
-        cal = await self._query(q.calibration) if q.calibration else None
         return observation_from_results(rates, step, seconds, generation, evidence, self.keep, cal)
 
     async def read(self) -> Observation | None:
         while True:
             obs = await self._observe()
-            if obs is not None and obs.step > self._last_step:
-                self._last_step = obs.step
+            if obs is not None and self._steps.accept(obs.step):
                 return obs
             await self._sleep(self.interval)

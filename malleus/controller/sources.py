@@ -19,6 +19,7 @@ import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from malleus.control import (
+    MAX_RESPONSE_BYTES,
     AsyncControlClient,
     ControlError,
     ControlStatus,
@@ -30,6 +31,7 @@ from malleus.planner.calibration import BY_SIZE_TERMS, COUNT_TERMS, PER_MIB_TERM
 from malleus.planner.plan import Plan
 
 from .ports import Ack, AckTimeout, GenerationConflict, Observation, PlanRejected
+from .steps import StepGuard
 
 __all__ = [
     "HttpPlanSink",
@@ -204,13 +206,14 @@ class TrainerScrapeSource:
         timeout: float = 10.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         tls: ControlTLS | None = None,
+        max_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
-        self.client = AsyncControlClient(url, token, timeout=timeout, tls=tls)
+        self.client = AsyncControlClient(url, token, timeout=timeout, tls=tls, max_bytes=max_bytes)
         self.job = job
         self.world, self.gpus_per_node = world, gpus_per_node
         self.interval = interval
         self._sleep = sleep
-        self._last_step = -1
+        self._steps = StepGuard(what=f"{url}/metrics")
 
     async def read(self) -> Observation | None:
         while True:
@@ -218,8 +221,7 @@ class TrainerScrapeSource:
             obs = observation_from_metrics(
                 text, self.job, world=self.world, gpus_per_node=self.gpus_per_node
             )
-            if obs is not None and obs.step > self._last_step:
-                self._last_step = obs.step
+            if obs is not None and self._steps.accept(obs.step):
                 return obs
             await self._sleep(self.interval)
 
@@ -235,8 +237,9 @@ class HttpPlanSink:
         poll_seconds: float = 0.5,
         timeout: float = 10.0,
         tls: ControlTLS | None = None,
+        max_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
-        self.client = AsyncControlClient(url, token, timeout=timeout, tls=tls)
+        self.client = AsyncControlClient(url, token, timeout=timeout, tls=tls, max_bytes=max_bytes)
         self.poll_seconds = poll_seconds
 
     async def publish(self, plan: Plan) -> int:

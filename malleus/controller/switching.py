@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Awaitable, Callable
 
+from malleus.notation import size
 from malleus.planner.plan import Plan
 
-from .decision import MIB, Decision, MigrationModel
+from .decision import Decision, MigrationModel
 from .detector import ShiftDetector
 from .events import EventData, Migrated, ReplanFailed, Replanned
 from .generations import Generations, Pending
@@ -90,8 +91,8 @@ class PlanSwitching:
             how = f"adopted ({pending.reason})"  # caught up: nothing measured here
         else:
             secs = "?" if ack.migration_seconds is None else f"{ack.migration_seconds:.2f}"
-            moved = "?" if ack.migration_bytes is None else f"{ack.migration_bytes / MIB:.1f}"
-            how = f"migrated {moved} MiB in {secs} s"
+            moved = "?" if ack.migration_bytes is None else size(ack.migration_bytes)
+            how = f"migrated {moved} in {secs} s"
         await self._emit(
             f"trainers run generation {pending.plan.generation} from step {ack.step}: {how}",
             Migrated(

@@ -9,6 +9,7 @@ Rooms:
 - `model`, `hf`: `spec.model` resolved into a `ModelConfig` (preset, explicit sizes, or a
   Hugging Face folder's config.json, judged without torch);
 - `data`: `spec.training.data` and its files judged before any trainer starts;
+- `contained`: the file names an index or a `state.json` lists, kept inside their folder;
 - `rates`: measured straggling rates bounded (job's ranks, finite, capped) before use;
 - `memory`: the planner's memory model of a job;
 - `resolved`: `ResolvedJob`, the one derived view (sizes, world, faults, problem, first plan);

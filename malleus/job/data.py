@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from malleus.errors import Fault
 
+from .contained import contained
+from .hf import shown
 from .spec import DataSpec, TrainingSpec
 
 if TYPE_CHECKING:
@@ -153,7 +155,7 @@ def _too_short(path: Path, tokens: int, sequence: int) -> Fault:
 
 def _missing(path: Path, where: str, *, want_dir: bool) -> list[Fault]:
     if not path.exists():
-        return [Fault(where, f"{path}: no such {'folder' if want_dir else 'file'}")]
+        return [Fault(where, f"{shown(path)}: no such {'folder' if want_dir else 'file'}")]
     if want_dir and not path.is_dir():
         return [Fault(where, f"{path} is a file, expected a folder")]
     if not want_dir and path.is_dir():
@@ -233,7 +235,11 @@ def arrow_chunks(folder: Path, column: str) -> list[pa.Array]:
     (the files `state.json` lists, in its order): never read whole."""
     import pyarrow as pa
 
-    files = [folder / f["filename"] for f in _read_json(folder / "state.json")["_data_files"]]
+    state = folder / "state.json"
+    files = [
+        contained(folder, f.get("filename") if isinstance(f, dict) else f, state, "_data_files")
+        for f in _data_files(state)
+    ]
     chunks = []
     for file in files:
         reader = pa.ipc.open_stream(pa.memory_map(str(file)))
@@ -245,6 +251,15 @@ def arrow_chunks(folder: Path, column: str) -> list[pa.Array]:
             if len(values):
                 chunks.append(values)
     return chunks
+
+
+def _data_files(state: Path) -> list[Any]:
+    """`state.json`'s `_data_files` list; ValueError naming the file when it has none."""
+    data = _read_json(state)
+    listed = data.get("_data_files") if isinstance(data, dict) else None
+    if not isinstance(listed, list):
+        raise ValueError(f"{state}: no _data_files list")
+    return listed
 
 
 def _max_in_chunks(chunks: list[pa.Array], tokens: int) -> tuple[int, int]:
@@ -290,7 +305,7 @@ def tokenizer_vocab(folder: Path) -> int:
 def _text(data: DataSpec, vocab: int, sequence: int) -> list[Fault]:
     path, faults = Path(data.path), []
     if not path.exists():
-        faults.append(Fault(f"{_WHERE}.path", f"{path}: no such file or folder"))
+        faults.append(Fault(f"{_WHERE}.path", f"{shown(path)}: no such file or folder"))
     elif not (files := text_files(path)):
         faults.append(Fault(f"{_WHERE}.path", f"{path} holds no .txt or .jsonl file"))
     elif bad := [f for f in files if f.suffix not in TEXT_SUFFIXES]:
@@ -300,6 +315,13 @@ def _text(data: DataSpec, vocab: int, sequence: int) -> list[Fault]:
     if data.tokenizer is None:  # the CRD requires it; a job built in code may lack it
         return [*faults, Fault(f"{_WHERE}.tokenizer", "required for format text")]
     folder = Path(data.tokenizer)
+    if not folder.exists():
+        return [*faults, Fault(f"{_WHERE}.tokenizer", f"{shown(folder)}: no such folder")]
+    if not folder.is_dir():
+        why = f"{shown(folder)} is a file: name the folder that holds tokenizer.json"
+        if folder.name == "tokenizer.json":
+            why += f", {folder.parent}"
+        return [*faults, Fault(f"{_WHERE}.tokenizer", why)]
     if not (folder / "tokenizer.json").is_file():
         return [*faults, Fault(f"{_WHERE}.tokenizer", f"{folder} holds no tokenizer.json")]
     try:

@@ -7,6 +7,10 @@ when that decoder computes what the config describes: Llama, Mistral without a s
 narrower than the training sequence, and Qwen2 (its q/k/v biases are sharded by heads like the
 projections' rows). Everything else is refused here, naming the config field and what is
 supported, so `malleus check` refuses it before any trainer starts.
+
+`folder_faults` judges the folder itself wherever it is readable (`malleus check`, `run`,
+`train`, every trainer at its start): it must exist and hold config.json and the weights. A job
+trains from random weights only when it names no path, never because a path was mistyped.
 """
 
 from __future__ import annotations
@@ -18,11 +22,24 @@ from typing import Any
 
 from malleus.errors import BadInput, Fault
 
+from .contained import contained
 from .presets import ModelConfig, RopeScaling
 
-__all__ = ["CONFIG", "SUPPORTED", "check_weights", "config_in", "model_config", "read_config"]
+__all__ = [
+    "CONFIG",
+    "INDEX",
+    "SUPPORTED",
+    "check_weights",
+    "config_in",
+    "folder_faults",
+    "model_config",
+    "read_config",
+    "shown",
+]
 
 CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+"""The weight map of a model saved in several safetensors files."""
 SUPPORTED = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -40,21 +57,112 @@ def config_in(folder: str | Path) -> Path | None:
 
 
 def check_weights(folder: str | Path) -> None:
-    """`BadInput` for a folder whose weights the trainer would not read: only safetensors are
-    read (sliced per rank), and a folder of pickled `*.bin` weights must not silently start
-    from random ones. A folder with config.json alone is a random start by design."""
+    """`BadInput` for a folder of pickled `*.bin` weights, as soon as its config.json is read:
+    only safetensors are read (sliced per rank). Every other fault of the folder, missing
+    weights included, is `folder_faults`'s, judged with the job's other files."""
     folder = Path(folder)
     if any(folder.glob("*.safetensors")) or not any(folder.glob("*.bin")):
         return
-    raise BadInput(
-        [
+    raise BadInput([_pickled(folder)])
+
+
+def _pickled(folder: Path) -> Fault:
+    return Fault(
+        WHERE,
+        f"{folder} holds *.bin weights and no *.safetensors; only safetensors are read "
+        "(re-save with save_pretrained(..., safe_serialization=True))",
+    )
+
+
+def shown(path: Path) -> str:
+    """`path` as a message names it: a relative one with the folder it is read from."""
+    return str(path) if path.is_absolute() else f"{path} (under {Path.cwd()})"
+
+
+RANDOM_START = "leave spec.model.path out (stating the sizes) to train from random weights"
+
+
+def folder_faults(path: str | Path) -> list[Fault]:
+    """Every fault of `spec.model.path` as the trainers will read it: the folder exists and
+    holds config.json and the weights (*.safetensors, and every file the index names).
+
+    Judged where the folder is (`malleus check` / `run` / `train`, every trainer at its start),
+    never by the operator, which cannot see the trainers' volumes. Each fault says what is
+    wrong and what to do."""
+    folder = Path(path)
+    if not folder.exists():
+        return [
             Fault(
                 WHERE,
-                f"{folder} holds *.bin weights and no *.safetensors; only safetensors are read "
-                "(re-save with save_pretrained(..., safe_serialization=True))",
+                f"{shown(folder)}: no such folder; correct the path (the folder save_pretrained "
+                f"wrote: config.json + *.safetensors), or {RANDOM_START}",
             )
         ]
-    )
+    if not folder.is_dir():
+        tip = f"name its folder, {folder.parent}" if folder.name == CONFIG else "name its folder"
+        return [
+            Fault(
+                WHERE,
+                f"{shown(folder)} is a file, not a model folder (config.json + *.safetensors): "
+                f"{tip}",
+            )
+        ]
+    if not (folder / CONFIG).is_file():
+        inside = sorted(p for p in _subfolders(folder) if (p / CONFIG).is_file())
+        tip = f"did you mean {inside[0]}?" if inside else "name the folder save_pretrained wrote"
+        return [
+            Fault(
+                WHERE, f"{shown(folder)} holds no {CONFIG}: not a Hugging Face model folder; {tip}"
+            )
+        ]
+    return _weight_faults(folder)
+
+
+def _subfolders(folder: Path) -> list[Path]:
+    try:
+        return [p for p in folder.iterdir() if p.is_dir()]
+    except OSError:
+        return []
+
+
+def _weight_faults(folder: Path) -> list[Fault]:
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            files = sorted({str(f) for f in json.loads(index.read_text())["weight_map"].values()})
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return [Fault(WHERE, f"{index}: not a readable weight map ({type(e).__name__}: {e})")]
+        outside = []
+        for f in files:
+            try:
+                contained(folder, f, index, "weight_map")
+            except ValueError as e:
+                outside.append(Fault(WHERE, str(e)))
+        if outside:
+            return outside
+        missing = [f for f in files if not (folder / f).is_file()]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            return [
+                Fault(
+                    WHERE,
+                    f"{index} names {missing[0]}{more}, missing from {folder}: copy the whole "
+                    "folder save_pretrained wrote",
+                )
+            ]
+        return []
+    if any(folder.glob("*.safetensors")):
+        return []
+    if any(folder.glob("*.bin")):
+        return [_pickled(folder)]
+    return [
+        Fault(
+            WHERE,
+            f"{shown(folder)} holds {CONFIG} but no weights (*.safetensors), so the trainers "
+            "would start from random weights: add the weights (save_pretrained(..., "
+            f"safe_serialization=True) writes them), or {RANDOM_START}",
+        )
+    ]
 
 
 def read_config(path: str | Path) -> dict[str, Any]:

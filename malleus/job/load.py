@@ -6,7 +6,9 @@ a file that is not YAML is told the same way everywhere, as a `BadInput` naming 
 
 from __future__ import annotations
 
+import io
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +21,12 @@ from .schema import KIND, validate_manifest
 from .status import MalleusJob
 
 __all__ = ["MAX_INPUT_BYTES", "dump_job", "load_job", "read_documents", "read_text"]
+
+_INDENTATION = re.compile(
+    r"mapping values are not allowed here|found character '\\t'|"
+    r"expected <block end>|did not find expected key"
+)
+"""PyYAML's words for what is almost always a misindented line (or a tab)."""
 
 MAX_INPUT_BYTES = 16 * 1024 * 1024
 """Largest job or problem file read (a manifest is a few KiB; anything near this is a mistake)."""
@@ -56,10 +64,21 @@ def read_text(path: str | os.PathLike[str], *, what: str = "MalleusJob") -> str:
 def read_documents(path: str | os.PathLike[str], *, what: str = "MalleusJob") -> list[Any]:
     """The non-empty YAML (or JSON) documents of a file."""
     text = read_text(path, what=what)
+    stream = io.StringIO(text)
+    stream.name = os.fspath(path)  # PyYAML names the file in its marks ("<unicode string>" else)
     try:
-        return [d for d in yaml.safe_load_all(text) if d is not None]
+        return [d for d in yaml.safe_load_all(stream) if d is not None]
     except yaml.YAMLError as error:
-        raise BadInput.one("", f"not valid YAML: {error}", os.fspath(path), what=what) from None
+        message = f"not valid YAML: {error}"
+        mark = getattr(error, "problem_mark", None)
+        if mark is not None and 0 <= mark.line < len(lines := text.splitlines()):
+            message += f":\n      {lines[mark.line].rstrip()}\n      {' ' * mark.column}^"
+        if _INDENTATION.search(str(error)):
+            message += (
+                "\n    (the line marked is indented differently from the fields around it, or "
+                "uses a tab: indent each field under its parent with the same number of spaces)"
+            )
+        raise BadInput.one("", message, os.fspath(path), what=what) from None
     except RecursionError:
         raise BadInput.one("", "nested too deeply", os.fspath(path), what=what) from None
 

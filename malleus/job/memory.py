@@ -31,6 +31,7 @@ __all__ = [
     "MIB",
     "MLP_MATRICES",
     "STATE_BYTES_PER_PARAM",
+    "decoder_parameters",
     "layer_parameters",
     "memory_model",
     "model_parameters",
@@ -81,6 +82,21 @@ def memory_model(
 
 
 def model_parameters(cfg: ModelConfig) -> int:
-    """Parameters of the whole model (blocks, embedding and head)."""
+    """Parameters of the whole model (blocks, embedding and head) as the memory model counts
+    them: an estimate on the safe side (`layer_parameters` counts biases and norms the decoder
+    may not have); `decoder_parameters` is the exact count."""
     head = 0 if cfg.tied_embeddings else cfg.vocab * cfg.hidden
     return cfg.layers * layer_parameters(cfg) + cfg.vocab * cfg.hidden + head
+
+
+def decoder_parameters(cfg: ModelConfig) -> int:
+    """Exactly the parameters the trainer's decoder holds (trainer/model/decoder.py
+    `param_specs`; a test holds the two equal): per block q, k, v, o, the SwiGLU's three
+    matrices, two RMSNorm weights and Qwen2's q/k/v biases; the embedding, the final norm and
+    the head unless tied."""
+    h = cfg.hidden
+    block = 2 * h * cfg.q_width + 2 * h * cfg.kv_width + 3 * h * cfg.ffn + 2 * h
+    if cfg.attention_bias:
+        block += cfg.q_width + 2 * cfg.kv_width
+    head = 0 if cfg.tied_embeddings else cfg.vocab * h
+    return cfg.layers * block + cfg.vocab * h + h + head

@@ -9,11 +9,13 @@ its config.json, so a job is never trained as another model than the one it was 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic.alias_generators import to_camel
 
 from malleus.errors import BadInput, Fault
 
-from .hf import check_weights, config_in, model_config, read_config
+from .hf import CONFIG, WHERE, check_weights, config_in, model_config, read_config, shown
 from .presets import PRESETS, ModelConfig
 from .spec import ModelSpec as ModelSection
 
@@ -40,22 +42,41 @@ def resolve_model(model: ModelSection) -> ModelConfig:
         return cfg
     base = PRESETS[model.preset] if model.preset is not None else None
     sizes: dict[str, int] = {}
-    missing: list[Fault] = []
+    missing: list[str] = []
     for name in _SIZES:
         value = getattr(model, name)
         if value is None and base is not None:
             value = getattr(base, name)
         if value is None:
-            why = "no preset gives it"
-            if model.path is not None:
-                why = f"{model.path}/config.json is not readable here, so the sizes must be stated"
-            missing.append(Fault(f"spec.model.{name}", f"Required value: {why}"))
+            missing.append(name)
         else:
             sizes[name] = value
+    if missing and model.path is not None:
+        raise BadInput([_unreadable(model.path, missing)])
     if missing:
-        raise BadInput(missing)
+        raise BadInput(
+            [Fault(f"spec.model.{name}", "Required value: no preset gives it") for name in missing]
+        )
     optional = {k: getattr(model, k) or default for k, default in _OPTIONAL.items()}
     return ModelConfig(**sizes, **optional, tied_embeddings=model.tied_embeddings)
+
+
+def _unreadable(path: str, missing: list[str]) -> Fault:
+    """Sizes missing beside a `path` whose config.json is not readable here: the path is wrong,
+    or the folder lives elsewhere (the trainers' volume, which the operator never sees)."""
+    folder, names = Path(path), ", ".join(f"spec.model.{name}" for name in missing)
+    if folder.is_dir():
+        why = f"{shown(folder)} holds no {CONFIG}: name the model's folder, or"
+    else:
+        why = (
+            f"no folder {shown(folder)} here: correct the path if the folder is on this machine; "
+            "if it is on the trainers' volume only,"
+        )
+    return Fault(
+        WHERE,
+        f"{folder / CONFIG} is not readable here, so the sizes must be stated ({why} state "
+        f"{names} beside it)",
+    )
 
 
 def _check_agreement(model: ModelSection, cfg: ModelConfig, label: str) -> None:

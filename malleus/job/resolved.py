@@ -21,6 +21,7 @@ from malleus.planner.problem import MAX_RATE, Calibration, MemorySpec, ModelSpec
 from malleus.planner.validate import validate_plan
 
 from .data import data_faults, data_file_faults
+from .hf import folder_faults
 from .load import load_job
 from .memory import memory_model, model_parameters
 from .model import resolve_model
@@ -290,13 +291,16 @@ class ResolvedJob:
         return self
 
     def file_faults(self) -> list[Fault]:
-        """Faults of the data files the job names (`malleus.job.data`): judged where the files
-        are (`malleus check` / `run` / `train`, each trainer at its start), never by the operator,
-        which cannot see the trainers' volumes."""
-        return data_file_faults(self.spec.training, self.model.vocab, self.model.sequence)
+        """Faults of every file and folder the job names: the model's folder
+        (`malleus.job.hf.folder_faults`) and the data (`malleus.job.data`). Judged where the
+        files are (`malleus check` / `run` / `train`, each trainer at its start), never by the
+        operator, which cannot see the trainers' volumes."""
+        path = self.spec.model.path
+        faults = folder_faults(path) if path is not None else []
+        return faults + data_file_faults(self.spec.training, self.model.vocab, self.model.sequence)
 
     def check_files(self) -> ResolvedJob:
-        """Self, or `BadInput` listing every fault of the job's data files."""
+        """Self, or `BadInput` listing every fault of the job's files."""
         faults = self.file_faults()
         if faults:
             raise BadInput(faults, self.source)

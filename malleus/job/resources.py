@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GPU_RANK_MIB",
+    "NO_RESOURCE_CHECK",
     "RANKS_PER_CORE",
     "RANK_BASE_MIB",
     "Machine",
@@ -199,6 +200,12 @@ def check_resources(
     return problems
 
 
+NO_RESOURCE_CHECK = (
+    "run it on a larger machine or make the job smaller (spec.nodes, spec.gpusPerNode); "
+    "--no-resource-check starts it anyway (slowly, or until memory runs out)"
+)
+
+
 def require_resources(
     job: ResolvedJob, machine: Machine | None, *, source: str | None = None, check: bool = True
 ) -> Needs:
@@ -222,5 +229,6 @@ def require_resources(
             raise BadInput(
                 [Fault("machine", f"too small for {job.world} ranks: {p}") for p in problems],
                 source,
+                hint=NO_RESOURCE_CHECK,
             )
     return needs

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import datetime as dt
+import difflib
 import functools
 import json
 import re
@@ -164,9 +165,9 @@ def _has_type(value: Any, schema: Mapping[str, Any]) -> bool:
 
 
 def _normalize(
-    value: Any, schema: Mapping[str, Any], path: str, *, meta: bool, unknown: list[str]
+    value: Any, schema: Mapping[str, Any], path: str, *, meta: bool, unknown: list[Fault]
 ) -> Any:
-    """Drop nulls and unknown fields (their paths go to ``unknown``), apply defaults.
+    """Drop nulls and unknown fields (each a fault in ``unknown``), apply defaults.
 
     ``meta`` marks ObjectMeta, whose fields the schema lists only in part.
     """
@@ -191,7 +192,7 @@ def _normalize(
             elif meta or schema.get("x-kubernetes-preserve-unknown-fields"):
                 result[key] = item
             else:
-                unknown.append(_join(path, str(key)))
+                unknown.append(_unknown_field(_join(path, str(key)), str(key), properties))
         for key, sub in properties.items():
             if key not in result and "default" in sub:
                 default = copy.deepcopy(sub["default"])
@@ -205,6 +206,18 @@ def _normalize(
             for i, item in enumerate(value)
         ]
     return value
+
+
+def _unknown_field(path: str, key: str, known: Mapping[str, Any]) -> Fault:
+    """kubectl's words for an unknown field, and the allowed name it most likely meant."""
+    message = f'unknown field "{path}"'
+    same = [name for name in known if name.lower() == key.lower()]
+    close = same or difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    if close:
+        message += f"; did you mean {close[0]}?"
+    elif known:
+        message += f"; allowed here: {', '.join(sorted(known))}"
+    return Fault(path, message)
 
 
 # -- pass 2: structural checks (jsonschema + the Kubernetes extensions) ----------------------
@@ -339,10 +352,10 @@ def validate_manifest(
     metadata = manifest.get("metadata")
     if not isinstance(metadata, Mapping) or not metadata.get("name"):
         faults.append(Fault("metadata.name", "Required value: the job needs a name"))
-    unknown: list[str] = []
+    unknown: list[Fault] = []
     defaulted: dict[str, Any] = _normalize(dict(manifest), schema, "", meta=False, unknown=unknown)
     if strict:
-        faults += [Fault(path, f'unknown field "{path}"') for path in unknown]
+        faults += unknown
     structural, blocking = _structural_faults(defaulted, schema)
     faults += structural
     if blocking:

@@ -8,13 +8,14 @@ Bad input raises `BadInput` naming the field or the option (`rates.3`, `--rates`
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, TextIO
 
 from malleus.errors import BadInput
+from malleus.notation import layer_range, rank_list, rate, size_mib, speedup
 
 from .cost import stage_costs, step_time_terms, uniform_plan
-from .pace import group_pace
 from .plan import Plan
 from .problem import PlanningProblem
 
@@ -33,16 +34,8 @@ _UNUSABLE = ("failed", "null")
 
 
 def format_ranks(ranks: list[int]) -> str:
-    """Compact rank list: [0, 1, 2, 3, 6] -> '0-3,6'."""
-    out: list[str] = []
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ",".join(out)
+    """Compact rank list: [0, 1, 2, 3, 6] -> '0-3,6' (`malleus.notation.rank_list`)."""
+    return rank_list(ranks) if ranks else ""
 
 
 def _uniform_note(problem: PlanningProblem) -> str:
@@ -64,28 +57,37 @@ def summary(problem: PlanningProblem, result: Plan) -> str:
         f"{result.dp} pipeline{'s' if result.dp != 1 else ''} (generation {result.generation})",
         "",
         f"{'pipeline':>8} {'micro-b':>7} {'stage':>5}  {'ranks':<24} {'layers':<9} "
-        f"{'rate':>6} {'time/mb':>8}",
+        f"{'shards':>6} {'rate':>6} {'time/mb':>8}",
     ]
     for i, p in enumerate(result.pipelines[:_MAX_PIPELINES]):
         costs = stage_costs(problem, p)
         for j, s in enumerate(p.stages):
-            y = group_pace(problem, s.ranks)
             lead = f"{i:>8} {p.micro_batches:>7}" if j == 0 else " " * 16
+            # the GPUs' own rate (the slowest of the group's), not the group's pace: a healthy
+            # GPU holding every shard of its layers alone is 1.00 with `shards` = tp
+            slowest = max((problem.rate(r) or 1.0) for r in s.ranks)
             lines.append(
-                f"{lead} {j:>5}  {format_ranks(s.ranks):<24} "
-                f"{f'{s.layers[0]}-{s.layers[1]}':<9} {y:>6.2f} {costs[j]:>8.1f}"
+                f"{lead} {j:>5}  {format_ranks(s.ranks):<24} {layer_range(s.layers):<9} "
+                f"{s.shards_per_gpu(problem.tp):>6} {rate(slowest):>6} {costs[j]:>8.1f}"
             )
     if result.dp > _MAX_PIPELINES:
         lines.append(f"{'':>8} ... and {result.dp - _MAX_PIPELINES} more pipelines")
+    failed = [r for r in range(problem.world) if problem.rate(r) is None]
     lines.append("")
     lines.append(f"excluded ranks: {format_ranks(result.excluded) if result.excluded else 'none'}")
+    if failed:
+        lines.append(f"failed ranks: {format_ranks(failed)} (unusable: in no stage)")
+    lines.append(
+        "(layers inclusive; shards: logical TP shards per GPU; rate: the slowest GPU's "
+        "straggling rate; time/mb: the stage's time per micro-batch)"
+    )
     if e is not None:
         lines.append(f"predicted step time: {e.step_time:.1f} (layer-time units, DESIGN §4.3)")
         lines.extend(_terms(problem, result))
         if e.uniform_step_time is not None and math.isfinite(e.uniform_step_time):
             lines.append(
                 f"uniform layout: {e.uniform_step_time:.1f} -> speedup "
-                f"{e.uniform_step_time / e.step_time:.2f}x"
+                f"{speedup(e.uniform_step_time / e.step_time)}"
             )
         else:
             lines.append(_uniform_note(problem))
@@ -93,12 +95,9 @@ def summary(problem: PlanningProblem, result: Plan) -> str:
             lines.append(f"recovery: {e.reference_step_time / e.step_time:.3f} (reference/T)")
         if e.ideal_step_time:
             lines.append(f"efficiency: {e.ideal_step_time / e.step_time:.3f} (ideal/T)")
-        unit = "MB" if problem.memory else "layer-shards"
+        moved = size_mib(e.migration_mb) if problem.memory else f"{e.migration_mb:.0f} layer-shards"
         if problem.previous_plan is not None:
-            lines.append(
-                f"migration: {e.migration_mb:.0f} {unit} from generation "
-                f"{problem.previous_plan.generation}"
-            )
+            lines.append(f"migration: {moved} from generation {problem.previous_plan.generation}")
         else:
             lines.append("migration: none (no previous plan)")
         if e.planning_seconds is not None:
@@ -137,6 +136,15 @@ def parse_rates(text: str) -> dict[int, float | None]:
     rates: dict[int, float | None] = {}
     faults: list[str] = []
     for entry in (e.strip() for e in text.split(",")):
+        if entry.count("=") > 1:  # entries run together: 3=2.5;17=failed
+            between = re.search(r"=[\w.+\-]*([^\w.+=\-]+)", entry)
+            found = between.group(1) if between else ""
+            said = ", not a space" if found.isspace() else f", not {found.strip()!r}"
+            faults.append(
+                f"{entry!r}: separate the entries with commas{said if found else ''}: "
+                "e.g. 3=2.5,17=failed"
+            )
+            continue
         rank_text, sep, rate_text = entry.partition("=")
         try:
             rank = int(rank_text)

@@ -1,6 +1,7 @@
 """What a re-plan changed, in words: one plan against the next, a pure function of the two.
 
-`describe(old, new)` says which ranks left the layout (excluded, or failed) and which came back,
+`describe(old, new)` says which ranks left the layout (excluded: usable and idle, or failed:
+unusable, in neither the new plan's stages nor its excluded ranks) and which came back,
 which tensor-parallel groups were regrouped (a group's ranks or their shard order), which
 pipelines hold different layers per stage or per rank, how the micro-batches were re-split, and
 how much state moved (the trainers' figure, when given). The summary, the progress line of a
@@ -10,7 +11,8 @@ re-plan and the plot's re-plan markers all use it, so they say the same thing:
     micro-batches 8/8 -> 6/10; 1.2 MiB migrated
 
 Layer ranges are shown inclusive (`0-3` is layers 0, 1, 2 and 3), stages separated by ` / `,
-their ranks (`on 0 > 2,3`: TP groups in pipeline order) after them.
+their ranks (`on 0 > 2,3`: TP groups in pipeline order) after them; sizes in binary units:
+`malleus.notation`, as everywhere.
 A new pipeline is compared with the old pipeline it shares most ranks with.
 """
 
@@ -20,26 +22,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from malleus.notation import layer_split, size
 from malleus.planner.plan import Pipeline, Plan
 
 __all__ = ["PipelineLayers", "PlanChange", "describe", "describe_summaries", "layers_text"]
 
-MIB = float(1 << 20)
+
+def layers_text(splits: Sequence[Sequence[int]]) -> str:
+    """A pipeline's layer split, stage by stage: `0-1 / 2-3` (`malleus.notation.layer_split`)."""
+    return layer_split(splits)
 
 
 def _ranks(ranks: Sequence[int]) -> str:
     return ",".join(map(str, ranks))
-
-
-def _range(layers: Sequence[int]) -> str:
-    """Half-open [a, b) as inclusive text: `0-3`, or `2` for one layer."""
-    a, b = layers
-    return str(a) if b - a == 1 else f"{a}-{b - 1}"
-
-
-def layers_text(splits: Sequence[Sequence[int]]) -> str:
-    """A pipeline's layer split, stage by stage: `0-1 / 2-3`."""
-    return " / ".join(_range(s) for s in splits)
 
 
 def _who(ranks: Sequence[int], word: str) -> str:
@@ -74,7 +69,9 @@ class PlanChange:
     """The difference between two plans (see the module doc)."""
 
     excluded: tuple[int, ...] = ()
-    """Ranks that ran under the old plan and sit out (or are gone) under the new one."""
+    """Ranks that ran under the old plan and sit out, usable, under the new one."""
+    failed: tuple[int, ...] = ()
+    """Ranks that ran under the old plan and are gone from the new one (unusable: failed)."""
     readmitted: tuple[int, ...] = ()
     """Ranks idle under the old plan that run under the new one."""
     tp_before: tuple[tuple[int, ...], ...] = ()
@@ -99,6 +96,7 @@ class PlanChange:
     def unchanged(self) -> bool:
         return not (
             self.excluded
+            or self.failed
             or self.readmitted
             or self.tp_regrouped
             or self.layers
@@ -110,13 +108,15 @@ class PlanChange:
             return None
         if self.migrated_bytes <= 0:
             return "nothing migrated"
-        return f"{self.migrated_bytes / MIB:.1f} MiB migrated"
+        return f"{size(self.migrated_bytes)} migrated"
 
     def phrases(self) -> list[str]:
         """Every change, in full: `rank 1 excluded`, `TP 0,1 + 2,3 -> 0,2 + 3`, ..."""
         out = []
         if self.excluded:
             out.append(_who(self.excluded, "excluded"))
+        if self.failed:
+            out.append(_who(self.failed, "failed"))
         if self.readmitted:
             out.append(_who(self.readmitted, "re-admitted"))
         if self.tp_regrouped:
@@ -143,6 +143,8 @@ class PlanChange:
         out = []
         if self.excluded:
             out.append(_who(self.excluded, "out"))
+        if self.failed:
+            out.append(_who(self.failed, "failed"))
         if self.readmitted:
             out.append(_who(self.readmitted, "back"))
         if self.tp_regrouped:
@@ -155,12 +157,13 @@ class PlanChange:
             out.append("same layout")
         migrated = self._migrated()
         if migrated and self.migrated_bytes and self.migrated_bytes > 0:
-            out.append(f"{self.migrated_bytes / MIB:.1f} MiB")
+            out.append(size(self.migrated_bytes))
         return out
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "excluded": list(self.excluded),
+            "failed": list(self.failed),
             "readmitted": list(self.readmitted),
             "tp_regrouped": self.tp_regrouped,
             "tp_before": [list(g) for g in self.tp_before],
@@ -224,8 +227,11 @@ def describe(old: Plan, new: Plan, migrated_bytes: float | None = None) -> PlanC
             )
     old_mb = tuple(p.micro_batches for p in old.pipelines)
     new_mb = tuple(p.micro_batches for p in new.pipelines)
+    gone = before - after
+    idle = set(new.excluded)
     return PlanChange(
-        excluded=tuple(sorted(before - after)),
+        excluded=tuple(sorted(r for r in gone if r in idle)),
+        failed=tuple(sorted(r for r in gone if r not in idle)),
         readmitted=tuple(sorted(after - before)),
         tp_before=tuple(sorted(g for g in old_groups if g not in new_groups)),
         tp_after=tuple(sorted(g for g in new_groups if g not in old_groups)),

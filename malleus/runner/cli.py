@@ -23,7 +23,7 @@ from malleus.job.resources import Machine
 from .failures import summary_lines
 from .prepare import MODES, LocalRunOptions, Prepared, ideal_step_seconds, prepare
 from .progress import Progress
-from .report import RunFacts, build_report, summary_text
+from .report import RunFacts, build_report, judge_baseline, summary_text
 from .resume import REPORT_FILE, append_report, previous_report
 from .session import Outcome, Session
 
@@ -61,11 +61,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto: a bar on a terminal, periodic lines otherwise",
     )
-    parser.add_argument("--progress-interval", type=float, default=10.0, metavar="S")
-    parser.add_argument("--scrape-interval", type=float, default=0.2, metavar="S")
-    parser.add_argument("--init-timeout", type=float, default=120.0, metavar="S")
     parser.add_argument(
-        "--no-resource-check", action="store_true", help="start even if the machine looks too small"
+        "--progress-interval",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds between progress lines (default 10)",
+    )
+    parser.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=0.2,
+        metavar="S",
+        help="seconds between two readings of the trainers' rates (default 0.2)",
+    )
+    parser.add_argument(
+        "--init-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="seconds the trainers have to start and meet (default 120)",
+    )
+    parser.add_argument(
+        "--no-resource-check",
+        action="store_true",
+        help="start even if this machine looks too small for the job",
     )
 
 
@@ -172,6 +192,7 @@ def run(
         previous = previous_report(prepared.workdir)
         if previous is not None:
             report = append_report(previous, report, prepared.resume_step)
+    judge_baseline(report)  # with the failures in: a baseline that does not apply is dropped
     write_json(report, str(prepared.workdir / REPORT_FILE))  # what a --resume appends to
     if options.report:
         write_json(report, options.report)

@@ -25,6 +25,7 @@ from typing import Any
 
 from malleus.control import RecoveryRecord
 from malleus.job import FailurePolicy
+from malleus.notation import size
 
 __all__ = [
     "BACKOFF_CAP_SECONDS",
@@ -275,7 +276,11 @@ def _num(x: float | None, fmt: str) -> str:
 
 
 def summary_lines(report: Mapping[str, Any]) -> list[str]:
-    """The summary's failures and recoveries table (nothing when none failed)."""
+    """The summary's failures and recoveries table (nothing when none failed). A recovery says
+    the step its fault hit (`failed at`: the step it went on from plus the steps lost) and the
+    step training went on from (`resumed at`), one duration (the runner's, from the fault to
+    the first step committed after it; the trainers' own when the runner has none) and one size
+    unit (`malleus.notation.size`)."""
     failures = report.get("failures") or []
     recoveries = report.get("recoveries") or []
     if not failures and not recoveries:
@@ -290,25 +295,36 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
         )
     lines += ["", f"recoveries: {len(recoveries)}"]
     if recoveries:
-        lines.append("  failed       at step  mode         fault->step s  steps lost  KiB restored")
+        lines.append(
+            "  failed      failed at  resumed at  mode       fault->step s  steps lost  restored"
+        )
     for r in recoveries:
         failed = ",".join(f"r{k}" for k in sorted(r["failed"], key=int)) or "-"
-        kib = r["bytes_restored"] / 1024 if r.get("bytes_restored") is not None else None
-        secs = r.get("seconds") if r.get("seconds") is not None else r.get("trainer_seconds")
         lines.append(
-            f"  {failed:<12} {r['step']:>7}  {r['mode']:<11} {_num(secs, '.2f'):>13}  "
-            f"{r['steps_lost']:>10}  {_num(kib, ',.1f'):>12}"
+            f"  {failed:<11} {r['step'] + r['steps_lost']:>9}  {r['step']:>10}  "
+            f"{r['mode']:<10} {_num(_seconds(r), '.2f'):>13}  {r['steps_lost']:>10}  "
+            f"{size(r.get('bytes_restored')):>9}"
         )
     return lines
 
 
+def _seconds(r: Mapping[str, Any]) -> float | None:
+    """A recovery's one duration: the runner's (the fault to the first step committed after
+    it), else the trainers' (detection to that step)."""
+    return r.get("seconds") if r.get("seconds") is not None else r.get("trainer_seconds")
+
+
 def recovered_text(r: Recovery) -> str:
-    """The runner's line for one recovery."""
+    """The runner's one line for one recovery (the trainers' own line is not repeated)."""
     failed = ", ".join(f"rank {k} ({v})" for k, v in sorted(r.failed.items()))
-    secs = r.seconds if r.seconds is not None else r.trainer_seconds
+    secs = _seconds(asdict(r))
     took = f" {secs:.2f} s after the fault" if secs is not None else ""
+    lost = r.steps_lost
+    redo = f" (steps {r.step}-{r.step + lost - 1} trained again)" if lost > 1 else ""
+    redo = f" (step {r.step} trained again)" if lost == 1 else redo
+    source = "replicas" if r.mode == "replicas" else r.mode
     return (
-        f"step {r.step}: recovered from the failure of {failed}{took}: "
-        f"{r.steps_lost} steps lost, {r.bytes_restored / 1024:,.1f} KiB restored "
-        f"from {r.mode}, plan generation {r.generation}"
+        f"step {r.step + lost}: recovered from the failure of {failed}{took}: "
+        f"{lost} steps lost{redo}, {size(r.bytes_restored)} restored from {source}, "
+        f"plan generation {r.generation}"
     )

@@ -48,22 +48,23 @@ def _clock(seconds: float) -> str:
 def _fields(state: ProgressState) -> str:
     tps = "-" if state.tokens_per_second is None else f"{state.tokens_per_second:,.0f}"
     text = (
-        f"{state.steps_done}/{state.total_steps}  {tps} tok/s  plan gen {state.generation}  "
+        f"{state.steps_done}/{state.total_steps} steps  {tps} tok/s  plan gen {state.generation}  "
         f"stragglers: {stragglers_text(state.stragglers)}  {_clock(state.elapsed)}"
     )
     return text if state.phase == "training" else f"{text}  [{state.phase}]"
 
 
 def bar_text(state: ProgressState, width: int = 24) -> str:
-    """`[#########---------------] 57/180  1,234 tok/s  plan gen 2  stragglers: r1 x3.0  1m23s`."""
+    """`[#########-------] 57/180 steps  1,234 tok/s  plan gen 2  stragglers: r1 x3.0  1m23s`."""
     frac = state.steps_done / state.total_steps if state.total_steps else 0.0
     filled = min(width, round(frac * width))
     return f"[{'#' * filled}{'-' * (width - filled)}] {_fields(state)}"
 
 
 def line_text(state: ProgressState) -> str:
-    """`[malleus run] step 57/180  1,234 tok/s  plan gen 2  stragglers: r1 x3.0  1m23s`."""
-    return f"[malleus run] step {_fields(state)}"
+    """`[malleus run] 57/180 steps  1,234 tok/s  plan gen 2  stragglers: r1 x3.0  1m23s`: steps
+    done (a count; a step itself is named by its 0-based index, `malleus.notation`)."""
+    return f"[malleus run] {_fields(state)}"
 
 
 class Progress:

@@ -13,7 +13,6 @@ step 40 first shows in step 40. (The trainer's own counters report completed ste
 from __future__ import annotations
 
 import asyncio
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -23,6 +22,7 @@ from typing import Any
 from malleus.controller.ports import Observation, RateSource
 from malleus.job import INITIAL_GENERATION, StragglerPolicy
 from malleus.job.report import step_row
+from malleus.notation import STEP_LINE
 
 __all__ = [
     "PlanSwitch",
@@ -34,15 +34,11 @@ __all__ = [
     "stragglers",
 ]
 
-_STEP_LINE = re.compile(
-    r"\[malleus\] step (?P<done>\d+)/(?P<total>\d+) loss (?P<loss>[-+0-9.eEnaif]+)"
-    r".*? (?P<seconds>[0-9.]+)s (?P<tps>[0-9,.]+) tok/s"
-)
-
 
 @dataclass(frozen=True)
 class StepLine:
-    """One parsed step line of rank 0: `[malleus] step 5/30 loss 5.04 ... 0.846s 1,211 tok/s`."""
+    """One parsed step line of rank 0: `[malleus] step 4 (5/30) loss 5.04 ... 0.846s 1,211 tok/s`
+    (`malleus.notation.STEP_LINE`: step 4 is the fifth, as the report numbers it)."""
 
     index: int
     total: int
@@ -53,12 +49,12 @@ class StepLine:
 
 def parse_step_line(line: str) -> StepLine | None:
     """The step figures of a trainer log line, None for any other line."""
-    m = _STEP_LINE.search(line)
+    m = STEP_LINE.search(line)
     if m is None:
         return None
     try:
         return StepLine(
-            index=int(m["done"]) - 1,
+            index=int(m["index"]),
             total=int(m["total"]),
             loss=float(m["loss"]),
             seconds=float(m["seconds"]),

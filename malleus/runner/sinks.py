@@ -19,11 +19,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 from malleus.control import AsyncControlClient, ControlError
+from malleus.control.capped import Answer
 from malleus.controller.ports import Ack, AckTimeout, PlanRejected
 from malleus.controller.sources import HttpPlanSink
 from malleus.errors import BadInput
@@ -85,30 +85,16 @@ class CoordinatorClient(AsyncControlClient):
         if alive and (self.rank not in alive or min(alive) < self.rank):
             await self.locate()
 
-    async def _call(
-        self, method: str, path: str, body: bytes | None = None, *, auth: bool = False
-    ) -> httpx.Response:
+    async def _call(self, method: str, path: str, body: bytes | None = None) -> Answer:
         try:
-            return await self._request(method, path, body, auth)
+            return await super()._call(method, path, body)
         except ControlError as e:
             if e.code is not None:
                 raise
             before = self.rank
             if await self.locate() in (None, before):
                 raise
-            return await self._request(method, path, body, auth)
-
-    async def _request(
-        self, method: str, path: str, body: bytes | None, auth: bool
-    ) -> httpx.Response:
-        headers: dict[str, Any] = {
-            **({"Content-Type": "application/json"} if body is not None else {}),
-            **(self._auth() if auth else {}),
-        }
-        try:
-            return await self._http.request(method, self._url(path), content=body, headers=headers)
-        except httpx.HTTPError as e:
-            raise self._unreachable(path, e) from e
+            return await super()._call(method, path, body)
 
     async def aclose(self) -> None:
         await self._probe.aclose()
@@ -146,9 +132,8 @@ class LiveSink(HttpPlanSink):
         or None: the trainers made it themselves (a recovery's plan, never published here),
         and the controller must re-plan from the layout really in force (`PlanRecords`)."""
         try:
-            response = await self.client._call("GET", "/plan")
-            plan = Plan.model_validate(response.json()) if response.status_code == 200 else None
-        except (ControlError, ValueError):
+            plan = await self.client.plan()
+        except ControlError:
             return None
         return plan if plan is not None and plan.generation == generation else None
 

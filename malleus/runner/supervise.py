@@ -119,8 +119,8 @@ class Supervisor(RestartMode):
             got = self.log.joined(int(data["rank"]), int(data["step"]), self.now())
             if got is not None:
                 self.messages.put(f"step {data['step']}: rank {data['rank']} rejoined the job")
-        elif kind == "recovered":
-            self.messages.put(line.strip().removeprefix("[malleus] "))
+        # "recovered": not repeated; the runner says it once, with its own timing, when
+        # /status reports the recovery (`_match_recoveries`, `recovered_text`)
 
     # ---- each tick (event loop) --------------------------------------------------------------
     def tick(self) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from malleus.job import FailurePolicy
+from malleus.notation import size
 
 from .failures import Failure, FailureLog, Recovery
 from .launch import without_faults
@@ -99,8 +100,11 @@ class RestartMode:
             seconds=step.time - failure.time,
         )
         self.log.add_recovery(rec)
+        lost = rec.steps_lost
+        redo = f" (steps {resume}-{failure.step - 1} trained again)" if lost > 1 else ""
+        redo = f" (step {resume} trained again)" if lost == 1 else redo
         self.messages.put(
-            f"step {resume}: restarted every process from the checkpoint of step {resume} "
-            f"{rec.seconds:.2f} s after the fault: {rec.steps_lost} steps lost, "
-            f"{restored / 1024:,.1f} KiB read back"
+            f"step {failure.step}: restarted every process from the checkpoint of step {resume} "
+            f"{rec.seconds:.2f} s after the fault: {lost} steps lost{redo}, "
+            f"{size(restored)} read back"
         )

@@ -110,6 +110,7 @@ def test_run_and_train_refuse_a_job_too_large_for_this_machine_alike(tmp_path: P
         assert result.returncode == 2, f"malleus {command}: {result.stderr}"
         assert "Traceback" not in result.stderr, result.stderr
         assert "  - machine: too small for 64 ranks: " in result.stderr
+        assert "--no-resource-check starts it anyway" in result.stderr.splitlines()[-1]
     available = re.compile(r"[\d.]+ GiB available")  # free memory moves between the two probes
     run, train = (available.sub("GiB available", results[c].stderr) for c in ("run", "train"))
     assert run == train

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from malleus.cli import main
-from malleus.job import INITIAL_GENERATION, ResolvedJob
+from malleus.job import INITIAL_GENERATION, PRESETS, ResolvedJob
+from malleus.job.memory import decoder_parameters, model_parameters
 from malleus.planner import Plan, validate_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +32,7 @@ def test_a_valid_job_shows_its_resolved_sizes_plan_and_step_time() -> None:
     assert lines[0] == "job tiny-cpu: valid"
     assert lines[1] == "world: 2 nodes x 4 GPUs = 8 ranks"
     assert lines[2].startswith("model: preset tiny: 8 layers, hidden 64, heads 4, ffn 128, ")
-    assert "; 366,080 parameters" in lines[2]
+    assert "; 361,536 parameters" in lines[2]  # exactly the trainer's model's
     assert "training: 8 micro-batches of 1 per step, 512 tokens per step, 30 steps" in out
     assert "emulation: on, one layer-shard 5 ms forward + 10 ms backward" in out
     assert "straggler policy: threshold 1.2, hysteresis 0.3, windowSteps 5" in out
@@ -48,7 +49,7 @@ def test_json_verdict_is_the_plan_every_entry_point_starts_with() -> None:
     job = ResolvedJob.load(TINY)
     described = verdict["job"]
     assert (described["world"], described["tp"], described["micro_batches"]) == (8, 2, 8)
-    assert described["parameters"] == job.parameters
+    assert described["parameters"] == decoder_parameters(job.model)
     assert described["tokens_per_step"] == job.tokens_per_step
     plan = Plan.model_validate(verdict["plan"])
     assert plan.generation == INITIAL_GENERATION
@@ -56,6 +57,24 @@ def test_json_verdict_is_the_plan_every_entry_point_starts_with() -> None:
     assert plan.pipelines == job.initial_plan().pipelines
     assert plan.estimate is not None and job.unit_seconds is not None
     assert verdict["predicted_step_seconds"] == plan.estimate.step_time * job.unit_seconds
+
+
+def test_the_parameter_count_is_the_trainers_model_exactly() -> None:
+    """`check` prints `decoder_parameters`, which must count what the trainer's decoder holds
+    (the memory model's `model_parameters` is an estimate on the safe side)."""
+    import dataclasses
+    import math
+
+    from malleus.trainer.model.decoder import param_specs
+
+    for preset in PRESETS.values():
+        gqa = dataclasses.replace(
+            preset, kv_heads=max(1, preset.heads // 4), tied_embeddings=True, attention_bias=True
+        )
+        for cfg in (preset, gqa):
+            held = sum(math.prod(spec.shape) for spec in param_specs(cfg))
+            assert decoder_parameters(cfg) == held, cfg
+            assert model_parameters(cfg) >= held
 
 
 def test_a_job_without_emulation_has_no_seconds() -> None:

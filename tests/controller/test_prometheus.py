@@ -37,7 +37,7 @@ def test_default_queries_select_the_jobs_pods_and_both_dcgm_label_styles() -> No
     q = default_queries("ctl-test", namespace="ml")
     scope = 'pod=~"ctl\\\\-test-.*",namespace="ml"'  # only the job's pods in its namespace
     trainer = f'{{malleus_job="ctl-test",{scope}}}'
-    assert q.rates == f"max by (rank, pod) (malleus_gpu_straggling_rate{trainer})"
+    assert q.rates == f"max by (rank, pod, namespace) (malleus_gpu_straggling_rate{trainer})"
     assert q.step == f"max(malleus_step{trainer})"
     assert q.generation == f"max(malleus_plan_generation{trainer})"
     # re.escape's backslash is itself escaped inside the PromQL string literal; DCGM's pod is

@@ -122,13 +122,14 @@ def test_a_killed_operator_leaves_the_trainers_training_and_reattaches(
     generation = st["plan"]["generation"]
     secret = k8s_cluster.core.get("secrets", world.ns, f"{name}-control")
     ca = base64.b64decode(secret["data"]["ca.crt"]).decode()
+    token = base64.b64decode(secret["data"]["token"]).decode()  # reads need it too
     trust = ControlTLS(ca, server_name=f"{name}-node-0.{name}.{world.ns}.svc")
     coordinator = kubelet.control_url(f"{name}-node-0").replace("http:", "https:", 1)
 
     # The operator dies (SIGKILL: no cleanup); the trainers do not need it to train.
     world.operator.process.kill()
     world.operator.process.wait(10)
-    with ControlClient(coordinator, tls=trust) as client:
+    with ControlClient(coordinator, token, tls=trust) as client:
         first = client.status().step
         deadline = time.monotonic() + 60
         while client.status().step < first + 3:
@@ -145,7 +146,7 @@ def test_a_killed_operator_leaves_the_trainers_training_and_reattaches(
     assert len(world.children("pods", name)) == 3  # two workers and the store, no more
     st = world.status(name)
     assert st["plan"]["generation"] == generation, st["plan"]
-    with ControlClient(coordinator, tls=trust) as client:
+    with ControlClient(coordinator, token, tls=trust) as client:
         assert client.status().generation == generation
 
 

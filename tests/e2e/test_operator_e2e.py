@@ -410,7 +410,7 @@ def test_a_job_runs_replans_around_a_straggler_and_is_deleted(
     assert conditions["Ready"]["status"] == "True", conditions
     generation = after["plan"]["generation"]
     # The trainers run that plan (their own word), the ConfigMap holds it, training goes on.
-    with ControlClient(coordinator, tls=trust) as client:
+    with ControlClient(coordinator, token, tls=trust) as client:
         coord = client.status()
     assert coord.generation >= generation, coord
     cm = store.get("configmaps", ns, f"{JOB}-config")

@@ -424,6 +424,8 @@ class ClusterProxy:
         timeout = float(query["timeoutSeconds"]) if query.get("timeoutSeconds") else None
         deadline = None if timeout is None else loop.time() + timeout
         self._watch_queues.add(events)
+        if self._stopped():  # stop() has ended the streams it saw: end this one too
+            events.put_nowait(None)
         try:
             await response.prepare(request)
             for event_type, obj in first:
@@ -477,13 +479,17 @@ class ClusterProxy:
                 allow_redirects=False,
             )
             async with upstream_cm as upstream:
+                # stop() closes it to end a watch cleanly: registered before the first await
+                # below, and closed here if stop() came first (it closes only those it sees)
+                self._upstreams.add(upstream)
+                if self._stopped():
+                    upstream.close()
                 response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
                 for key, value in upstream.headers.items():
                     if key.lower() not in _DROP_RESPONSE:
                         response.headers.add(key, value)
-                await response.prepare(request)
-                self._upstreams.add(upstream)  # stop() closes it to end a watch cleanly
                 try:
+                    await response.prepare(request)
                     with contextlib.suppress(aiohttp.ClientError):  # either side hung up
                         async for chunk in upstream.content.iter_any():
                             await response.write(chunk)
@@ -496,6 +502,10 @@ class ClusterProxy:
             raise ApiError(
                 503, "ServiceUnavailable", f"the CRD server is unreachable: {e}"
             ) from None
+
+    def _stopped(self) -> bool:
+        """stop() has begun: a stream that opens now must end at once (see `_main`)."""
+        return self._stopping is None or self._stopping.is_set()
 
     async def _upstream_json(self, path: str) -> Obj | None:
         """GET a path on the real server: the decoded body, or None on 404 / failure."""

@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import textwrap
 import threading
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -478,28 +477,70 @@ def test_hang_ups_and_stop_end_watches(
     proxy = ClusterProxy(k8s_apiserver, tmp_path, gc_interval=None)
     with proxy:
         watchers = proxy.core._watchers  # the subscriptions open watch streams hold
-        with httpx.Client(base_url=proxy.url, timeout=10) as http:
+        with httpx.Client(base_url=proxy.url, timeout=30) as http:
             with http.stream("GET", "/api/v1/pods", params={"watch": "true"}) as hung_up:
                 assert hung_up.status_code == 200
-                wait_until(lambda: True if watchers else None, 5, "a core watch subscribed")
-            wait_until(lambda: True if not watchers else None, 5, "the hang-up unsubscribed")
+                wait_until(lambda: True if watchers else None, 30, "a core watch subscribed")
+            wait_until(lambda: True if not watchers else None, 30, "the hang-up unsubscribed")
 
         ended: list[str] = []
+        failed: list[str] = []
+        paths = ["/api/v1/configmaps", "/apis/malleus.io/v1alpha1/malleusjobs"]
+        opened = {p: threading.Event() for p in paths}
 
         def watch(path: str) -> None:
-            with httpx.stream("GET", proxy.url + path, params={"watch": "true"}, timeout=30) as r:
-                for _ in r.iter_raw():
-                    pass
-            ended.append(path)
+            try:
+                with httpx.stream(
+                    "GET", proxy.url + path, params={"watch": "true"}, timeout=60
+                ) as r:
+                    assert r.status_code == 200
+                    opened[path].set()  # the proxy holds the stream (upstream: the real watch)
+                    for _ in r.iter_raw():
+                        pass
+                ended.append(path)
+            except Exception as e:  # an abrupt end (no last chunk) fails the assertion below
+                failed.append(f"{path}: {e!r}")
+                opened[path].set()
 
-        paths = ["/api/v1/configmaps", "/apis/malleus.io/v1alpha1/malleusjobs"]
         threads = [threading.Thread(target=watch, args=(p,), daemon=True) for p in paths]
         for thread in threads:
             thread.start()
-        wait_until(lambda: True if watchers else None, 5, "the core watch subscribed")
-        time.sleep(0.2)  # let the forwarded watch reach the real server
+        for path in paths:  # both streams open before stop(): no sleep, no race with it
+            assert opened[path].wait(60), path
     for thread in threads:
-        thread.join(5)
+        thread.join(60)
+    assert failed == []
     assert sorted(ended) == sorted(paths)  # stop() closed both streams
     with pytest.raises(httpx.TransportError):
         httpx.get(proxy.url + "/api", timeout=2)
+
+
+def test_stop_ends_a_watch_still_waiting_for_the_real_server(
+    k8s_apiserver: Any, malleus_crd: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # stop() began while a forwarded watch was still waiting for the real server's answer:
+    # stop() closed the streams it saw, this one registered after it and ran on, until the
+    # 2 s grace ran out and it was cancelled without a last chunk (the client: "peer closed
+    # connection"). Here stop() begins exactly then: as the proxy sends the watch upstream.
+    import aiohttp
+
+    from tests.k8s.proxy import ClusterProxy
+
+    proxy = ClusterProxy(k8s_apiserver, tmp_path, gc_interval=None)
+    request = aiohttp.ClientSession.request
+
+    def stop_as_it_is_sent(session: Any, method: str, url: Any, **kw: Any) -> Any:
+        if "watch=true" in str(url) and proxy._stopping is not None:
+            proxy._stopping.set()  # on the proxy's loop, as stop() does it
+        return request(session, method, url, **kw)
+
+    monkeypatch.setattr(aiohttp.ClientSession, "request", stop_as_it_is_sent)
+    proxy.start()
+    try:
+        path = proxy.url + "/apis/malleus.io/v1alpha1/malleusjobs"
+        with httpx.stream("GET", path, params={"watch": "true"}, timeout=60) as r:
+            assert r.status_code == 200
+            for _ in r.iter_raw():  # ends with the last chunk: no RemoteProtocolError
+                pass
+    finally:
+        proxy.stop()

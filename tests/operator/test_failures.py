@@ -102,6 +102,32 @@ def test_no_valid_plan_ends_the_job() -> None:
     assert reason == "NoValidPlan" and "no valid plan exists on the GPUs left" in message
 
 
+REFUSAL = (
+    "BadInput: invalid MalleusJob in /etc/malleus/job.json (1 fault):\n"
+    "  - spec.model.path: /models/llamma: no such folder; correct the path"
+)
+"""A trainer's termination message when it refused the job's input (trainer/cli.py `_refuse`)."""
+
+
+def test_a_trainer_that_refused_its_input_ends_the_job_naming_the_fault() -> None:
+    # torchrun exits 1 whatever its ranks' codes: the termination message says it was a refusal
+    under_torchrun = failures.pod_failure(failed_pod(0, "u0", code=1), "demo")
+    assert under_torchrun is not None and under_torchrun.reason == "Error"  # no message: a crash
+    pod = failed_pod(0, "u0", code=1)
+    pod["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = REFUSAL
+    refused = failures.pod_failure(pod, "demo")
+    assert refused is not None and refused.reason == failures.BAD_INPUT == "BadInput"
+    direct = failures.pod_failure(failed_pod(1, "u1", code=failures.BAD_INPUT_EXIT), "demo")
+    assert direct is not None and direct.reason == failures.BAD_INPUT
+    records, _ = failures.record_failures(None, [refused], POLICY, T0)
+    assert records[0].state == "Out"  # no replacement: it would refuse the same input
+    reason, message = failures.terminal_reason(records, 4)  # type: ignore[misc]
+    assert reason == "BadInput"
+    assert "a trainer refused the job's input before training" in message
+    assert "spec.model.path: /models/llamma: no such folder" in message
+    assert "correct the spec and create the job again" in message
+
+
 def test_due_replacements_wait_for_the_backoff() -> None:
     seen = [failures.pod_failure(failed_pod(n, f"u{n}"), "demo") for n in (2, 0)]
     records, _ = failures.record_failures(None, seen, POLICY, T0)  # type: ignore[arg-type]
@@ -210,10 +236,14 @@ def _create(kube: Kube, memo: kopf.Memo, body: dict[str, Any]) -> None:
     assert kube.job("ml", "demo")["status"]["phase"] == "Running"
 
 
-def _fail(kube: Kube, memo: kopf.Memo, node: int, code: int = 137) -> None:
+def _fail(
+    kube: Kube, memo: kopf.Memo, node: int, code: int = 137, message: str | None = None
+) -> None:
     pod = kube.get("Pod", "ml", f"demo-node-{node}")
     assert pod is not None
-    term = {"exitCode": code, "reason": "Error"}
+    term: dict[str, Any] = {"exitCode": code, "reason": "Error"}
+    if message is not None:
+        term["message"] = message
     kube.set_pod_phase(
         "ml",
         f"demo-node-{node}",
@@ -314,6 +344,20 @@ def test_no_valid_plan_fails_the_job_with_a_condition_that_says_so(
     assert st["phase"] == "Failed"
     failed = next(c for c in st["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "NoValidPlan"
+
+
+def test_a_refused_input_fails_the_job_with_a_condition_that_says_which(
+    kube: Kube, memo: kopf.Memo, make_job: Any
+) -> None:
+    _create(kube, memo, make_job())
+    _set_uid(kube, "demo-node-0", "pod-0")
+    _fail(kube, memo, 0, code=1, message=REFUSAL)
+    st = kube.job("ml", "demo")["status"]
+    assert st["phase"] == "Failed"
+    failed = next(c for c in st["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "BadInput"
+    assert "spec.model.path: /models/llamma: no such folder" in failed["message"]
+    assert "BadInput" in kube.reasons()
 
 
 def test_an_operator_restarted_mid_replacement_creates_no_duplicate(

@@ -7,6 +7,7 @@ loop adopts the plan generation the trainers made on their own, neither lost nor
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import socket
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ control = pytest.importorskip("malleus.trainer.endpoint.server")
 pytestmark = pytest.mark.timeout(120)
 
 REF = resources.JobRef(namespace="ml", name="demo", uid="uid-1234", generation=1)
+TOKEN = "t0ken"
 
 
 def run(coro: Any) -> Any:
@@ -95,7 +97,7 @@ class Trainers:
         return control.ControlServer(
             host,
             port,
-            "t0ken",
+            TOKEN,
             status=self.status,
             inbox=inbox,
             metrics=tm,
@@ -116,6 +118,10 @@ def job(kube: Kube, memo: kopf.Memo, make_job: Any, base_port: int) -> Iterator[
     patch = kopf.Patch()
     run(handlers.on_create(body=body, patch=patch, memo=memo))
     kube.merge_status("ml", "demo", {**patch["status"], "phase": "Running"})
+    secret = kube.get("Secret", "ml", resources.secret_name("demo"))
+    assert secret is not None  # the trainers here serve TOKEN: the job's Secret says so too
+    secret["data"][resources.TOKEN_KEY] = base64.b64encode(TOKEN.encode()).decode()
+    kube.put("Secret", secret)
     for i, ip in ((0, "127.0.0.1"), (1, "127.0.0.2")):
         kube.set_pod_phase("ml", f"demo-node-{i}", "Running", podIP=ip)
         pod = kube.get("Pod", "ml", f"demo-node-{i}")
@@ -148,7 +154,7 @@ def test_the_coordinator_is_the_lowest_running_rank_that_answers(
     server = theirs.serve("127.0.0.2", base_port + 1)  # node 1's local rank 1
     try:
         endpoints = trainers.Endpoints(
-            ctx.cluster, REF, base_port, "http://{pod_ip}:{port}", gpus_per_node=4
+            ctx.cluster, REF, base_port, "http://{pod_ip}:{port}", gpus_per_node=4, token=TOKEN
         )
         found = run(endpoints.coordinator(2.0))
     finally:
@@ -250,7 +256,7 @@ def test_a_restart_mid_replan_and_recovery_keeps_every_generation(
     try:
 
         async def resume() -> tuple[Plan, Plan | None]:
-            async with daemon.AsyncControlClient(server.url) as client:
+            async with daemon.AsyncControlClient(server.url, TOKEN) as client:
                 return await daemon._plan_in_force(
                     ctx, REF, jobs.resolve(job), client, theirs.status()
                 )

@@ -51,7 +51,7 @@ def test_every_override_reaches_the_pod() -> None:
     assert meta["labels"]["team"] == "pretraining"
     assert meta["labels"]["malleus.io/job"] == "gpu-cluster"  # the operator's beside it
     assert meta["annotations"]["cluster-autoscaler.kubernetes.io/safe-to-evict"] == "false"
-    assert meta["annotations"]["prometheus.io/scrape"] == "true"
+    assert not any(k.startswith("prometheus.io/") for k in meta["annotations"])
     assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     affinity = spec["affinity"]
     assert affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
@@ -121,11 +121,10 @@ def test_the_operators_fields_win_over_the_template(make_job: Any) -> None:
     assert plain == before  # pure: the operator's pod is not changed in place
     assert pod["metadata"]["labels"]["malleus.io/job"] == "gpu-cluster"
     assert pod["metadata"]["labels"]["malleus.io/node-rank"] == "1"
-    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "8040"
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "1"  # the job's own
     env = _env(pod)
-    assert env["MALLEUS_CONTROL_TOKEN"] == {
-        "secretKeyRef": {"name": "gpu-cluster-control", "key": "token"}
-    }
+    # the token is the Secret's file, which the trainer reads before any variable
+    assert env["MALLEUS_CONTROL_TOKEN_FILE"] == "/etc/malleus-tls/token"
     assert [e["name"] for e in _trainer(pod)["env"]].count("MALLEUS_NODE_RANK") == 1
     assert env["MALLEUS_NODE_RANK"] == "1"
     (config,) = [v for v in pod["spec"]["volumes"] if v["name"] == "config"]

@@ -142,13 +142,18 @@ def test_torchrun_launches_the_pods_ranks_and_they_meet_in_the_store(make_job: A
         assert pod["metadata"]["labels"][resources.NODE_LABEL] == str(index)
 
 
-def test_env_token_from_secret_plan_and_job_from_configmap(make_job: Any) -> None:
+def test_token_file_from_secret_plan_and_job_from_configmap(make_job: Any) -> None:
     (pod, *_) = _pods(_children(make_job, controlPort=9040))
     container = pod["spec"]["containers"][0]
     env = _env(container)
-    assert env["MALLEUS_CONTROL_TOKEN"] == {
-        "secretKeyRef": {"name": "demo-control", "key": "token"}
-    }
+    # the token is a file of the Secret's volume, never an environment variable
+    assert "MALLEUS_CONTROL_TOKEN" not in env
+    assert env["MALLEUS_CONTROL_TOKEN_FILE"] == "/etc/malleus-tls/token"
+    mount = {m["name"]: m for m in container["volumeMounts"]}["control-tls"]
+    assert mount == {"name": "control-tls", "mountPath": "/etc/malleus-tls", "readOnly": True}
+    secret = {v["name"]: v for v in pod["spec"]["volumes"]}["control-tls"]["secret"]
+    assert secret["secretName"] == "demo-control"
+    assert {"key": "token", "path": "token"} in secret["items"]
     assert env["MALLEUS_PLAN"] == "/etc/malleus/plan.json"
     assert env["MALLEUS_JOB"] == "/etc/malleus/job.json"
     assert env["MALLEUS_CONTROL_PORT"] == "9040"
@@ -161,7 +166,8 @@ def test_env_token_from_secret_plan_and_job_from_configmap(make_job: Any) -> Non
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     # one control port per rank: whichever rank is the coordinator serves its own
     assert ports == {"control": 9040, "control-1": 9041, "control-2": 9042, "control-3": 9043}
-    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9040"
+    # no annotation-driven scrape: Prometheus comes in through the job's PodMonitor
+    assert not any(k.startswith("prometheus.io/") for k in pod["metadata"]["annotations"])
 
 
 def test_pods_run_as_non_root_with_a_read_only_root(make_job: Any) -> None:

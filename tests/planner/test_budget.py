@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import math
 import random
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from malleus.planner import PlanningProblem, default_budget, plan, validate_plan
-from malleus.planner.search import evaluate
-from malleus.planner.search.deadline import Deadline
-from malleus.planner.search.driver import BUCKET_STEP, bucketed
+from malleus.planner.search import deadline, evaluate
+from malleus.planner.search.deadline import Deadline, cpu_clock
+from malleus.planner.search.driver import BUCKET_STEP, COMPLETE_UP_TO, bucketed
 from malleus.planner.search.evaluate import Evaluator
 from tests.planner.setting_70b import problem_70b
 
@@ -202,3 +203,84 @@ def test_many_stragglers_reach_a_long_search_on_a_short_budget(
     assert validate_plan(p, short) == [] and validate_plan(p, long) == []
     assert short.estimate is not None and long.estimate is not None
     assert short.estimate.step_time <= long.estimate.step_time * 1.005
+
+
+SMALL = {
+    # the problem of test_search's severe straggler: cut early, it came back at 128 (only ranks
+    # 4 and 5 working) or 64 instead of 40
+    "2x4 tp2 one 8x": {"nodes": 2, "gpus_per_node": 4, "rates": {"1": 8.0}},
+    "1x4 tp2 two 3x": {
+        "nodes": 1,
+        "gpus_per_node": 4,
+        "rates": {"0": 3.0, "2": 3.0},
+        "model": {"layers": 4, "tp": 2},
+        "micro_batches": 4,
+    },
+    "8x1 tp1 spread": {
+        "nodes": 8,
+        "gpus_per_node": 1,
+        "rates": {"3": 5.0, "4": 1.5, "6": 2.2},
+        "model": {"layers": 24, "tp": 1},
+        "micro_batches": 24,
+    },
+    "1x8 tp1 failed + slow": {
+        "nodes": 1,
+        "gpus_per_node": 8,
+        "rates": {"1": 3.0, "5": 1.7, "6": None},
+        "model": {"layers": 16, "tp": 1},
+        "micro_batches": 32,
+    },
+    "4x2 tp2 memory": {
+        "nodes": 4,
+        "gpus_per_node": 2,
+        "rates": {"2": 2.0, "5": 1.86, "3": 100.0},
+        "model": {"layers": 16, "tp": 2},
+        "micro_batches": 8,
+        "memory": {"capacity_mb": 1000, "layer_mb": 100, "activation_mb": 20, "embedding_mb": 100},
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_a_small_problem_gets_its_plan_under_any_budget(name: str) -> None:
+    # issue 28: up to COMPLETE_UP_TO GPUs the search runs to its end whatever it is given, so
+    # a budget spent at once (a loaded machine, a stale clock, a tiny limit) and an endless
+    # one give the same plan. Cut at work 0, the search as it was returned the uniform plan.
+    data = {"model": {"layers": 8, "tp": 2}, "micro_batches": 16, **SMALL[name]}
+    p = PlanningProblem.load(data)
+    assert p.world <= COMPLETE_UP_TO
+    full = plan(p, deadline=Deadline(work=10**9))
+    assert validate_plan(p, full) == []
+    for cut in (
+        {"deadline": Deadline(work=0)},
+        {"deadline": Deadline(0.0, clock=cpu_clock)},
+        {"time_limit": 1e-9},
+    ):
+        got = plan(p, **cut)
+        assert got.model_dump(exclude={"estimate"}) == full.model_dump(exclude={"estimate"}), cut
+        assert got.estimate is not None and full.estimate is not None
+        assert got.estimate.step_time == full.estimate.step_time
+    if name == "2x4 tp2 one 8x":
+        assert full.estimate.step_time == 40.0
+
+
+def test_a_cpu_deadline_starts_from_a_fresh_reading(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CPU clock caches its reading between reads. A deadline that started from the cached
+    # reading counted the CPU used since then (another test's work) against its own budget.
+    wall, cpu = [0.0], [100.0]
+
+    def thread_time() -> float:
+        wall[0] += 1.0  # a read preempted for a second on a loaded machine
+        return cpu[0]
+
+    fake = SimpleNamespace(perf_counter=lambda: wall[0], thread_time=thread_time)
+    monkeypatch.setattr(deadline, "time", fake)
+    monkeypatch.setattr(deadline._clocks, "clock", deadline._CpuClock(), raising=False)
+    assert cpu_clock() == 100.0
+    # one slow read does not stretch the interval to five times its length
+    assert deadline._local_clock().every == 0.1
+    cpu[0] = 100.5  # the caller's work, within the read interval
+    assert cpu_clock() == 100.0  # the cached reading
+    dl = Deadline(0.6, clock=cpu_clock)
+    assert dl.start == 100.5 and dl.end == pytest.approx(101.1)
+    assert not dl.expired()

@@ -1,4 +1,5 @@
-"""The chart's monitoring objects: PodMonitor, PrometheusRule and the Grafana dashboard.
+"""The chart's monitoring objects: the operator's PodMonitors, PrometheusRule and the Grafana
+dashboard.
 
 The dashboard's PromQL is parsed by Prometheus' own `promtool` (as recording rules); the chart
 is rendered with helm (MALLEUS_HELM) when it is available.
@@ -75,14 +76,24 @@ def test_monitoring_objects_are_off_by_default_and_render_when_asked() -> None:
             "metrics.grafanaDashboard.enabled=true",
         )
     }
-    pod_monitor = docs["PodMonitor"]["spec"]
-    assert pod_monitor["namespaceSelector"] == {"matchNames": ["default", "ml"]}
-    (endpoint,) = pod_monitor["podMetricsEndpoints"]
-    assert (endpoint["port"], endpoint["scheme"], endpoint["honorLabels"]) == (
-        "control",
-        "https",
-        False,
-    )
+    # No chart-wide PodMonitor (one monitor cannot trust every job's CA): the operator makes
+    # one per job (tests/security/test_metrics_forgery.py), and may.
+    assert "PodMonitor" not in docs
+    (container,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["MALLEUS_OPERATOR_POD_MONITORS"] == "true"
+    assert env["MALLEUS_OPERATOR_POD_MONITOR_INTERVAL"] == "15s"
+    rules = [
+        r
+        for d in render("metrics.podMonitor.enabled=true")
+        if d["kind"] == "Role"
+        for r in d["rules"]
+    ]
+    assert {
+        "apiGroups": ["monitoring.coreos.com"],
+        "resources": ["podmonitors"],
+        "verbs": ["create", "get"],
+    } in rules
     assert docs["PrometheusRule"]["spec"] == yaml.safe_load(RULES.read_text())
     dashboard = docs["ConfigMap"]["data"]["malleus.json"]
     assert json.loads(dashboard) == json.loads(DASHBOARD.read_text())

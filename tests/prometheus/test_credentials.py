@@ -87,7 +87,7 @@ def test_token_and_ca_are_read_from_the_jobs_namespace_by_name() -> None:
         prometheus_auth=(token, None),
     )
     assert isinstance(source, PrometheusSource)
-    assert source._headers == {"Authorization": "Bearer abc"}
+    assert source._headers["Authorization"] == "Bearer abc"
 
 
 def test_a_missing_key_stops_instead_of_querying_unauthenticated() -> None:

@@ -16,7 +16,6 @@ import asyncio
 import datetime as dt
 import ssl
 import threading
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -27,6 +26,7 @@ import pytest
 from malleus.control import ControlStatus
 from malleus.controller.ports import Observation
 from malleus.controller.prometheus import (
+    PrometheusError,
     PrometheusSource,
     default_queries,
     own_rank_series,
@@ -194,7 +194,7 @@ def test_rates_and_dcgm_corroboration_over_https(stack: tuple[Prometheus, str]) 
         2: "SM clock 1100 MHz, 56% of the job's fastest; throttled: hw_thermal_slowdown",
         5: "SM clock 1410 MHz, 71% of the job's fastest; throttled: sw_power_cap",
     }  # the other namespace's GPU at 300 MHz is not the job's
-    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+    with pytest.raises(PrometheusError, match="CERTIFICATE_VERIFY_FAILED"):
         read(source(prom.url))  # the system trust store does not know this CA
 
 
@@ -232,5 +232,5 @@ def token_proxy(stack: tuple[Prometheus, str]) -> Iterator[str]:
 def test_bearer_token(token_proxy: str) -> None:
     obs = read(source(token_proxy, bearer_token=TOKEN))
     assert obs is not None and obs.rates == RATES and set(obs.evidence) == {2, 5}
-    with pytest.raises(urllib.error.HTTPError, match="401"):
+    with pytest.raises(PrometheusError, match="HTTP 401"):
         read(source(token_proxy, bearer_token="wrong"))

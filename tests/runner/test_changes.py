@@ -127,3 +127,17 @@ def test_layers_text_and_report_summaries() -> None:
     change = describe_summaries(summary, new, tp=2, migrated_bytes=0)
     assert change.text() == "micro-batches 8/8 -> 7/9; nothing migrated"
     assert change.to_dict()["micro_batches"] == {"before": [8, 8], "after": [7, 9]}
+
+
+def test_a_rank_gone_from_the_layout_and_not_excluded_failed() -> None:
+    """A recovery's plan leaves the dead GPU in neither its stages nor its excluded (usable,
+    idle) ranks: it is said to have failed, not to be excluded."""
+    new = plan(
+        (6, [([0], (0, 2)), ([2, 3], (2, 4))]),
+        (10, [([4, 5], (0, 2)), ([6, 7], (2, 4))]),
+    )
+    change = describe(TWO_BY_TWO, new)
+    assert change.failed == (1,) and change.excluded == ()
+    assert change.text().startswith("rank 1 failed; TP 0,1 -> 0")
+    assert change.labels()[0] == "rank 1 failed"
+    assert change.to_dict()["failed"] == [1]

@@ -52,7 +52,7 @@ def test_trainer_lines_and_the_no_plan_verdict_are_read() -> None:
         "joined",
         {"rank": 2, "step": 12},
     )
-    assert parse_trainer_event("[malleus] step 3/10 loss 4.0") is None
+    assert parse_trainer_event("[malleus] step 2 (3/10) loss 4.0") is None
     tails = {0: ["x", "malleus trainer: no valid plan on the GPUs left [0]: tp 2 needs 2"], 1: []}
     assert why_no_plan(tails) == "malleus trainer: no valid plan on the GPUs left [0]: tp 2 needs 2"
     assert why_no_plan({0: ["fine"]}) is None

@@ -78,7 +78,8 @@ def step_done(workdir: Path, step: int, runner: subprocess.Popen[str]) -> bool:
     if not logs.is_dir():
         return False
     return any(
-        f"[malleus] step {step}/" in p.read_text(errors="replace") for p in logs.glob("*.log")
+        f"[malleus] step {step - 1} ({step}/" in p.read_text(errors="replace")
+        for p in logs.glob("*.log")
     )
 
 

@@ -7,7 +7,13 @@ import struct
 import warnings
 from pathlib import Path
 
-from malleus.runner.report.plot import plot_report, rate_matrix, replan_label, warmup_steps
+from malleus.runner.report.plot import (
+    plot_report,
+    rate_matrix,
+    replan_label,
+    throughput_series,
+    warmup_steps,
+)
 
 
 def report() -> dict:
@@ -54,13 +60,42 @@ def report() -> dict:
     }
 
 
-def test_rate_matrix_is_rank_by_step_with_gaps_as_nan() -> None:
-    steps, m = rate_matrix(report()["per_step"], world=4)
+def test_rate_matrix_is_rank_by_step_with_no_blank_columns() -> None:
+    rows = report()["per_step"]
+    for i in (14, 15, 16):  # the controller planning: no scrape saw these steps
+        rows[i]["rates"] = {}
+    steps, m = rate_matrix(rows, world=4)
     assert steps == list(range(30))
     assert len(m) == 4 and all(len(row) == 30 for row in m)
     assert m[1][12] == 3.0 and m[1][9] == 1.0
-    assert math.isnan(m[3][0])  # an unusable rank: no colour
-    assert math.isnan(m[0][29])  # no scrape of the last step
+    # A step no scrape saw shows every GPU's latest rate: no gap in the map (steps 121-125
+    # of the quickstart were blank while the controller planned).
+    assert [m[1][i] for i in (14, 15, 16)] == [3.0, 3.0, 3.0]
+    assert m[0][29] == 1.0  # nor after the last scrape
+    assert all(math.isnan(m[3][i]) for i in range(30))  # an unusable rank: no colour, ever
+
+
+def test_the_launchs_first_step_is_no_stray_point() -> None:
+    """Step 0 pays the start-up (the quickstart's showed ~155 tok/s beside ~600): not drawn;
+    the first step under a new plan is, as a warm-up marker."""
+    r = report()
+    r["per_step"][0]["tokens_per_second"] = 15.0
+    series = throughput_series(r)
+    assert 0 not in [s for s, _ in series["measured"] + series["warm-up"] + series["baseline"]]
+    assert [s for s, _ in series["warm-up"]] == [13]
+    assert len(series["measured"]) == 28
+
+
+def test_a_baseline_that_does_not_apply_is_not_drawn(tmp_path: Path) -> None:
+    assert throughput_series(report())["baseline"]  # it applies: drawn
+    failed = report() | {
+        "static_baseline": None,
+        "static_baseline_skipped": "rank 3 killed by SIGKILL at step 8: ...",
+        "failures": [{"rank": 3, "step": 8, "why": "killed by SIGKILL"}],
+    }
+    assert throughput_series(failed)["baseline"] == []
+    assert plot_report(failed, tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
+    assert throughput_series(report() | {"mode": "static"})["baseline"] == []
 
 
 def test_plot_is_a_png_of_sensible_size(tmp_path: Path) -> None:
@@ -79,8 +114,12 @@ def test_replan_labels_say_what_changed() -> None:
     assert replan_label({"generation": 3}) == "gen 3"  # an old report: no description
 
 
-def test_warmup_steps_are_the_first_and_each_switch() -> None:
+def test_warmup_steps_are_the_first_each_switch_and_each_join() -> None:
     assert warmup_steps(report()) == [0, 13]
+    # failure-demo's replacement joined at step 21 at a rate of 18: a one-off, hatched and out
+    # of the colour scale like a switch's first step
+    joined = report() | {"replacements": [{"rank": 3, "joined_step": 21}, {"rank": 2}]}
+    assert warmup_steps(joined) == [0, 13, 21]
 
 
 def test_a_short_run_of_a_long_schedule_plots_without_warnings(tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ def test_bar_shows_fraction_step_throughput_generation_and_stragglers() -> None:
 def test_line_has_no_bar_and_names_the_phase_when_not_training() -> None:
     text = line_text(ProgressState(0, 10, 5.0, phase="starting"))
     assert (
-        text == "[malleus run] step 0/10  - tok/s  plan gen 0  stragglers: none  0m05s  [starting]"
+        text == "[malleus run] 0/10 steps  - tok/s  plan gen 0  stragglers: none  0m05s  [starting]"
     )
 
 
@@ -75,7 +75,7 @@ def test_lines_are_written_once_per_interval() -> None:
     p.update(STATE, force=True)
     lines = out.getvalue().splitlines()
     assert len(lines) == 4  # at 0, 10, 20.5, and the forced final one
-    assert all(ln.startswith("[malleus run] step 57/180") for ln in lines)
+    assert all(ln.startswith("[malleus run] 57/180 steps") for ln in lines)
     assert "\r" not in out.getvalue()
 
 

@@ -17,7 +17,7 @@ from malleus.runner.record import (
 )
 
 # Verbatim from a trainer's stdout (trainer/engine/trainer.py's step line).
-LINE = "[malleus] step 10/30 loss 4.2036 norm 1.765 lr 3.00e-03 0.952s 1,075 tok/s"
+LINE = "[malleus] step 9 (10/30) loss 4.2036 norm 1.765 lr 3.00e-03 0.952s 1,075 tok/s"
 
 
 def test_a_step_line_is_parsed_to_a_zero_based_index() -> None:

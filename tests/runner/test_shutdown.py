@@ -77,7 +77,7 @@ def start(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
         if runner.poll() is not None:  # say why at once rather than time out
             _, err = runner.communicate()
             raise AssertionError(f"malleus run ended ({runner.returncode}): {err[-3000:]}")
-        return log.exists() and "[malleus] step 1/" in log.read_text()
+        return log.exists() and "[malleus] step 0 (1/" in log.read_text()
 
     wait_for("the first step", first_step, 180)
     return runner, workdir
@@ -101,7 +101,9 @@ def test_a_run_left_without_trainers_fails_naming_the_first_dead_one(tmp_path: P
     runner, workdir = start(tmp_path)
     pids = trainers(workdir)
     os.kill(pids[1], signal.SIGKILL)
-    time.sleep(0.5)
+    # rank 1 dies first for the runner too: it has reaped it (the thread that reaps a process
+    # notes when it ended) before rank 0 is killed, however late a loaded machine runs it
+    wait_for("the runner to reap rank 1", lambda: not Path(f"/proc/{pids[1]}").exists(), 60)
     os.kill(pids[0], signal.SIGKILL)
     _, err = runner.communicate(timeout=120)
     assert runner.returncode == 1, err

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from rank_cases import start_rank, stop_rank
 
 from malleus.job import ResolvedJob
 from malleus.planner import Plan
@@ -44,15 +45,18 @@ def run(
         joiner = env.rank == job.world
         os.environ.update(WORLD_SIZE=str(job.world), RANK=str(replace if joiner else env.rank))
         env = DistEnv.from_env()
-    world = World(env.world_size)
-    world.set_collective_timeout(timeout)
     if joiner:  # GPU `replace` again (its RANK)
+        world = World(env.world_size)
+        world.set_collective_timeout(timeout)
         _wait_for_death(env, env.rank)
         device, store = init_distributed(env, world, init_timeout_s=120, join=True)
         admission = join_job(store, env.rank, world, 120)
         plan = Plan.from_json(admission.plan)
-    if admission is None:
-        device = init_distributed(env, world, init_timeout_s=120, collective_timeout_s=timeout)
+    else:
+        started = start_rank(
+            env, init_timeout_s=120, collective_timeout_s=timeout, shared_groups=False
+        )
+        world, device = started.world, started.device
     seen: dict[str, Any] = {}
     ledger = Ledger()
     steps = opts.total_steps(job)
@@ -104,8 +108,7 @@ def run(
         (Path(out) / f"rank-{env.rank}.json").write_text(json.dumps(result))
     finally:
         services.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        stop_rank()
     return 0
 
 
@@ -125,8 +128,10 @@ def _served(services: Services) -> dict[str, Any] | None:
     if services.server is None:
         return None
     got = {}
+    auth = {"Authorization": f"Bearer {services.server.token}"}  # reads need the token too
     for path in ("/status", "/plan"):
-        with urllib.request.urlopen(services.server.url + path, timeout=10) as r:
+        request = urllib.request.Request(services.server.url + path, headers=auth)
+        with urllib.request.urlopen(request, timeout=10) as r:
             got[path] = json.loads(r.read())
     return got
 

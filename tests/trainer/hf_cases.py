@@ -9,17 +9,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+from rank_cases import offer_next, spawned_rank, switched_now
 
 from malleus.job import ResolvedJob
 from malleus.planner import Plan
-from malleus.trainer.engine.services import Services
 from malleus.trainer.engine.state import gather_full, resume, save_checkpoint
-from malleus.trainer.engine.trainer import Trainer
-from malleus.trainer.launch.distributed import DistEnv, init_distributed
-from malleus.trainer.parallel.groups import GroupCache
-from malleus.trainer.world.world import World
 
 
 @dataclass(frozen=True)
@@ -37,51 +31,24 @@ def run_chains(chains: list[Chain], out: str) -> None:
     """Every chain in turn, sharing the process groups; rank 0 writes OUT/<name>.pt with the
     final full model, the step reports, the generations switched to, and the model resumed
     from a checkpoint of the last plan under the first."""
-    env = DistEnv.from_env()
-    world = World(env.world_size)
-    device = init_distributed(env, world, init_timeout_s=60)
-    groups = GroupCache(world)
-    try:
+    with spawned_rank() as rank:
         for chain in chains:
-            services = Services.null(chain.job, env.rank)
-            trainer = Trainer(
-                chain.job,
-                chain.first,
-                rank=env.rank,
-                world=world,
-                device=device,
-                services=services,
-                groups=groups,
-            )
+            trainer = rank.trainer(chain.job, chain.first)
             due = dict(chain.switches)
             reports, switched = [], []
             while trainer.step < chain.steps:
-                plan = due.get(trainer.step + 1)
-                if plan is not None and trainer.coordinator is not None:
-                    code, answer = trainer.coordinator.inbox.offer(plan.model_dump_json())
-                    assert code == 202, answer
+                offer_next(trainer, due)
                 reports.append(asdict(trainer.train_step()))
-                m = trainer.last_migration
-                if m is not None and m.step == trainer.step:
+                m = switched_now(trainer)
+                if m is not None:
                     switched.append((m.step, m.generation, m.bytes, m.minimal_bytes))
             full = gather_full(trainer, 0)
             # A plan-independent checkpoint, resumed under the first plan again.
             directory = Path(out) / f"{chain.name}-checkpoints"
             save_checkpoint(trainer, directory)
-            again = Trainer(
-                chain.job,
-                chain.first,
-                rank=env.rank,
-                world=world,
-                device=device,
-                services=Services.null(chain.job, env.rank),
-                groups=groups,
-            )
+            again = rank.trainer(chain.job, chain.first)
             resume(again, directory)
             resumed = gather_full(again, 0)
-            if env.rank == 0:
-                record = {"full": full, "reports": reports, "switched": switched}
-                record |= {"resumed": resumed, "resumed_step": again.step}
-                torch.save(record, Path(out) / f"{chain.name}.pt")
-    finally:
-        dist.destroy_process_group()
+            record = {"full": full, "reports": reports, "switched": switched}
+            record |= {"resumed": resumed, "resumed_step": again.step}
+            rank.save(out, f"{chain.name}.pt", record)

@@ -14,18 +14,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rank_cases import SpawnedRank, spawned_rank
 
 from malleus.job import ResolvedJob
 from malleus.planner import Plan
-from malleus.trainer.engine.services import Services
 from malleus.trainer.engine.state import gather_full, resume, save_checkpoint
 from malleus.trainer.engine.trainer import Trainer
-from malleus.trainer.launch.distributed import DistEnv, init_distributed
 from malleus.trainer.model.precision import Precision
-from malleus.trainer.parallel.groups import GroupCache
 from malleus.trainer.run.loop import run_rank
 from malleus.trainer.run.options import RunOptions
-from malleus.trainer.world.world import World
 
 
 @dataclass(frozen=True)
@@ -42,55 +39,30 @@ class Run:
 
 def run_all(runs: list[Run], out_dir: str) -> None:
     """Spawned-job body: every run from scratch; rank 0 writes OUT/<name>.pt."""
-    env = DistEnv.from_env()
-    world = World(env.world_size)
-    device = init_distributed(env, world, init_timeout_s=60)
-    groups = GroupCache(world)
-    try:
+    with spawned_rank() as rank:
         for run in runs:
             result = (
-                _via_loop(run, env, world, device, out_dir)
-                if run.via_loop
-                else _with_trainer(run, env, world, device, groups, out_dir)
+                _via_loop(run, rank, out_dir) if run.via_loop else _with_trainer(run, rank, out_dir)
             )
-            if env.rank == 0:
-                torch.save(result, Path(out_dir) / f"{run.name}.pt")
-    finally:
-        dist.destroy_process_group()
+            rank.save(out_dir, f"{run.name}.pt", result)
 
 
-def _via_loop(run: Run, env: DistEnv, world: World, device: torch.device, out_dir: str) -> dict:
+def _via_loop(run: Run, rank: SpawnedRank, out_dir: str) -> dict:
     model_path = Path(out_dir) / f"{run.name}-model.pt"
     opts = RunOptions(steps=run.steps, quiet=True, float64=run.float64, save_model=str(model_path))
-    reports = run_rank(run.job, run.plan, opts, rank=env.rank, world=world, device=device)
+    reports = run_rank(
+        run.job, run.plan, opts, rank=rank.rank, world=rank.world, device=rank.device
+    )
     dist.barrier()
-    full = torch.load(model_path) if env.rank == 0 else None
+    full = torch.load(model_path) if rank.rank == 0 else None
     return {"full": full, "reports": [asdict(r) for r in reports], "migrations": []}
 
 
-def _with_trainer(
-    run: Run,
-    env: DistEnv,
-    world: World,
-    device: torch.device,
-    groups: GroupCache,
-    out_dir: str,
-) -> dict:
+def _with_trainer(run: Run, rank: SpawnedRank, out_dir: str) -> dict:
     precision = Precision.of(run.job.spec.training.precision, float64=run.float64)
 
     def fresh(plan: Plan) -> Trainer:
-        services = Services.null(run.job, env.rank)
-        return Trainer(
-            run.job,
-            plan,
-            rank=env.rank,
-            world=world,
-            device=device,
-            groups=groups,
-            services=services,
-            precision=precision,
-            steps=run.steps,
-        )
+        return rank.trainer(run.job, plan, precision=precision, steps=run.steps)
 
     trainer = fresh(run.plan)
     due = dict(run.switches)

@@ -6,19 +6,14 @@ Not collected by pytest (no test_ prefix); imported by path so spawned children 
 from __future__ import annotations
 
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from rank_cases import offer_next, spawned_rank, switched_now
 
 from malleus.job import ResolvedJob
 from malleus.planner import Plan
-from malleus.trainer.engine.services import Services
 from malleus.trainer.engine.state import gather_full
-from malleus.trainer.engine.trainer import Trainer
-from malleus.trainer.launch.distributed import DistEnv, init_distributed
-from malleus.trainer.world.world import World
 
 
 def run_chain(
@@ -30,25 +25,17 @@ def run_chain(
 
     Every rank checks that a piece it keeps across a switch is the very tensor it had (no copy)
     and that pieces it gives up are gone."""
-    env = DistEnv.from_env()
-    world = World(env.world_size)
-    device = init_distributed(env, world, init_timeout_s=60)
-    try:
-        services = Services.null(job, env.rank)
-        trainer = Trainer(job, first, rank=env.rank, world=world, device=device, services=services)
+    with spawned_rank(shared_groups=False) as rank:
+        trainer = rank.trainer(job, first)
         due = dict(switches)
         models: dict[int, dict[str, torch.Tensor] | None] = {}
         migrations, reports = [], []
         while trainer.step < steps:
-            plan = due.get(trainer.step + 1)
-            if plan is not None and env.rank == 0:
-                assert trainer.coordinator is not None
-                code, answer = trainer.coordinator.inbox.offer(plan.model_dump_json())
-                assert code == 202, answer
+            offer_next(trainer, due)
             before = {n: t.data_ptr() for n, t in trainer.params.items()}
             reports.append(asdict(trainer.train_step()))
-            m = trainer.last_migration
-            if m is not None and m.step == trainer.step:
+            m = switched_now(trainer)
+            if m is not None:
                 migrations.append(m.as_status())
                 held = {p.name for p in trainer.layout.held()}
                 assert set(trainer.params) == held == set(trainer.optim.state)
@@ -56,13 +43,8 @@ def run_chain(
                     assert trainer.params[name].data_ptr() == before[name], f"{name} copied"
                 models[trainer.step] = gather_full(trainer, 0)
         models[trainer.step] = gather_full(trainer, 0)
-        if env.rank == 0:
-            torch.save(
-                {"models": models, "migrations": migrations, "reports": reports},
-                Path(out) / "chain.pt",
-            )
-    finally:
-        dist.destroy_process_group()
+        record = {"models": models, "migrations": migrations, "reports": reports}
+        rank.save(out, "chain.pt", record)
 
 
 def manifest(

@@ -14,17 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import yaml
+from rank_cases import spawned_rank
 
 from malleus.job import ResolvedJob
 from malleus.planner import Plan
-from malleus.trainer.engine.services import Services
 from malleus.trainer.engine.state import gather_full
-from malleus.trainer.engine.trainer import Trainer
-from malleus.trainer.launch.distributed import DistEnv, init_distributed
-from malleus.trainer.parallel.groups import GroupCache
-from malleus.trainer.world.world import World
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
 SMALL = {"layers": 6, "hidden": 32, "heads": 4, "ffn": 64, "vocab": 256, "sequence": 16}
@@ -97,30 +92,14 @@ class Case:
 
 def run_cases(cases: list[Case], out_dir: str) -> None:
     """Spawned-job body: train every case from scratch; rank 0 writes OUT/<name>.pt."""
-    env = DistEnv.from_env()
-    world = World(env.world_size)
-    device = init_distributed(env, world, init_timeout_s=60)
-    groups = GroupCache(world)
-    try:
+    with spawned_rank() as rank:
+        assert rank.groups is not None
         for case in cases:
-            trainer = Trainer(
-                case.job,
-                case.plan,
-                rank=env.rank,
-                world=world,
-                device=device,
-                services=Services.null(case.job, env.rank),
-                groups=groups,
-            )
+            trainer = rank.trainer(case.job, case.plan)
             reports = [asdict(trainer.train_step()) for _ in range(case.steps)]
             full = gather_full(trainer, 0)
-            if env.rank == 0:
-                torch.save(
-                    {"full": full, "reports": reports, "groups": len(groups)},
-                    Path(out_dir) / f"{case.name}.pt",
-                )
-    finally:
-        dist.destroy_process_group()
+            record = {"full": full, "reports": reports, "groups": len(rank.groups)}
+            rank.save(out_dir, f"{case.name}.pt", record)
 
 
 def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

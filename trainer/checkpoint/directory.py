@@ -21,7 +21,9 @@ while checkpoints exist is an error, not a fresh start); the manifest must match
 and the step its directory and every payload name; each file read must match its sha256 and
 size; each piece must have its recorded and the model's shape, its recorded dtypes, and finite
 values. Every refusal is a `CheckpointError` naming the file and the piece. Files are loaded
-with `weights_only=True` and only from inside the checkpoint's directory.
+with `weights_only=True` and only from inside the checkpoint's directory, and only regular files
+are read (`latest` and the manifest up to a size bound): a `latest` linked to `/dev/zero` is a
+CheckpointError, not a MemoryError.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from torch import Tensor
 from malleus.job import ResolvedJob
 from malleus.trainer.model.decoder import pieces
 from malleus.trainer.parallel.optim import AdamState
+from malleus.trainer.world.exchange import PayloadError, decode_json, encode_json, gather_bytes
 from malleus.trainer.world.faults import fault_point
 from malleus.trainer.world.world import World
 
@@ -109,10 +112,12 @@ def save(
     generation: int = 0,
     *,
     world: World,
+    device: torch.device | None = None,
 ) -> Path:
     """Collective: every rank writes the pieces it owns; the coordinator of `world` (rank 0
     until a recovery moves it) publishes and prunes (keeping `spec.checkpoint.keep`). Returns
-    the path. `rank` is this rank's GPU id."""
+    the path. `rank` is this rank's GPU id; `device` where its collectives run (default: its
+    tensors', else the CPU)."""
     directory = Path(directory)
     final = _step_dir(directory, step)
     tmp = directory / f".{final.name}.tmp"
@@ -127,7 +132,7 @@ def save(
     mine = sorted(name for name, owner in owners.items() if owner == rank)
     if mine:
         tmp.mkdir(parents=True, exist_ok=True)  # made by rank 0 already on a shared volume
-        name = f"rank-{rank:05d}.pt"
+        name = _rank_file(rank)
         payload: dict[str, Any] = {
             "step": step,
             "params": {n: params[n].detach().cpu() for n in mine},
@@ -141,9 +146,9 @@ def save(
     fault_point("checkpoint", rank, step, store=world.store)
     if rank == lead:
         written[RNG] = files.save_hashed({"step": step, "rng": torch.get_rng_state()}, tmp / RNG)
-    reports: list[Any] = [None] * dist.get_world_size() if rank == lead else []
-    dist.gather_object((written, described), reports if rank == lead else None, dst=world.pg(lead))
-    if rank == lead:
+    where = device if device is not None else _device_of(params)
+    reports = _gather_reports(written, described, lead, owners, world, where)
+    if reports is not None:
         for their_files, their_pieces in reports:
             written.update(their_files)
             described.update(their_pieces)
@@ -170,6 +175,65 @@ def save(
             log.warning("checkpoint %s holds non-finite values: older ones are kept", final)
     dist.barrier()
     return final
+
+
+def _device_of(params: Mapping[str, Tensor]) -> torch.device:
+    """Where this rank's tensors are (the CPU when it holds none)."""
+    return next(iter(params.values())).device if params else torch.device("cpu")
+
+
+def _rank_file(gpu: int) -> str:
+    return f"rank-{gpu:05d}.pt"
+
+
+def _gather_reports(
+    written: dict[str, Any],
+    described: dict[str, Any],
+    lead: int,
+    owners: Mapping[str, int],
+    world: World,
+    device: torch.device,
+) -> list[tuple[dict[str, Any], dict[str, Any]]] | None:
+    """Collective: the other ranks' (files, pieces) on the coordinator `lead`, None elsewhere;
+    JSON bytes, never a pickle (trainer/world/exchange.py). Each rank speaks for itself only: a
+    report that is not two JSON objects, lists a file but the sender's own `rank-GPU.pt`, or
+    describes a piece the sender does not own is a CheckpointError naming the GPU (a rank
+    cannot put its tensors in the manifest as another's)."""
+    what = "the checkpoint's file reports"
+    try:
+        got = gather_bytes(
+            encode_json([written, described]), lead, world=world, device=device, what=what
+        )
+        if got is None:
+            return None
+        out = []
+        for gpu, data in sorted(got.items()):
+            if gpu == lead:  # its own, already in `written` and `described`
+                continue
+            report = decode_json(data, gpu, what)
+            if not (
+                isinstance(report, list)
+                and len(report) == 2
+                and all(isinstance(part, dict) for part in report)
+            ):
+                raise PayloadError(
+                    f"{what}: GPU {gpu} sent {str(report)[:200]}, not [files, pieces]"
+                )
+            their_files, their_pieces = report
+            own = _rank_file(gpu)
+            stray = [f for f in their_files if f != own]
+            stray += [p for p in their_pieces if owners.get(p) != gpu]
+            stray += [
+                p
+                for p, e in their_pieces.items()
+                if not isinstance(e, dict) or e.get("file") != own
+            ]
+            if stray:
+                raise PayloadError(f"{what}: GPU {gpu} reported {stray[0]!r:.120}, not its own")
+            out.append((their_files, their_pieces))
+        return out
+    except PayloadError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _publish(directory: Path, tmp: Path, final: Path) -> None:
@@ -216,10 +280,7 @@ def latest(directory: str | Path) -> Path | None:
                 "to start over from step 0 (restore it, or use another directory)"
             )
         return None
-    try:
-        name = pointer.read_text().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{pointer}: unreadable ({e})") from None
+    name = files.read_text_bounded(pointer, files.MAX_POINTER_BYTES).strip()
     if not _STEP_NAME.fullmatch(name):
         raise CheckpointError(f"{pointer}: {name[:80]!r} is not a checkpoint name (step-NNNNNNNN)")
     path = files.inside(directory, name, pointer)
@@ -234,9 +295,10 @@ def read_manifest(path: str | Path, job: ResolvedJob | None = None) -> dict[str,
     with the model's shape."""
     path = Path(path)
     file = path / MANIFEST
+    text = files.read_text_bounded(file, files.MAX_MANIFEST_BYTES)
     try:
-        manifest = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+        manifest = json.loads(text)
+    except ValueError as e:
         raise CheckpointError(f"{file}: unreadable ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__

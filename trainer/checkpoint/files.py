@@ -4,7 +4,9 @@ What `trainer/checkpoint/directory.py` trusts nothing without: a payload file is
 writes it and fsync'd; text (the manifest, `latest`) goes through a temporary file, fsync and
 rename; the manifest carries its own sha256. On the way back a file is read only from inside
 its checkpoint's directory, only with its recorded size and sha256, with `weights_only=True`,
-and a piece only with its recorded shape and dtypes and finite values. Every refusal is a
+and a piece only with its recorded shape and dtypes and finite values; only regular files are
+read (a device, a pipe or a socket planted as `latest`, a manifest or a payload is refused
+before it is read), and text files only up to a bound. Every refusal is a
 `CheckpointError` naming the file and the piece.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -23,6 +26,8 @@ from torch import Tensor
 __all__ = [
     "KINDS",
     "MANIFEST",
+    "MAX_MANIFEST_BYTES",
+    "MAX_POINTER_BYTES",
     "CheckpointError",
     "checked_piece",
     "describe",
@@ -30,6 +35,8 @@ __all__ = [
     "fsync_dir",
     "inside",
     "load_file",
+    "read_text_bounded",
+    "regular",
     "save_hashed",
     "stage_text",
     "write_text_atomic",
@@ -121,6 +128,54 @@ def inside(root: Path, name: object, source: Path) -> Path:
     return path
 
 
+MAX_POINTER_BYTES = 4096
+"""`latest` holds one directory name (`step-NNNNNNNN`): anything longer is not one."""
+MAX_MANIFEST_BYTES = 64 << 20
+"""A manifest lists every file and piece once (a few hundred bytes each): 64 MiB is far past
+any model's, and keeps a planted file from being read into memory whole."""
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a named pipe"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def regular(path: Path, st: os.stat_result) -> None:
+    """CheckpointError unless `st` (of `path`, symlinks followed) is a regular file: a device
+    (`/dev/zero` never ends), a pipe (blocks), a socket or a directory is never read."""
+    if stat.S_ISREG(st.st_mode):
+        return
+    kind = next((what for test, what in _KINDS if test(st.st_mode)), "not a regular file")
+    raise CheckpointError(f"{path} is {kind}, not a regular file: refused before reading it")
+
+
+def read_text_bounded(path: Path, limit: int) -> str:
+    """The UTF-8 text of `path`, a regular file of at most `limit` bytes; anything else
+    (missing, a special file, larger, not UTF-8) is CheckpointError naming it, raised before
+    more than `limit` bytes are read. The file is checked before it is opened (nothing special
+    is even opened) and again on the open descriptor (it cannot be swapped in between)."""
+    try:
+        regular(path, path.stat())
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except OSError as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        regular(path, st)
+        if st.st_size > limit:
+            raise CheckpointError(f"{path}: {st.st_size} bytes, more than {limit}: refused")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CheckpointError(f"{path}: more than {limit} bytes: refused")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from None
+
+
 def load_file(path: Path, name: str, manifest: dict[str, Any]) -> dict[str, Any]:
     """One payload file: its size and sha256 as recorded, loaded with weights_only, its step
     the manifest's. Any failure names the file."""
@@ -129,7 +184,9 @@ def load_file(path: Path, name: str, manifest: dict[str, Any]) -> dict[str, Any]
     if entry is None:
         raise CheckpointError(f"{path / MANIFEST} lists no {name}")
     try:
-        size = file.stat().st_size
+        st = file.stat()
+        regular(file, st)  # a pipe would block the hash, a device never end it
+        size = st.st_size
         if size != entry["bytes"]:
             raise CheckpointError(f"{file}: {size} bytes, the manifest recorded {entry['bytes']}")
         sha = hashlib.sha256()

@@ -2,8 +2,11 @@
 
 All from the environment the pod spec (or `malleus run`) sets, so the loop's code never sees a
 credential: in a pod the endpoint listens on the pod IP (downward API) and serves the job
-Secret's certificate; locally it listens on 127.0.0.1 in plain HTTP, where nothing but this
-machine can listen in, and the token comes from a file only the user can read.
+Secret's certificate, and the token is a file of the Secret's volume
+(``$MALLEUS_CONTROL_TOKEN_FILE``), not an environment variable (which every process of the pod
+inherits and `kubectl describe`-style tooling shows); locally it listens on 127.0.0.1 in plain
+HTTP, where nothing but this machine can listen in, and the token comes from a file only the
+user can read. ``$MALLEUS_CONTROL_TOKEN`` stays a fallback for a trainer started by hand.
 """
 
 from __future__ import annotations
@@ -41,25 +44,23 @@ POD_IP_ENV = "POD_IP"
 def load_token(
     path: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> str | None:
-    """The control token: `$MALLEUS_CONTROL_TOKEN`, else the file at `path` or
-    `$MALLEUS_CONTROL_TOKEN_FILE` (a Secret mount); surrounding whitespace stripped.
+    """The control token: the file at `path` or `$MALLEUS_CONTROL_TOKEN_FILE` (a Secret
+    mount), else `$MALLEUS_CONTROL_TOKEN`; surrounding whitespace stripped.
 
-    None when nothing is configured or the file is missing (logged): the server then refuses
-    every write, which is the safe failure.
+    None when nothing is configured or the file is unreadable (logged) and no variable is
+    set: the server then refuses everything but health and metrics, the safe failure.
     """
     env = os.environ if environ is None else environ
-    token = env.get(TOKEN_ENV, "").strip()
-    if token:
-        return token
     file = path if path is not None else env.get(TOKEN_FILE_ENV)
-    if not file:
-        return None
-    try:
-        token = Path(file).read_text(encoding="utf-8").strip()
-    except OSError as e:
-        log.warning("control token file %s unreadable (%s); writes will be refused", file, e)
-        return None
-    return token or None
+    if file:
+        try:
+            token = Path(file).read_text(encoding="utf-8").strip()
+        except OSError as e:
+            log.warning("control token file %s unreadable (%s)", file, e)
+        else:
+            if token:
+                return token
+    return env.get(TOKEN_ENV, "").strip() or None
 
 
 def server_context(cert: str | os.PathLike[str], key: str | os.PathLike[str]) -> ssl.SSLContext:

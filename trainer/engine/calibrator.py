@@ -4,8 +4,8 @@ In the first steps under a plan (after the start and after each switch) every ra
 its steps cost besides layer compute (`calibration_terms.CostSample`: TP collectives inside
 layer calls, embedding and head per micro-batch, pipeline transfers and the transfer probe,
 gradient sync per byte inside and across nodes, the optimizer per byte held, the rest of the
-step); at the window's last step one world all-reduce carries every rank's samples (each rank
-writes its own slot), and every rank reduces them alike, step by step
+step); at the window's last step one world all-gather carries every rank's samples (each in
+its own row: no rank can write another's), and every rank reduces them alike, step by step
 (`calibration_terms.reduce_calibration`), to the terms in layer-time units and a link rate per
 node, then takes each term's median over the steps (a loaded host's one slow step does not make
 the figures). The coordinator's control endpoint publishes both (GET /status `calibration` and
@@ -53,6 +53,7 @@ import torch.distributed as dist
 from malleus.job.resources import usable_cpus
 from malleus.trainer.measure.calibration_merge import keep_sizes, median_calibration
 from malleus.trainer.measure.calibration_terms import CostSample, GradCallProbe, reduce_calibration
+from malleus.trainer.world.exchange import rows
 
 from .step import TrainerView
 
@@ -131,10 +132,10 @@ class Calibrator:
     def _close(self, trainer: TrainerView) -> None:
         width, world, rank = CostSample.width() * CAL_STEPS, trainer.world.size, trainer.rank
         mine = [v for sample in self.window for v in sample.values()]
-        vec = torch.zeros(world * width, dtype=torch.float64, device=trainer.device)
-        vec[rank * width : (rank + 1) * width] = torch.tensor(mine, dtype=torch.float64)
-        dist.all_reduce(vec)
-        values = vec.tolist()
+        # A gather, not a sum: slot r comes from GPU r's own row (no rank writes another's).
+        got = rows(torch.tensor(mine, dtype=torch.float64, device=trainer.device), trainer.world)
+        table = dict(zip(got, torch.stack(list(got.values())).tolist(), strict=True))
+        values = [v for r in range(world) for v in table.get(r, [0.0] * width)]
         one = CostSample.width()
         pipelines = [[stage.ranks for stage in p.stages] for p in trainer.plan.pipelines]
         ref = trainer.services.profiler.reference_s

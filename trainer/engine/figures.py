@@ -10,21 +10,36 @@ the step reads as the schedule, the gradient sync, the vector and the update.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from malleus.control import MigrationRecord
+from malleus.notation import size
+from malleus.trainer.endpoint.body import MAX_FACTOR
 from malleus.trainer.measure.profiling import healthy_reference
 from malleus.trainer.model.decoder import init_piece, pieces
 from malleus.trainer.parallel.layout import Place
 from malleus.trainer.parallel.stage import StageModel
 from malleus.trainer.parallel.tensor import TPGroup
+from malleus.trainer.switching.protocol import Migration
 
+from .services import Services
 from .step import StepReport, TrainerView
 
-__all__ = ["CALIBRATE_STEP", "Benchmark", "exchange_injections", "publish", "rates_of"]
+__all__ = [
+    "CALIBRATE_STEP",
+    "Benchmark",
+    "exchange_injections",
+    "publish",
+    "publish_migration",
+    "rates_of",
+]
+
+log = logging.getLogger(__name__)
 
 CALIBRATE_STEP = 2
 """With real timings, the healthy reference is fixed from the ranks' timings of this step
@@ -88,7 +103,17 @@ def rates_of(trainer: TrainerView, per_unit: list[float]) -> dict[int, float | N
 
 
 def exchange_injections(trainer: TrainerView) -> None:
-    """Slowdowns posted to any control endpoint reach their rank at the step boundary."""
+    """Slowdowns posted to any control endpoint reach their rank at the step boundary.
+
+    An all-reduce MAX, on purpose, unlike the step's figures (a gather of each rank's own row):
+    every serving rank's endpoint (each node's first rank in a pod, docs/trainer.md "Control
+    endpoint") legitimately takes `POST /inject` for any rank of the world, behind the job's
+    token, so no row can be told to speak for fewer ranks than all. The exchange runs only
+    under the emulated clock (a test and demo feature the job turns on; with real timings there
+    is no injection and no such collective), where it stretches emulated waits and nothing
+    else. What a rank can do through it is therefore what the token allows anyway; the receiver
+    still takes only a factor the endpoint itself would take (finite, 1 to `MAX_FACTOR`), so a
+    NaN or an absurd factor from a peer is dropped with a warning, never applied."""
     vec = torch.zeros(trainer.world.size, dtype=torch.float64, device=trainer.device)
     if trainer.services.injections is not None:
         for rank, factor in trainer.services.injections.drain().items():
@@ -97,8 +122,10 @@ def exchange_injections(trainer: TrainerView) -> None:
     with trainer.meter.timed():
         dist.all_reduce(vec, op=dist.ReduceOp.MAX)
     factor = float(vec[trainer.rank])
-    if factor > 0:
+    if 1.0 <= factor <= MAX_FACTOR:
         trainer.services.clock.inject(factor)
+    elif factor != 0.0:  # NaN included
+        log.warning("rank %d: slowdown factor %r from a peer refused", trainer.rank, factor)
 
 
 def publish(trainer: TrainerView, report: StepReport, compute: list[float]) -> None:
@@ -128,6 +155,28 @@ def publish(trainer: TrainerView, report: StepReport, compute: list[float]) -> N
                 {r: r // gpn for r in range(trainer.world.size)},
                 dict(enumerate(compute)),
             )
+
+
+def publish_migration(services: Services, rank: int, m: Migration) -> None:
+    """A switch just completed: the inbox, the status and the metrics learn of it."""
+    svc = services
+    if svc.inbox is not None:
+        svc.inbox.applied(m.generation)
+    if rank == 0 and svc.note is not None:
+        svc.note("")
+    record = MigrationRecord(generation=m.generation, step=m.step, seconds=m.seconds, bytes=m.bytes)
+    svc.state.update(generation=m.generation, migration=record)
+    if svc.metrics is not None:
+        svc.metrics.observe_plan(m.generation)
+        svc.metrics.observe_migration(m.seconds, m.bytes)
+    log.info(
+        "switched to plan generation %d from step %d: moved %s (minimal %s) in %.3f s",
+        m.generation,
+        m.step,
+        size(m.bytes),
+        size(m.minimal_bytes),
+        m.seconds,
+    )
 
 
 def _backward_ones(y: Tensor, x: Tensor) -> Tensor:

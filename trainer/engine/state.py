@@ -15,10 +15,12 @@ from torch import Tensor
 
 from malleus.trainer.checkpoint import directory as checkpoint
 from malleus.trainer.model.decoder import join_pieces, pieces
+from malleus.trainer.world.exchange import PayloadError, all_gather_bytes, decode_json, encode_json
 
+from .step import TrainerView
 from .trainer import Trainer
 
-__all__ = ["gather_full", "resume", "save_atomic", "save_checkpoint"]
+__all__ = ["exchange_verdicts", "gather_full", "resume", "save_atomic", "save_checkpoint"]
 
 
 def save_checkpoint(trainer: Trainer, directory: str | Path) -> Path:
@@ -34,6 +36,7 @@ def save_checkpoint(trainer: Trainer, directory: str | Path) -> Path:
         trainer.optim.state,
         trainer.plan.generation,
         world=trainer.world,
+        device=trainer.device,
     )
 
 
@@ -42,9 +45,10 @@ def resume(trainer: Trainer, directory: str | Path) -> Path | None:
 
     Each rank checks on its own what it is about to read (`latest`, the manifest, the sha256
     of its files, the shape, dtype and finiteness of its pieces, and that they fit its
-    tensors), before anything is copied; one all-gather then hands every rank every verdict,
-    so all refuse together with the first fault (`CheckpointError`) instead of one rank dying
-    and the others reporting their peer's lost connection.
+    tensors), before anything is copied; one all-gather of JSON (`exchange_verdicts`) then
+    hands every rank every verdict, so all refuse together with the first fault
+    (`CheckpointError`) instead of one rank dying and the others reporting their peer's lost
+    connection.
     """
     fault, path, loaded = None, None, None
     try:
@@ -54,8 +58,7 @@ def resume(trainer: Trainer, directory: str | Path) -> Path | None:
             _check_fit(trainer, path, loaded)
     except checkpoint.CheckpointError as e:
         fault = str(e)
-    verdicts: list[tuple[int, str | None, str | None]] = [(0, None, None)] * dist.get_world_size()
-    dist.all_gather_object(verdicts, (trainer.rank, fault, None if path is None else path.name))
+    verdicts = exchange_verdicts(trainer, fault, None if path is None else path.name)
     faults = [(rank, f) for rank, f, _ in verdicts if f is not None]
     if faults:
         rank, first = faults[0]
@@ -80,6 +83,36 @@ def resume(trainer: Trainer, directory: str | Path) -> Path | None:
     trainer.compute.refresh()  # bf16 copies follow the loaded float32 masters
     trainer.step = loaded.step
     return path
+
+
+MAX_FAULT_CHARS = 500
+"""A verdict's fault travels this long at most (its start names the file and the piece), so
+that every rank's verdict fits the exchange's bound whatever the job's size."""
+
+
+def exchange_verdicts(
+    trainer: TrainerView, fault: str | None, name: str | None
+) -> list[tuple[int, str | None, str | None]]:
+    """Collective: every rank's (GPU, fault, checkpoint name) in GPU order, as JSON bytes
+    (trainer/world/exchange.py: never a pickle). A verdict that is not one (a peer's bytes that
+    are not JSON of this shape) refuses the resume with `CheckpointError` naming that GPU."""
+    mine = {"fault": None if fault is None else fault[:MAX_FAULT_CHARS], "name": name}
+    what = "the checkpoint verdicts of a resume"
+    out: list[tuple[int, str | None, str | None]] = []
+    try:
+        got = all_gather_bytes(
+            encode_json(mine), world=trainer.world, device=trainer.device, what=what
+        )
+        verdicts = [(gpu, decode_json(data, gpu, what)) for gpu, data in sorted(got.items())]
+    except PayloadError as e:  # every honest rank saw the same bytes: all refuse alike
+        raise checkpoint.CheckpointError(str(e)) from None
+    for gpu, verdict in verdicts:
+        their_fault = verdict.get("fault") if isinstance(verdict, dict) else 0
+        their_name = verdict.get("name") if isinstance(verdict, dict) else 0
+        if not all(v is None or isinstance(v, str) for v in (their_fault, their_name)):
+            raise checkpoint.CheckpointError(f"{what}: GPU {gpu} sent {verdict!r:.200}")
+        out.append((gpu, their_fault, their_name))
+    return out
 
 
 def _check_fit(trainer: Trainer, path: Path, loaded: checkpoint.LoadedPieces) -> None:

@@ -1,8 +1,9 @@
 """`Trainer`: one rank's part of a Plan (its pieces, optimizer state and layout) and its step.
 
 A step: set the clock, run this stage's 1F1B schedule (or, for an excluded rank, a one-layer
-benchmark), sum gradients per piece across their holders, one world all-reduce carrying the
-gradient norm, the loss, every rank's compute figures and the coordinator's control words, clip,
+benchmark), sum gradients per piece across their holders, one world all-gather of each rank's
+own row (its part of the gradient norm and the loss, its compute figures, and on the
+coordinator the control words), clip,
 AdamW, report; then, at the step boundary, switch to a new plan or stop if rank 0 said so
 (trainer/switching/protocol.py). Every rank, excluded ones included, takes part in the world collectives, in
 the same order. Its state in and out (checkpoints, the full model) is trainer/engine/state.py, the run
@@ -23,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from malleus.control import MigrationRecord
 from malleus.job import ResolvedJob
 from malleus.planner import Plan, check_plan
 from malleus.trainer.data.samples import make_source, micro_batch
@@ -45,16 +45,16 @@ from malleus.trainer.switching.protocol import (
     Coordinator,
     Migration,
     MigrationError,
-    broadcast_payload,
     settle,
 )
+from malleus.trainer.world.exchange import broadcast_bytes, rows
 from malleus.trainer.world.faults import Faults, fault_point
 from malleus.trainer.world.world import World
 
 from .calibrator import Calibrator
-from .figures import Benchmark, exchange_injections, publish, rates_of
+from .figures import Benchmark, exchange_injections, publish, publish_migration, rates_of
 from .services import Services
-from .step import StepReport
+from .step import OWN_WORDS, StepReport, world_vector
 
 __all__ = ["Trainer"]
 
@@ -186,7 +186,9 @@ class Trainer:
     def _batch(self, micro: int) -> tuple[Tensor, Tensor]:
         tr = self.training
         x, y = micro_batch(self.source, self.step, micro, tr.global_batch_size, tr.micro_batch_size)
-        return x.to(self.device), y.to(self.device)
+        if self.device.type == "cuda":  # from pinned memory the copy needs no wait for the GPU
+            x, y = x.pin_memory(), y.pin_memory()
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     # ---- the step ---------------------------------------------------------------------------
     def train_step(self) -> StepReport:
@@ -195,17 +197,16 @@ class Trainer:
         step then commits or is redone after recovery. Replacements announced at this step's
         boundary (`boundary.joins`) are admitted by the loop, after it."""
         with self.world.step_deadline():  # a hang fails every survivor at once
-            vec, payload, t0 = self._train_step()
-        stats = vec.tolist()
+            stats, payload, t0 = self._train_step()
         self.last_vec = (self.step, stats)  # the step commits: recovery may hand it to others
         report = self.commit(stats, t0)
         self.calibrator.end_step(self, report.step, t0, report.seconds, self.optimizer_seconds)
         self._at_boundary(Boundary.decode(stats[2 + 2 * self.world.size :]), payload)
         return report
 
-    def _train_step(self) -> tuple[Tensor, bytes, float]:
-        """The step up to its world all-reduce (included): the vector, the coordinator's
-        payload, the start time."""
+    def _train_step(self) -> tuple[list[float], bytes, float]:
+        """The step up to its world all-gather (included): the world vector (`world_vector`),
+        the coordinator's payload, the start time."""
         svc = self.services
         t0 = time.perf_counter()
         svc.clock.set_step(self.step)
@@ -218,30 +219,34 @@ class Trainer:
         svc.profiler.end_step()
         sync_gradients(self.layout, self.params, self.groups, self.meter)
 
-        # One world all-reduce: [owned grad^2, loss sum, seconds/unit per rank, compute per rank,
-        # the coordinator's control words].
+        # One world all-gather of each rank's own row: [owned grad^2, loss part, seconds/unit,
+        # compute, control words (the coordinator's row only)]; `world_vector` sums and slots
+        # them, each slot from its own GPU's row (a gather, not a sum: no rank speaks for
+        # another).
         W = self.world.size
-        vec = torch.zeros(2 + 2 * W + CONTROL_WORDS, dtype=torch.float64, device=self.device)
-        vec[0] = owned_square_norm(self.layout, self.params, self.device)
+        row = torch.zeros(OWN_WORDS + CONTROL_WORDS, dtype=torch.float64, device=self.device)
+        row[0] = owned_square_norm(self.layout, self.params, self.device)
         place = self.layout.place
         if place is not None and place.last and place.index == 0:
-            vec[1] = loss_sum  # each pipeline's losses, once
+            row[1] = loss_sum  # each pipeline's losses, once
         if self.timer.units:
-            vec[2 + self.rank] = self.timer.seconds / self.timer.units
-        vec[2 + W + self.rank] = self.timer.seconds
+            row[2] = self.timer.seconds / self.timer.units
+        row[3] = self.timer.seconds
         payload = b""
         if self.coordinator is not None:  # a plan posted after this line waits a step
             announce, payload = self.coordinator.take()
             announce = replace(announce, joins=self.joiners() if self.joiners else 0)
-            vec[2 + 2 * W :] = torch.tensor(announce.words(), dtype=torch.float64)
+            row[OWN_WORDS:] = torch.tensor(announce.words(), dtype=torch.float64)
         self.world.bound()
         with self.meter.timed():
-            dist.all_reduce(vec)
+            got = rows(row, self.world)
+        table = torch.stack(list(got.values())).tolist()  # one copy off the device
+        vec = world_vector(dict(zip(got, table, strict=True)), W, self.world.coordinator())
         return vec, payload, t0
 
     def commit(self, stats: list[float], t0: float) -> StepReport:
         """Apply the optimizer update of the step whose world vector is `stats` (never before
-        that all-reduce completed on some rank: trainer/recovery/protocol.py's commit rule)."""
+        that all-gather completed on some rank: trainer/recovery/protocol.py's commit rule)."""
         tr, W = self.training, self.world.size
         norm = math.sqrt(stats[0])
         lr = lr_at(self.step, tr.learning_rate, tr.warmup_steps, self.steps)
@@ -269,8 +274,12 @@ class Trainer:
     def _at_boundary(self, boundary: Boundary, payload: bytes) -> None:
         self.boundary = boundary
         if boundary.plan_bytes:
-            data = broadcast_payload(
-                payload, boundary.plan_bytes, self.rank, self.device, world=self.world
+            data = broadcast_bytes(
+                payload,
+                world=self.world,
+                device=self.device,
+                what=f"the plan announced at step {self.step}",
+                length=boundary.plan_bytes,
             )
             plan = Plan.from_json(data)  # validated by the coordinator's inbox when it came in
             try:
@@ -329,7 +338,8 @@ class Trainer:
             minimal_bytes=minimal,
             transfers=len(moves.transfers),
         )
-        self._record(record)
+        publish_migration(self.services, self.rank, record)
+        self.last_migration = record
         return record
 
     def adopt(self, plan: Plan, new: Layout, received: dict[str, tuple[Tensor, AdamState]]) -> None:
@@ -390,26 +400,3 @@ class Trainer:
         assert svc.inbox is not None and svc.stop is not None
         svc.stop.can_checkpoint = can_checkpoint
         self.coordinator = Coordinator(svc.inbox, svc.stop)
-
-    def _record(self, m: Migration) -> None:
-        svc = self.services
-        if svc.inbox is not None:
-            svc.inbox.applied(m.generation)
-        if self.rank == 0 and svc.note is not None:
-            svc.note("")
-        record = MigrationRecord(
-            generation=m.generation, step=m.step, seconds=m.seconds, bytes=m.bytes
-        )
-        svc.state.update(generation=m.generation, migration=record)
-        if svc.metrics is not None:
-            svc.metrics.observe_plan(m.generation)
-            svc.metrics.observe_migration(m.seconds, m.bytes)
-        self.last_migration = m
-        log.info(
-            "switched to plan generation %d at step %d: %s bytes (minimal %s) in %.3fs",
-            m.generation,
-            m.step,
-            f"{m.bytes:,}",
-            f"{m.minimal_bytes:,}",
-            m.seconds,
-        )

@@ -42,11 +42,27 @@ from .distributed import (
     STOP_SIGNALS,
     quiet_signals,
 )
+from .output import whole_lines
 
 __all__ = ["Interrupted", "spawn_local"]
 
 GRACE_S = 5.0  # after one local rank fails, how long the others may take to fail on their own
 STOP_S = 5.0  # after SIGINT/SIGTERM, how long the ranks may take to exit before being killed
+
+
+class _NoGlobals(pickle.Unpickler):
+    """Unpickles plain data only: a pickle that names any class or function (the way every
+    pickle runs code) is refused before anything of it is called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"{module}.{name}: a pickle naming code is not read")
+
+
+def _traceback_in(path: str) -> str:
+    """The traceback torch.multiprocessing's wrapper pickled into a failed child's error file
+    (a str): read without letting the file name any code, whatever the child wrote."""
+    with open(path, "rb") as fh:
+        return str(_NoGlobals(fh).load())
 
 
 class Interrupted(Exception):
@@ -171,11 +187,12 @@ def _watch(
             why = "killed" if code < 0 else ("left" if code == LEFT_OUT_EXIT else "failed")
             with contextlib.suppress(RuntimeError, OSError):
                 store.set(f"{DEAD_KEY}{i}", why)
+            # one write per message: the ranks write to the same stderr (output.py)
             if code != LEFT_OUT_EXIT:
-                print(f"malleus train: rank {i} died ({how}); the others go on", file=sys.stderr)
+                sys.stderr.write(f"malleus train: rank {i} died ({how}); the others go on\n")
             if code > 0 and os.access(error_files[i], os.R_OK):  # its traceback, as join() shows
-                with contextlib.suppress(Exception), open(error_files[i], "rb") as fh:
-                    print(f"rank {i}: {pickle.load(fh)}", file=sys.stderr)
+                with contextlib.suppress(Exception):
+                    sys.stderr.write(f"rank {i}: {_traceback_in(error_files[i])}\n")
         alive = [p for p in processes if p.exitcode is None]
         if not alive:
             break
@@ -266,6 +283,7 @@ def _child(
     fault_tolerant: bool = False,
 ) -> None:
     quiet_signals()  # also lets the launcher's death (PR_SET_PDEATHSIG: SIGINT) end this rank
+    whole_lines()  # the ranks share the launcher's stdout and stderr
     os.environ.update(
         {
             "RANK": str(index),

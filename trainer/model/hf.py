@@ -2,8 +2,9 @@
 
 In: `spec.model.path` is a folder as `save_pretrained` writes it. Each rank opens the files
 lazily (`safe_open`) and reads, for every piece it holds, only that piece's rows or columns
-(`get_slice`), so no rank ever loads the whole model; a folder with config.json and no
-*.safetensors starts from the seeded random pieces instead. The names map one to one
+(`get_slice`), so no rank ever loads the whole model. A folder without weights is refused
+(`malleus.job.hf.folder_faults`): only a job that names no path starts from the seeded random
+pieces. The names map one to one
 (`HF_NAMES`); nothing is padded (the ends are cut by hidden columns, trainer/model/decoder.py), so what
 is read is exactly what is exported.
 
@@ -28,7 +29,8 @@ from torch import Tensor
 
 from malleus.errors import BadInput, Fault
 from malleus.job import ModelConfig, ResolvedJob
-from malleus.job.hf import CONFIG, read_config
+from malleus.job.contained import contained
+from malleus.job.hf import CONFIG, INDEX, folder_faults, read_config
 
 from .decoder import Piece, init_piece, join_pieces, param_specs, pieces
 
@@ -43,7 +45,6 @@ __all__ = [
     "save_hf",
 ]
 
-INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 << 30
 """Above this many bytes the export is split into several files with an index (as transformers)."""
 WHERE = "spec.model.path"
@@ -79,6 +80,27 @@ def hf_name(name: str) -> str:
     return f"model.layers.{layer}.{inner}"
 
 
+def _weight_map(folder: Path, index: Path) -> dict[str, Path]:
+    """The index's tensor -> file map, every file inside `folder` (`malleus.job.contained`: an
+    entry such as `../x` or `/etc/passwd` is BadInput naming the index and the entry)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        items = list(weight_map.items())
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise BadInput(
+            [Fault(WHERE, f"{index}: not a readable weight map ({type(e).__name__}: {e})")]
+        ) from None
+    where, faults = {}, []
+    for name, file in items:
+        try:
+            where[name] = contained(folder, file, index, f"weight_map[{name!r}]")
+        except ValueError as e:
+            faults.append(Fault(WHERE, str(e)))
+    if faults:
+        raise BadInput(faults)
+    return where
+
+
 class WeightFiles:
     """The safetensors of a model folder, opened lazily; tensors are read slice by slice."""
 
@@ -86,8 +108,7 @@ class WeightFiles:
         self.folder = folder
         index = folder / INDEX
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.where = {name: folder / file for name, file in weight_map.items()}
+            self.where = _weight_map(folder, index)
         else:
             self.where = {}
             for file in sorted(folder.glob("*.safetensors")):
@@ -97,14 +118,15 @@ class WeightFiles:
 
     @classmethod
     def of(cls, job: ResolvedJob) -> WeightFiles | None:
-        """The job's weights; None without a path or without *.safetensors (random start)."""
+        """The job's weights; None without a path (a random start). A folder without weights
+        (or with the index's files missing) is `BadInput`, never a random start."""
         path = job.spec.model.path
         if path is None:
             return None
-        folder = Path(path)
-        if not (folder / INDEX).is_file() and not any(folder.glob("*.safetensors")):
-            return None
-        return cls(folder)
+        faults = folder_faults(path)
+        if faults:
+            raise BadInput(faults)
+        return cls(Path(path))
 
     def _file(self, name: str) -> Any:
         file = self.where[name]

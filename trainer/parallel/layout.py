@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from malleus.job import ModelConfig
+from malleus.notation import layer_range, rank_list
 from malleus.planner import Plan
 from malleus.trainer.model.decoder import Piece, pieces
 
@@ -255,14 +256,18 @@ def _buckets(cfg: ModelConfig, tp: int, roles: dict[str, PieceRoles]) -> tuple[B
 
 
 def rank_matrix(plan: Plan) -> str:
-    """A printable picture: one row per pipeline, one cell per stage (ranks, layers, shards)."""
+    """A printable picture: one row per pipeline, one cell per stage (ranks, layers inclusive
+    as everywhere (`malleus.notation`), logical shards per GPU)."""
     lines = [f"plan generation {plan.generation}, tp {plan.tp}, {plan.dp} pipeline(s)"]
     for i, p in enumerate(plan.pipelines):
         cells = []
         for s in p.stages:
-            a, b = s.layers
-            cells.append(f"{s.ranks} L{a}-{b - 1} x{s.shards_per_gpu(plan.tp)}")
-        lines.append(f"  pipeline {i} (m={p.micro_batches}): " + " | ".join(cells))
+            n = s.shards_per_gpu(plan.tp)
+            cells.append(
+                f"ranks {','.join(map(str, s.ranks))} layers {layer_range(s.layers)} "
+                f"({n} shard{'s' if n != 1 else ''} each)"
+            )
+        lines.append(f"  pipeline {i} ({p.micro_batches} micro-batches): " + " | ".join(cells))
     if plan.excluded:
-        lines.append(f"  excluded: {sorted(plan.excluded)}")
+        lines.append(f"  excluded ranks: {rank_list(plan.excluded)}")
     return "\n".join(lines)

@@ -72,7 +72,9 @@ class LayerTimer:
         world: World,
     ) -> None:
         self.clock, self.profiler, self.meter, self.world = clock, profiler, meter, world
-        self._sync: Callable[[], None] = (
+        # Waits for the device before and after each timed call, so that its wall time is its
+        # compute: the step's only host synchronisations but the world vector's (tests count them).
+        self.sync: Callable[[], None] = (
             torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         )
         self.seconds = 0.0  # summed since the last reset
@@ -92,10 +94,10 @@ class LayerTimer:
         """Run the embedding's or the head's work (forward or backward) and time it. An
         emulated clock stretches its compute (its wall time less its TP collectives) by the
         rank's slowdown, as a slow GPU would."""
-        self._sync()
+        self.sync()
         t0, c0 = time.perf_counter(), self.meter.seconds
         out = fn()
-        self._sync()
+        self.sync()
         stretch = getattr(self.clock, "stretch", None)
         if stretch is not None:
             stretch(t0 + self.meter.seconds - c0)
@@ -107,10 +109,10 @@ class LayerTimer:
 
     def __call__(self, kind: str, shards: int, fn: Callable[[], Tensor]) -> Tensor:
         self.world.check_alarm()  # a peer entered recovery: this step is lost anyway
-        self._sync()
+        self.sync()
         t0, c0 = time.perf_counter(), self.meter.seconds
         out = fn()
-        self._sync()
+        self.sync()
         comm = self.meter.seconds - c0
         self.clock.compute(kind, shards, t0 + comm)
         seconds = time.perf_counter() - t0 - comm
@@ -156,16 +158,19 @@ class PipelineStage:
         self.act_shape, self.device, self.dtype = act_shape, device, dtype
         self.recompute = recompute  # activation checkpointing, per layer
         self.shards = len(place.shards)
-        self.loss_sum = 0.0
+        self.loss_sum: Tensor | float = 0.0
 
-    def run(self) -> float:
+    def run(self) -> Tensor | float:
+        """This rank's part of the step; the sum of its micro-batches' losses (a float64 tensor
+        on the device, summed there: reading each loss would wait for the device), 0.0 when it
+        computes none (not the last stage)."""
         self.timer.started = time.perf_counter()
         try:
             return self._run()
         finally:
             self.timer.ended = time.perf_counter()
 
-    def _run(self) -> float:
+    def _run(self) -> Tensor | float:
         p = self.place
         warmup = min(p.num_stages - p.stage - 1, p.micro_batches)
         steady = p.micro_batches - warmup
@@ -235,7 +240,7 @@ class PipelineStage:
             return x.detach(), st
         _, targets = self.batch(micro)
         st.head_input, st.loss = x, self.timer.end("head", lambda: model.loss(x, targets), 1)
-        self.loss_sum += float(st.loss.detach())
+        self.loss_sum = self.loss_sum + st.loss.detach().double()  # float64, as Python sums
         return None, st
 
     def _layer(self, layer: int, x: Tensor) -> Tensor:

@@ -46,7 +46,7 @@ AWAIT_JOIN_ENV = "MALLEUS_AWAIT_JOIN"
 re-admission does not depend on how fast the replacement's interpreter starts on a loaded
 machine. A wait outside any compute charge (unlike stopping the process), so the emulated clock
 has nothing to catch up afterwards. Only where the coordinator is the only member: the others
-would wait for it in the world all-reduce. Not before the first step after a recovery commits
+would wait for it in the world all-gather. Not before the first step after a recovery commits
 (`malleus run` starts a replacement only then)."""
 AWAIT_JOIN_S = 120.0
 

@@ -9,8 +9,8 @@ failures are survivable: a store no rank hosts, trainer/launch/distributed.py `f
 survivor out destroys its process group, which breaks its peers' collectives in turn, so
 every survivor is in recovery within moments.
 
-Commit rule. A step's optimizer update is applied only after the step's world all-reduce (the
-vector of trainer/engine/trainer.py) completed, and a rank enters that all-reduce only after its own
+Commit rule. A step's optimizer update is applied only after the step's world all-gather (the
+vector of trainer/engine/trainer.py) completed, and a rank enters that all-gather only after its own
 gradient sync: if any survivor holds the vector of step s, every rank finished the gradient sync
 of s. So step s commits iff some survivor completed its vector: survivors still inside it apply
 the update with the vector that survivor posts; if nobody completed it, every survivor discards

@@ -19,6 +19,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from malleus.control import RecoveryRecord
+from malleus.notation import size
 from malleus.planner import Plan, check_plan
 from malleus.trainer.engine.state import resume
 from malleus.trainer.model.decoder import pieces
@@ -188,7 +189,7 @@ def settled(trainer: Trainer, ledger: Ledger) -> None:
     print(
         f"[malleus] recovered from the failure of rank(s) {sorted(pending.failed)} at step "
         f"{pending.at}: epoch {pending.epoch}, plan generation {pending.generation}, "
-        f"steps lost {pending.steps_lost}, {pending.bytes_restored:,} bytes restored from "
+        f"steps lost {pending.steps_lost}, {size(pending.bytes_restored)} restored from "
         f"{source} in {seconds:.2f} s",
         flush=True,
     )

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import torch
 
 from malleus.job import ResolvedJob
+from malleus.notation import size, step_progress
 from malleus.planner import Plan
 from malleus.trainer.engine.figures import CALIBRATE_STEP
 from malleus.trainer.engine.services import Services
@@ -163,13 +164,13 @@ def _train(
                 log.switched(m)
         if speak and m is not None and m.step == trainer.step:
             _say(
-                f"[malleus] switched to plan generation {m.generation} at step {m.step}: "
-                f"moved {m.bytes:,} bytes (minimal {m.minimal_bytes:,}) in {m.seconds:.3f}s"
+                f"[malleus] switched to plan generation {m.generation} from step {m.step}: "
+                f"moved {size(m.bytes)} (minimal {size(m.minimal_bytes)}) in {m.seconds:.3f} s"
             )
             _say(trainer.layout.rank_matrix())
         if speak and (trainer.step % opts.log_every == 0 or trainer.step == until):
-            _say(
-                f"[malleus] step {trainer.step}/{steps} loss {r.loss:.4f} "
+            _say(  # the step just done by its index, as the report names it (malleus.notation)
+                f"[malleus] {step_progress(r.step, steps)} loss {r.loss:.4f} "
                 f"norm {r.grad_norm:.3f} lr {r.lr:.2e} {r.seconds:.3f}s "
                 f"{r.tokens_per_second:,.0f} tok/s"
             )

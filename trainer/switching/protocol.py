@@ -1,9 +1,11 @@
 """The switch protocol (DESIGN §4.4, §6): plans and stop requests reach every rank at one boundary.
 
 Rank 0, the coordinator, holds the plan inbox (`POST /plan`) and the stop request (`POST /stop`).
-At the end of each step it takes whatever is pending and encodes it in two control words that
-ride in the step's world all-reduce, so an ordinary step costs no extra collective. When a plan
-is pending, its JSON follows in one broadcast whose length every rank has just learnt. All ranks
+At the end of each step it takes whatever is pending and encodes it in control words that
+ride in its row of the step's world all-gather (every rank reads them from the coordinator's row
+only: trainer/engine/step.py `world_vector`), so an ordinary step costs no extra collective.
+When a plan is pending, its JSON follows in one broadcast whose length every rank has just learnt
+(`broadcast_bytes`, trainer/world/exchange.py: bytes, never a pickle). All ranks
 therefore switch (or stop) between the same two steps; a plan posted mid-step waits in the inbox
 for the next boundary, and since every rank takes part in the same collectives in the same order
 whatever arrives when, nothing can deadlock.
@@ -19,10 +21,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
-
-from malleus.trainer.world.world import World
 
 from .plan_inbox import PlanInbox
 
@@ -34,7 +33,6 @@ __all__ = [
     "Migration",
     "MigrationError",
     "StopControl",
-    "broadcast_payload",
     "settle",
 ]
 
@@ -68,7 +66,7 @@ class Boundary:
 
     @classmethod
     def decode(cls, words: Sequence[float]) -> Boundary:
-        """From the all-reduced words (only the coordinator contributes; exact in float64)."""
+        """From the coordinator's words (read from its row of the world gather)."""
         return cls(int(words[0]), int(words[1]), int(words[2]) if len(words) > 2 else 0)
 
 
@@ -122,19 +120,6 @@ class Coordinator:
         plan = self.inbox.take()
         payload = plan.model_dump_json().encode() if plan is not None else b""
         return Boundary(len(payload), self.stop.code), payload
-
-
-def broadcast_payload(
-    payload: bytes, length: int, rank: int, device: torch.device, *, world: World
-) -> bytes:
-    """Collective: the coordinator's `payload` of `length` bytes on every rank (`rank`: this
-    rank's GPU id; the coordinator is the lowest member of `world`, GPU 0 until a recovery)."""
-    buf = torch.empty(length, dtype=torch.uint8, device=device)
-    source = world.coordinator()
-    if rank == source:
-        buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    dist.broadcast(buf, src=world.pg(source))
-    return buf.cpu().numpy().tobytes() if rank != source else payload
 
 
 def settle(timeout_s: float) -> None:

@@ -136,7 +136,7 @@ class World:
                     self._set(group, self._timeout_s)
         finally:
             # Holds no group past the step: a failed step's groups must lose their last
-            # reference for their sockets to close (trainer/recovery/groups.py `_release`).
+            # reference for their sockets to close (trainer/recovery/groups.py `release_groups`).
             self._step_start = None
             self._bounds.clear()
 

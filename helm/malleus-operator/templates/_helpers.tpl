@@ -93,6 +93,13 @@ Least privilege: exactly the verbs malleus.operator (kopf + k8s.py) uses.
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["create", "get", "delete"]
+{{- if .Values.metrics.podMonitor.enabled }}
+# The per-job PodMonitor (metrics.podMonitor: the job's trainers scraped over HTTPS verified
+# against the job's CA): created, read by name; the garbage collector deletes it with its job.
+- apiGroups: ["monitoring.coreos.com"]
+  resources: ["podmonitors"]
+  verbs: ["create", "get"]
+{{- end }}
 {{- if .Values.networkPolicy.enabled }}
 # The per-job NetworkPolicy (only the job's pods reach its rendezvous store and control port):
 # created, read by name, deleted with the job.
@@ -170,4 +177,13 @@ than one replica. */}}
 {{/* Prefix of the aggregated user ClusterRoles (PREFIX-edit, PREFIX-view). */}}
 {{- define "malleus-operator.userRolePrefix" -}}
 {{- default "malleus" .Values.rbac.userRoles.namePrefix | trunc 58 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* A map as "k=v,k=v" (settings the operator reads from one environment variable). */}}
+{{- define "malleus-operator.csv" -}}
+{{- $pairs := list -}}
+{{- range $k, $v := . -}}
+{{- $pairs = append $pairs (printf "%s=%s" $k $v) -}}
+{{- end -}}
+{{- join "," $pairs -}}
 {{- end -}}

@@ -28,23 +28,35 @@ class _CpuClock:
     most every `every` wall seconds: reading it is a system call that can cost tens of
     microseconds (milliseconds on a contended, virtualised machine), and a deadline is asked
     thousands of times. Between reads it stands still, so a deadline on it ends at most one
-    read interval late (10 ms, or five times what the last read took)."""
+    read interval late (10 ms, or five times what the last read took, at most `most`).
 
-    def __init__(self, every: float = 0.01) -> None:
+    A deadline starts from `read()`, never from the cached reading: that one can be a whole
+    interval old, and the CPU the thread used since then would count against the new
+    deadline's budget. On a loaded machine a preempted read stretched the interval, a plan()
+    started from a reading taken before the caller's previous work, found most of its budget
+    spent at its first read, and returned what its first phases had found."""
+
+    def __init__(self, every: float = 0.01, most: float = 0.1) -> None:
         self.every = self._least = every
+        self._most = most
         self._wall = -math.inf
         self._cpu = 0.0
 
     def __call__(self) -> float:
-        now = time.perf_counter()
-        if now - self._wall >= self.every:
-            cpu = time.thread_time()
-            after = time.perf_counter()
-            # a slow read is read less often (at most a fifth of the wall time in reads)
-            self.every = max(self._least, 5.0 * (after - now))
-            self._wall, self._cpu = after, cpu
-            return cpu
+        if time.perf_counter() - self._wall >= self.every:
+            return self.read()
         return self._cpu
+
+    def read(self) -> float:
+        """A reading taken now (and cached)."""
+        now = time.perf_counter()
+        cpu = time.thread_time()
+        after = time.perf_counter()
+        # a slow read is read less often (at most a fifth of the wall time in reads); a read
+        # preempted for a second must not leave the clock standing still for five
+        self.every = min(self._most, max(self._least, 5.0 * (after - now)))
+        self._wall, self._cpu = after, cpu
+        return cpu
 
 
 def cpu_clock() -> float:
@@ -60,6 +72,11 @@ def _local_clock() -> _CpuClock:
     if clock is None:
         clock = _clocks.clock = _CpuClock()
     return clock
+
+
+def _now(clock: Clock) -> float:
+    """A fresh reading of `clock` (the CPU clock's cached one may be an interval old)."""
+    return _local_clock().read() if clock is cpu_clock else clock()
 
 
 class Deadline:
@@ -80,7 +97,7 @@ class Deadline:
         parent: Deadline | None = None,
     ) -> None:
         self.clock = clock
-        self.start = clock()
+        self.start = _now(clock)
         self.end = self.start + seconds
         self.work = work
         self.work_done = 0

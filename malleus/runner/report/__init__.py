@@ -14,7 +14,13 @@ shared report parts (`malleus.job.report`) and the planner's cost model; nothing
 watches or talks to a process.
 """
 
-from .baseline import ProblemOf, static_baseline, static_baseline_of
+from .baseline import (
+    ProblemOf,
+    baseline_verdict,
+    judge_baseline,
+    static_baseline,
+    static_baseline_of,
+)
 from .build import RunFacts, build_report
 from .figures import plan_changes, replan_windows
 from .text import summary_text
@@ -22,7 +28,9 @@ from .text import summary_text
 __all__ = [
     "ProblemOf",
     "RunFacts",
+    "baseline_verdict",
     "build_report",
+    "judge_baseline",
     "plan_changes",
     "replan_windows",
     "static_baseline",

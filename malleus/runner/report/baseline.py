@@ -1,16 +1,30 @@
 """The run report's static baseline: the job's first plan, held all run, predicted on its steps.
 
 What a framework without re-planning would have taken on the same steps: the first plan's
-cost-model time under each step's measured rates. With the calibration the trainers measured
-under the first plan (the report's `calibration`: what /status carried while that plan ran,
-the cost model's TP, end, pipeline-transfer, gradient-sync, optimizer and fixed terms and the
-links' rates) the prediction is the **calibrated** cost model's, in seconds by its own
-`layer_seconds`, as the controller predicts a plan; nothing is fitted. Without one (a run too
-short to calibrate, or an older report) it falls back to the layer-compute model in seconds by
-this run's own steps (seconds = overhead + seconds per unit x units: the emulated clock's unit
-and the median overhead, or a least-squares fit against the cost-model time of the plan each
-step ran). A prediction, labelled so everywhere. `static_baseline_of` gives one to a report as
-`build_report` writes it (a saved report, or one of an older version, too).
+cost-model time under each step's measured rates. The rates are each GPU's samples smoothed by a
+centred median of `SMOOTHING` samples (a one- or two-step spike of a busy host never wins it,
+while a lasting shift shows from its first step on) and carried over the steps no scrape saw.
+With the calibration the trainers measured under the first plan (the report's `calibration`:
+what /status carried while that plan ran, the cost model's TP, end, pipeline-transfer,
+gradient-sync, optimizer and fixed terms and the links' rates) the prediction is the
+**calibrated** cost model's, in seconds by its own `layer_seconds`, as the controller predicts a
+plan, anchored to the first plan's own steps (what the calibration left out on this host): a
+line over the model's units through the median step of each rate level the first plan ran at
+(the quickstart's healthy steps and its few at 4x before the first re-plan), else, at one level,
+their median residual: the first plan's measured steps are what it does. Without a calibration
+(a run too short to calibrate, or an older report) it falls back to the layer-compute model in
+seconds by this run's own steps (seconds = overhead + seconds per unit x units: the emulated
+clock's unit and the median overhead, or a least-squares fit against the cost-model time of the
+plan each step ran). A prediction, labelled so everywhere.
+`static_baseline_of` gives one to a report as `build_report` writes it (a saved report, or one
+of an older version, too).
+
+The comparison applies only where it means what it says (`baseline_verdict`): not in static
+mode (the run is the static run), not when no re-plan was applied (the run held its first plan:
+it is its own baseline), and not when a GPU failed (the prediction has no failure in it, while
+the run paid for one: live mode went on without the GPU, restart mode restarted every process;
+the two modes are compared with each other by bench/faults.py).
+`judge_baseline` drops a baseline that does not apply and says why (`static_baseline_skipped`).
 
 Apart from `malleus.runner.report.build` because it alone needs the planner's cost model and a
 planning problem per set of rates (`ProblemOf`).
@@ -30,7 +44,14 @@ from malleus.planner.problem import PlanningProblem
 
 from .figures import finite_or_none, one_off_steps, ratio
 
-__all__ = ["ProblemOf", "static_baseline", "static_baseline_of"]
+__all__ = [
+    "SMOOTHING",
+    "ProblemOf",
+    "baseline_verdict",
+    "judge_baseline",
+    "static_baseline",
+    "static_baseline_of",
+]
 
 
 ProblemOf = Callable[[Mapping[int, float | None]], PlanningProblem]
@@ -61,6 +82,77 @@ def _affine(
 _OWN_STEPS = 5
 """Steps under the first plan enough to fit its own overhead."""
 
+_LEVEL_STEPS = 3
+"""Steps at one rate level enough for its median to place the baseline's line."""
+
+
+def _levels(points: Sequence[tuple[float, float]]) -> list[tuple[float, float, int]]:
+    """(units, median seconds, steps) per level of cost-model units (within 2% of each other:
+    the same rates, bar jitter) with at least `_LEVEL_STEPS` steps, by units."""
+    groups: list[list[tuple[float, float]]] = []
+    for u, sec in sorted(points):
+        if groups and u <= groups[-1][0][0] * 1.02:
+            groups[-1].append((u, sec))
+        else:
+            groups.append([(u, sec)])
+    return [
+        (statistics.median(u for u, _ in g), statistics.median(sec for _, sec in g), len(g))
+        for g in groups
+        if len(g) >= _LEVEL_STEPS
+    ]
+
+
+def _line(levels: Sequence[tuple[float, float, int]]) -> tuple[float, float] | None:
+    """(intercept, slope) of seconds over units through the levels' medians, weighted by their
+    steps; None unless the slope comes out positive."""
+    n = sum(w for _, _, w in levels)
+    mu = sum(u * w for u, _, w in levels) / n
+    ms = sum(sec * w for _, sec, w in levels) / n
+    var = sum(w * (u - mu) ** 2 for u, _, w in levels)
+    if var <= 1e-12 * max(mu, 1.0):
+        return None
+    b = sum(w * (u - mu) * (sec - ms) for u, sec, w in levels) / var
+    return (ms - b * mu, b) if b > 0 else None
+
+
+SMOOTHING = 5
+"""Samples of a GPU's rate in the centred median the baseline predicts with (the controller's
+default `windowSteps`: a spike of one or two samples never wins it)."""
+
+
+def smoothed_rates(
+    rows: Sequence[Mapping[str, Any]],
+    warmups: set[int] | frozenset[int] = frozenset({0}),
+    samples: int = SMOOTHING,
+) -> dict[int, dict[int, float | None]]:
+    """Per step (every row's), each GPU's rate: the centred median of `samples` of its samples
+    (warm-up steps' left out: their rates are one-off costs), carried over the steps without
+    one, and before its first sample its first. None: the GPU was unusable at that sample."""
+    ordered = sorted(rows, key=lambda r: r["step"])
+    series: dict[int, list[tuple[int, float | None]]] = {}
+    for r in ordered:
+        if r["step"] in warmups:
+            continue
+        for k, v in (r.get("rates") or {}).items():
+            series.setdefault(int(k), []).append((r["step"], v))
+    half = max(0, samples // 2)
+    smooth: dict[int, dict[int, float | None]] = {}
+    for rank, points in series.items():
+        values = [v for _, v in points]
+        at: dict[int, float | None] = {}
+        for i, (step, v) in enumerate(points):
+            near = [x for x in values[max(0, i - half) : i + half + 1] if x is not None]
+            at[step] = None if v is None or not near else statistics.median(near)
+        smooth[rank] = at
+    known = {rank: next(iter(at.values())) for rank, at in smooth.items() if at}
+    out: dict[int, dict[int, float | None]] = {}
+    for r in ordered:
+        for rank, at in smooth.items():
+            if r["step"] in at:
+                known[rank] = at[r["step"]]
+        out[r["step"]] = dict(known)
+    return out
+
 
 def static_baseline(
     rows: Sequence[Mapping[str, Any]],
@@ -76,19 +168,24 @@ def static_baseline(
 ) -> dict[str, Any] | None:
     """The predicted time of `static` (the first plan, held all run) on this run's steps.
 
-    Per step: the cost-model time of `static` under the rates measured at that step (each rank's
-    latest sample, warm-ups' aside; an excluded rank keeps being measured), in seconds by the
-    seconds per unit of the emulated clock (`unit_seconds`) plus the median overhead per step,
-    else by a least-squares fit of the measured step times against the cost-model time of the
-    plan each step ran (warm-up steps left out of either; on the first plan's own steps when it
-    ran enough of them, as overhead depends on the layout). Compared on every step after the
-    first (which both pay alike) with `elapsed`, the run's time over the same steps (end of the first step to the
-    last: switches, restarts and their warm-ups count against the re-planning run), else with the
-    sum of their step times. None without timed, rated steps.
+    Per step: the cost-model time of `static` under the rates of that step (`smoothed_rates`:
+    each GPU's centred median, warm-ups' aside; an excluded rank keeps being measured), in
+    seconds by the seconds per unit of the emulated clock (`unit_seconds`) plus the median
+    overhead per step, else by a least-squares fit of the measured step times against the
+    cost-model time of the plan each step ran (warm-up steps left out of either; on the first
+    plan's own steps when it ran enough of them, as overhead depends on the layout). Compared on
+    every step after the first (which both pay alike) with `elapsed`, the run's time over the
+    same steps (end of the first step to the last: switches, restarts and their warm-ups count
+    against the re-planning run), else with the sum of their step times. Every step after the
+    first is predicted, whichever plan it ran (a plan the report does not hold, a recovery's,
+    is left out of the fit only). None without timed, rated steps.
 
     `calibration` (`{"generation", "calibration", "link_rates"}`, as `RunRecord.calibrations`
     keeps them): the trainers' measurement under `static`; with it every step is the
-    calibrated model's seconds of `static` (its terms carry the overhead: no fit).
+    calibrated model's units of `static`, in seconds by a line through the median step of each
+    rate level the first plan ran at (`_levels`: two of `_LEVEL_STEPS` steps or more), else by
+    the calibration's own unit plus the model's median residual on the first plan's own steps
+    (when it ran `_OWN_STEPS` of them; else nothing added).
     """
     measured_under = _usable(calibration, problem_of({}), static)
     problem_at = problem_of
@@ -99,22 +196,25 @@ def static_baseline(
             return calibrated(problem_of(rates), terms, links)
 
     first = min((r["step"] for r in rows), default=0)
-    known: dict[int, float | None] = {}
+    rates_at = smoothed_rates(rows, warmups)
     cache: dict[tuple[tuple[int, float | None], ...], PlanningProblem] = {}
+
+    def problem_with(rates: Mapping[int, float | None]) -> PlanningProblem:
+        key = tuple(sorted(rates.items()))
+        if key not in cache:
+            cache[key] = problem_at(dict(rates))
+        return cache[key]
+
     per_step = []
     for r in rows:
-        warm = r["step"] in warmups
-        if not warm:  # a warm-up step's rates are its one-off costs: not carried on
-            for k, v in (r.get("rates") or {}).items():
-                known[int(k)] = v
-        if r["step"] == first or not known or r["generation"] not in plans:
+        known = rates_at.get(r["step"]) or {}
+        if r["step"] == first or not known:
             continue
-        key = tuple(sorted(known.items()))
-        if key not in cache:
-            cache[key] = problem_at(dict(known))
-        problem = cache[key]
-        ran = plan_step_time(problem, plans[r["generation"]])
+        problem = problem_with(known)
+        plan = plans.get(r["generation"])  # a plan the report does not hold: predicted, not fitted
+        ran = plan_step_time(problem, plan) if plan is not None else math.inf
         held = plan_step_time(problem, static)
+        warm = r["step"] in warmups or plan is None
         per_step.append((r["step"], r.get("seconds"), ran, held, None if warm else r["generation"]))
     # Overhead per step depends on the layout (TP collectives, pipeline transfers): fitted on the
     # steps the first plan itself ran when there are enough of them, else on all.
@@ -123,10 +223,28 @@ def static_baseline(
     own = [(u, s) for u, s, gen in usable if gen == static.generation]
     on_own = len(own) >= _OWN_STEPS
     if measured_under is not None:  # seconds by the calibration's own unit, overhead modelled
-        if not usable:
+        if not per_step:
             return None
-        fit: tuple[float, float] | None = (0.0, float(measured_under[0]["layer_seconds"]))
+        unit = float(measured_under[0]["layer_seconds"])
+        fit: tuple[float, float] | None = (0.0, unit)
         how = f"the terms measured under plan generation {calibration_of(calibration)}"
+        # What the calibrated model leaves out of the first plan's own steps on this host: the
+        # median of each rate level the first plan ran at, on a line over the model's units
+        # (two levels or more), else their median residual. Without it the baseline would run
+        # beside the measured line where both are the same plan at the same rates.
+        levels = _levels(own)
+        line = _line(levels) if len(levels) >= 2 else None
+        if line is not None:
+            fit = line
+            counts = ", ".join(str(n) for _, _, n in levels)
+            how += (
+                f", on a line through the median step of each rate level the first plan ran "
+                f"at ({len(levels)} levels of {counts} steps): {line[0]:+.3f} s per step"
+            )
+        elif on_own:
+            residual = statistics.median(s - unit * u for u, s in own)
+            fit = (residual, unit)
+            how += f" {residual:+.3f} s per step, its median residual on its {len(own)} steps"
     else:
         fit = _affine(own if on_own else [(u, s) for u, s, _ in usable], unit_seconds)
         how = (
@@ -143,6 +261,7 @@ def static_baseline(
     return {
         "label": f"predicted: the first plan held all run, {model} at the measured rates",
         "calibrated": measured_under is not None,
+        "smoothing_samples": SMOOTHING,
         "intercept_seconds": a,
         "seconds_per_unit": b,
         "fit": how,
@@ -210,3 +329,37 @@ def static_baseline_of(report: Mapping[str, Any], problem_of: ProblemOf) -> dict
         unit_seconds=report.get("unit_seconds"),
         calibration=report.get("calibration"),
     )
+
+
+def baseline_verdict(report: Mapping[str, Any]) -> str | None:
+    """Why the static baseline does not apply to this run (None: it does), in the summary's
+    words: static mode, no re-plan applied, or a GPU that failed."""
+    if report.get("mode") == "static":
+        return "static mode: this run held the first plan all run"
+    failures = report.get("failures") or []
+    if failures:
+        f = min(failures, key=lambda f: f.get("step", 0))
+        more = f" (and {len(failures) - 1} more failures)" if len(failures) > 1 else ""
+        return (  # live mode ran on without the GPU, restart mode restarted every process
+            f"rank {f['rank']} {f['why']} at step {f['step']}{more}: the first plan held all "
+            "run, predicted without a failure, would not compare like with like"
+        )
+    last = max((r["step"] for r in report.get("per_step") or []), default=-1)
+    applied = [
+        c
+        for c in report.get("plan_changes") or []
+        if c.get("step_applied") is not None and c["step_applied"] <= last
+    ]
+    if not applied:  # (a re-plan applied after the last step recorded ran no step)
+        return "no re-plan was applied: this run held the first plan, it is its own baseline"
+    return None
+
+
+def judge_baseline(report: dict[str, Any]) -> dict[str, Any]:
+    """`report` with its static baseline dropped where it does not apply (`baseline_verdict`),
+    the reason in `static_baseline_skipped` (None when it applies)."""
+    why = baseline_verdict(report)
+    report["static_baseline_skipped"] = why
+    if why is not None:
+        report["static_baseline"] = None
+    return report

@@ -22,7 +22,9 @@ Two views of the whole run sit beside the per-change figures:
   report's `calibration`, from /status); without them its layer-compute time in seconds by this
   run's own steps (seconds = overhead + seconds per unit x units: the emulated clock's unit and
   the median overhead, or a least-squares fit against the cost-model time of the plan each step
-  ran). A prediction, labelled so everywhere.
+  ran). A prediction, labelled so everywhere, and made only where it applies: not in static
+  mode, not without an applied re-plan, not after a GPU failed (`judge_baseline`, which says
+  why in `static_baseline_skipped`; `malleus run` judges again once the failures are in).
 
 The report also keeps every generation's calibration (`calibrations`: the terms the trainers
 measured under each plan, as /status carried them), so that a re-plan's prediction can be
@@ -45,7 +47,7 @@ from malleus.controller.events import DecisionEvent
 from malleus.job.report import generation_segments
 
 from ..record import PlanSwitch
-from .baseline import ProblemOf, static_baseline_of
+from .baseline import ProblemOf, judge_baseline, static_baseline_of
 from .figures import plan_changes, ratio, replan_windows
 
 __all__ = ["RunFacts", "build_report"]
@@ -133,6 +135,7 @@ def build_report(
         "calibrations": [dict(c) for c in calibrations],
         "generations": generation_segments(rows, facts.tokens_per_step),
         "static_baseline": None,
+        "static_baseline_skipped": None,
         "windows": replan_windows(
             changes, rows, facts.schedule, facts.window_steps, facts.tokens_per_step
         ),
@@ -143,4 +146,4 @@ def build_report(
     }
     if problem_of is not None:
         report["static_baseline"] = static_baseline_of(report, problem_of)
-    return report
+    return judge_baseline(report)

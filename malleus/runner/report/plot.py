@@ -7,7 +7,10 @@ backend: no display needed, nothing global touched (a Figure object, not pyplot)
 Only events inside the run's steps are drawn: a scheduled slowdown after the last step (a short
 `--steps` run of a longer job) would otherwise stretch the layout until it collapses. Warm-up
 steps (the first of the launch and the first under each new plan, which pay one-off costs) are
-hatched and left out of the colour scale.
+hatched and left out of the colour scale; the launch's first step (start-up) is not drawn in
+the throughput panel. The static baseline is drawn only where it applies (the report says why
+not otherwise: static mode, no re-plan, a failed GPU), and a step no scrape saw shows every
+GPU's latest rate.
 """
 
 from __future__ import annotations
@@ -17,25 +20,35 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_report", "rate_matrix", "replan_label", "warmup_steps"]
+__all__ = ["plot_report", "rate_matrix", "replan_label", "throughput_series", "warmup_steps"]
 
 _SLOW, _HEAL, _REPLAN, _STATIC = "#d62728", "#2ca02c", "#9467bd", "#7f7f7f"
 
 
 def rate_matrix(rows: list[Mapping[str, Any]], world: int) -> tuple[list[int], list[list[float]]]:
-    """(steps, rates[rank][i]) for the heatmap; NaN where a rank had no sample at a step."""
+    """(steps, rates[rank][i]) for the heatmap. A step no scrape saw (the controller busy
+    planning, a scrape slower than the step) shows each rank's latest sample, so the map has no
+    blank columns; NaN before a rank's first sample and where it had none to give (None: a
+    failed or unusable GPU)."""
     steps = [int(r["step"]) for r in rows]
     matrix = [[math.nan] * len(rows) for _ in range(world)]
+    latest: dict[int, float] = {}
     for i, row in enumerate(rows):
-        for rank, rate in (row.get("rates") or {}).items():
-            r = int(rank)
-            if 0 <= r < world and rate is not None:
-                matrix[r][i] = float(rate)
+        rates = row.get("rates") or {}
+        if rates:
+            latest = {}
+            for rank, rate in rates.items():
+                if rate is not None:
+                    latest[int(rank)] = float(rate)
+        for r, rate in latest.items():
+            if 0 <= r < world:
+                matrix[r][i] = rate
     return steps, matrix
 
 
 def warmup_steps(report: Mapping[str, Any]) -> list[int]:
-    """The first step of the run and the first under each applied plan."""
+    """The first step of the run, the first under each applied plan and the step a replacement
+    joined at (each pays one-off costs: start-up, new groups, a join)."""
     rows = report.get("per_step") or []
     first = [int(rows[0]["step"])] if rows else []
     applied = [
@@ -43,7 +56,12 @@ def warmup_steps(report: Mapping[str, Any]) -> list[int]:
         for c in report.get("plan_changes", [])
         if c.get("step_applied") is not None
     ]
-    return sorted(set(first + applied))
+    joined = [
+        int(r["joined_step"])
+        for r in report.get("replacements") or []
+        if r.get("joined_step") is not None
+    ]
+    return sorted(set(first + applied + joined))
 
 
 def replan_label(change: Mapping[str, Any], sep: str = ", ") -> str:
@@ -56,6 +74,33 @@ def replan_label(change: Mapping[str, Any], sep: str = ", ") -> str:
     return f"{head}{sep}{sep.join(labels)}" if sep == "\n" else f"{head}: {sep.join(labels)}"
 
 
+def throughput_series(report: Mapping[str, Any]) -> dict[str, list[tuple[int, float]]]:
+    """The throughput panel's (step, tokens/s) points: `measured` (warm-up steps aside),
+    `warm-up` (the first step under each new plan, measured) and `baseline` (the static
+    baseline's prediction; none where the report has none: it does not apply). The launch's
+    first step pays the start-up (seconds of it, not a throughput): in none of them."""
+    rows = [r for r in report.get("per_step") or [] if r.get("tokens_per_second") is not None]
+    first = min((int(r["step"]) for r in report.get("per_step") or []), default=None)
+    rows = [r for r in rows if int(r["step"]) != first]
+    warm = set(warmup_steps(report))
+    base = report.get("static_baseline")
+    tokens = report.get("tokens_per_step")
+    baseline: list[tuple[int, float]] = []
+    if base and tokens and report.get("mode") != "static":
+        baseline = [
+            (int(p["step"]), tokens / p["predicted_seconds"])
+            for p in base.get("per_step", [])
+            if p.get("predicted_seconds") and int(p["step"]) != first
+        ]
+    return {
+        "measured": [
+            (int(r["step"]), r["tokens_per_second"]) for r in rows if r["step"] not in warm
+        ],
+        "warm-up": [(int(r["step"]), r["tokens_per_second"]) for r in rows if r["step"] in warm],
+        "baseline": baseline,
+    }
+
+
 def plot_report(report: Mapping[str, Any], path: str | Path) -> Path:
     """Write the PNG to `path`; returns it."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -63,7 +108,6 @@ def plot_report(report: Mapping[str, Any], path: str | Path) -> Path:
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    rows = [r for r in report["per_step"] if r.get("tokens_per_second") is not None]
     all_rows = list(report["per_step"])
     layout = report["layout"]
     world = layout["nodes"] * layout["gpus_per_node"]
@@ -81,42 +125,47 @@ def plot_report(report: Mapping[str, Any], path: str | Path) -> Path:
         return step is not None and lo <= step <= hi
 
     warm = set(warmup_steps(report))
-    timed = [r for r in rows if r["step"] not in warm]
+    series = throughput_series(report)
     top.plot(
-        [r["step"] for r in timed],
-        [r["tokens_per_second"] for r in timed],
+        [s for s, _ in series["measured"]],
+        [v for _, v in series["measured"]],
         color="#1f77b4",
         lw=1.2,
         label="measured tokens/s",
     )
-    cold = [r for r in rows if r["step"] in warm]
-    if cold:
+    if series["warm-up"]:
         top.plot(
-            [r["step"] for r in cold],
-            [r["tokens_per_second"] for r in cold],
+            [s for s, _ in series["warm-up"]],
+            [v for _, v in series["warm-up"]],
             ls="none",
             marker="x",
             ms=5,
             color="#4c9be8",
             label="warm-up step (measured)",
         )
-    base = report.get("static_baseline")
-    tokens = report.get("tokens_per_step")
-    if base and tokens and report.get("mode") != "static":
-        pts = [
-            (p["step"], tokens / p["predicted_seconds"])
-            for p in base.get("per_step", [])
-            if p.get("predicted_seconds")
-        ]
-        if pts:
-            top.plot(
-                [s for s, _ in pts],
-                [v for _, v in pts],
-                color=_STATIC,
-                ls="--",
-                lw=1.2,
-                label="static baseline: first plan all run (predicted)",
-            )
+    skipped = report.get("static_baseline_skipped")
+    if report.get("static_baseline") is None and skipped:  # why no baseline is drawn
+        top.annotate(
+            f"no static baseline: {skipped.split(':')[0]}",  # the summary says the rest
+            (1.0, 1.0),
+            xycoords="axes fraction",
+            xytext=(-4, -4),
+            textcoords="offset points",
+            ha="right",
+            va="top",
+            fontsize=7,
+            color="#555555",
+            bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.85},
+        )
+    if series["baseline"]:
+        top.plot(
+            [s for s, _ in series["baseline"]],
+            [v for _, v in series["baseline"]],
+            color=_STATIC,
+            ls="--",
+            lw=1.2,
+            label="static baseline: first plan all run (predicted)",
+        )
     top.set_ylabel("tokens / s")
     fig.suptitle(f"{report['job']} ({report['mode']}): throughput, straggler onsets, re-plans")
     top.grid(alpha=0.3)

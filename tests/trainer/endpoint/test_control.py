@@ -75,7 +75,8 @@ def server(problem, metrics, injections) -> Iterator[ControlServer]:
 def test_health_and_status(server) -> None:
     client = ControlClient(server.url, TOKEN)
     assert server.port > 0 and client.healthz()
-    body = httpx.get(server.url + "/status").json()  # the wire form: JSON keys are strings
+    assert httpx.get(server.url + "/status").status_code == 401  # reads need the token too
+    body = httpx.get(server.url + "/status", headers=AUTH).json()  # JSON keys are strings
     assert body["step"] == 7 and body["generation"] == 1 and body["steps"] == 10
     assert body["rates"] == {"0": 1.0, "2": 2.9}
     assert client.status().rates == {0: 1.0, 2: 2.9}
@@ -132,7 +133,9 @@ def test_refusals_without_coordinator_emulation_or_token(server, problem, plan_f
             with pytest.raises(ControlError) as err:
                 call()
             assert err.value.code == 404
-        assert client.status().step == 7
+        with pytest.raises(ControlError, match="no control token configured") as err:
+            client.status()  # with no token configured, nothing but health and metrics
+        assert err.value.code == 503
     srv = ControlServer(
         "127.0.0.1", 0, None, status=status, inbox=PlanInbox(problem, 0), metrics=None, inject=None
     )
@@ -182,5 +185,7 @@ def test_load_token(tmp_path) -> None:
     assert load_token(environ={"MALLEUS_CONTROL_TOKEN": " env "}) == "env"
     assert load_token(secret, environ={}) == "from-file"
     assert load_token(environ={"MALLEUS_CONTROL_TOKEN_FILE": str(secret)}) == "from-file"
+    both = {"MALLEUS_CONTROL_TOKEN_FILE": str(secret), "MALLEUS_CONTROL_TOKEN": "env"}
+    assert load_token(environ=both) == "from-file"  # the Secret's file first, env a fallback
     assert load_token(tmp_path / "missing", environ={}) is None
     assert load_token(environ={}) is None

@@ -41,6 +41,7 @@ from malleus.planner import plan_step_time, uniform_plan
 from malleus.trainer import cli
 from malleus.trainer.endpoint.metrics import parse_rates
 
+TOKEN = "clock-token"
 FORWARD_MS, BACKWARD_MS = 60.0, 120.0
 SLOW, STEPS, FACTOR, SLOW_RANK = 4, 9, 3.0, 3
 
@@ -87,7 +88,7 @@ def _free_port() -> int:
 
 def _poll(url: str, done: threading.Event, seen: dict[int, dict[str, Any]]) -> None:
     """Record, per completed step, the first /status and /metrics seen after it."""
-    client = ControlClient(url, timeout=2.0)
+    client = ControlClient(url, TOKEN, timeout=2.0)
     while not done.is_set():
         try:
             status = client.status()
@@ -109,8 +110,10 @@ def _parse(argv: list[str]) -> Any:
 
 
 def test_slow_rank_reports_its_rate_and_the_step_time_follows_the_cost_model(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("MALLEUS_CONTROL_TOKEN", TOKEN)  # /status wants it, as every read
+    monkeypatch.delenv("MALLEUS_CONTROL_TOKEN_FILE", raising=False)
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(_manifest()))
     resolved = ResolvedJob.load(str(job))

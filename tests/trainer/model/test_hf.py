@@ -37,7 +37,6 @@ from malleus.trainer.model.decoder import (
 )
 from malleus.trainer.model.hf import (
     INDEX,
-    WeightFiles,
     hf_name,
     initial_full,
     initial_pieces,
@@ -195,15 +194,15 @@ def test_load_and_save_with_zero_steps_is_bitwise_and_loads_in_transformers(
     assert all(torch.equal(start[n], again[n]) for n in start)
 
 
-def test_a_config_alone_starts_from_the_seed_and_exports_for_transformers(
+def test_a_config_alone_is_no_random_start_but_seeded_weights_export_for_transformers(
     tmp_path: Path,
 ) -> None:
     hf_model(num_attention_heads=4, num_key_value_heads=2).config.save_pretrained(tmp_path)
     job = job_for(tmp_path)
-    assert WeightFiles.of(job) is None
+    with pytest.raises(BadInput, match=r"holds config\.json but no weights"):
+        initial_full(job)  # a folder without weights is refused, never a silent random start
     seeded = GPT.from_seed(job.model, job.tp, job.spec.training.seed)
-    full = initial_full(job)
-    assert all(torch.equal(full[n], t) for n, t in seeded.full_state().items())
+    full = seeded.full_state()
     save_hf(job, full, tmp_path / "out")
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     x = torch.randint(0, 97, (1, SEQUENCE))

@@ -3,8 +3,8 @@
 Marked `cuda` and skipped without CUDA; `bench/gpu.sh` runs them on a GPU machine. One spawned
 one-rank job (a world of one: NCCL forbids two ranks of one communicator on one GPU) runs the
 cases; the reference runs here on the CPU, so the GPU's kernels are held to the same bounds as
-the CPU trainer's plans: fp32 within 1e-4, float64 within 1e-10 over 30 steps, bf16 within the
-bounds test_precision.py states, activation checkpointing equal to 1e-5.
+the CPU trainer's plans: fp32 within 1e-4, float64 within 1e-10 over 30 steps, bf16 within 0.1
+of each tensor's update, activation checkpointing equal to 1e-5.
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ def test_bf16_on_the_gpu(results: dict[str, dict]) -> None:
     ref, init = reference("bf16"), GPT.from_seed(BF16.model, 1, BF16.spec.training.seed)
     start, got, want = init.full_state(), results["bf16"]["full"], ref.full_state()
     update = max(float((got[k] - want[k]).norm() / (want[k] - start[k]).norm()) for k in want)
-    assert update <= 0.1  # test_precision.py: BF16_UPDATE_TOL, and why
+    # per tensor, as first measured on CPUs; other kernels re-draw a few elements' direction
+    # (test_precision.py: AMX against AVX2 moves the max by 0.15), not yet measured here
+    assert update <= 0.1
     assert losses(results["bf16"]) == pytest.approx(ref.losses, rel=1e-3)
     assert {t.dtype for t in got.values()} == {torch.float32}
 

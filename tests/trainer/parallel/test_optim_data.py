@@ -68,6 +68,50 @@ def test_piece_adamw_equals_torch_adamw_split_or_whole() -> None:
     assert torch.allclose(mine.state["w@1"].exp_avg_sq, st["exp_avg_sq"][3:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_piece_adamw_foreach_gives_the_same_bits(dtype: torch.dtype) -> None:
+    """The all-pieces-at-once update (what a GPU runs) is the piece-by-piece one, bit for bit,
+    with clipping, decayed and undecayed pieces and a piece without a gradient in one step;
+    and stays within float rounding of torch's own foreach AdamW."""
+    torch.manual_seed(1)
+    start = {"w@0": torch.randn(5, 3), "w@1": torch.randn(7), "b": torch.randn(3)}
+    decay = {"w@0": True, "w@1": True, "b": False}
+    copies = {
+        way: {n: t.to(dtype).clone().requires_grad_() for n, t in start.items()}
+        for way in ("loop", "foreach", "torch")
+    }
+    loop = PieceAdamW(copies["loop"], decay, 0.1, foreach=False)
+    each = PieceAdamW(copies["foreach"], decay, 0.1, foreach=True)
+    ref_params = copies["torch"]
+    ref = torch.optim.AdamW(
+        [
+            {"params": [ref_params["w@0"], ref_params["w@1"]], "weight_decay": 0.1},
+            {"params": [ref_params["b"]], "weight_decay": 0.0},
+        ],
+        lr=1e-2, betas=BETAS, eps=EPS, foreach=True,
+    )  # fmt: skip
+    for step in range(6):
+        grads = {n: torch.randn_like(t).to(dtype) for n, t in start.items()}
+        lr, scale = 1e-2 * (step + 1), (0.5 if step % 2 else 1.0)
+        for g in ref.param_groups:
+            g["lr"] = lr
+        for way in ("loop", "foreach", "torch"):
+            for n, p in copies[way].items():
+                skip = step == 3 and n == "b"  # a piece without a gradient this step
+                p.grad = None if skip else grads[n] * (scale if way == "torch" else 1.0)
+        loop.step(lr, grad_scale=scale)
+        each.step(lr, grad_scale=scale)
+        ref.step()
+    for n in start:
+        assert torch.equal(copies["loop"][n], copies["foreach"][n]), n
+        assert torch.equal(loop.state[n].exp_avg, each.state[n].exp_avg), n
+        assert torch.equal(loop.state[n].exp_avg_sq, each.state[n].exp_avg_sq), n
+        assert loop.state[n].step == each.state[n].step
+        tol = 1e-6 if dtype == torch.float32 else 1e-12
+        assert torch.allclose(copies["foreach"][n], copies["torch"][n], atol=tol, rtol=0), n
+    assert each.state["b"].step == 5 and each.state["w@0"].step == 6
+
+
 def test_sample_order_is_a_property_of_the_step() -> None:
     # micro-batch j of step s holds samples s*G + j*b .. + b-1 whoever runs it
     assert sample_index(3, 2, 1, global_batch=12, micro_batch=2) == 3 * 12 + 2 * 2 + 1

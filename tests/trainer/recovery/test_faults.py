@@ -132,7 +132,10 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def test_rank_0_killed_the_coordinator_and_its_endpoint_move(tmp_path: Path) -> None:
+def test_rank_0_killed_the_coordinator_and_its_endpoint_move(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MALLEUS_CONTROL_TOKEN", "fault-token")  # the ranks' endpoints want one
     job = fc.fault_job([(2, 0, "kill")])
     ports = _free_ports(4)
     codes, results, full, _ = _train(tmp_path, job, REPLICAS, ports=ports)

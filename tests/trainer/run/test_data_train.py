@@ -113,10 +113,17 @@ def test_own_tokens_two_plans_resume_and_report_equal_the_reference(tmp_path: Pa
     assert b["final_loss"] == losses[-1] < losses[0]
     # The shape `malleus run` writes, key for key.
     facts = RunFacts("j", "live", 1, 2, 2, 64, 5, 4, "now", 1.0, 0, "done")
-    # `windows`, `static_baseline`, `calibration` (the static baseline's, from /status) and
-    # `calibrations` (every generation's) need the runner's measured rates, cost model and
-    # observations: only `malleus run`'s report has them; every other key is shared.
-    runner_only = {"windows", "static_baseline", "calibration", "calibrations"}
+    # `windows`, `static_baseline` (and why none applies: `static_baseline_skipped`),
+    # `calibration` (the static baseline's, from /status) and `calibrations` (every
+    # generation's) need the runner's measured rates, cost model and observations: only
+    # `malleus run`'s report has them; every other key is shared.
+    runner_only = {
+        "windows",
+        "static_baseline",
+        "static_baseline_skipped",
+        "calibration",
+        "calibrations",
+    }
     assert set(a) == set(build_report(facts, [], [], [])) - runner_only
     assert set(a["per_step"][0]) == set(StepRecord(0).to_dict(1))
     assert set(a["per_step"][0]["rates"]) == {"0", "1"}
