@@ -12,6 +12,7 @@ stop signals, a child's death, fault-tolerant waits) is trainer/launch/spawn.py.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import signal
 from collections.abc import Callable, Mapping
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from malleus.trainer.world.errors import LaunchError, first_line
 from malleus.trainer.world.membership import Membership
+from malleus.trainer.world.store_client import RedialingStore
 from malleus.trainer.world.world import World
 
 __all__ = [
@@ -36,6 +38,8 @@ __all__ = [
     "note_writer",
     "quiet_signals",
 ]
+
+log = logging.getLogger(__name__)
 
 EXTERNAL_STORE_ENV = "MALLEUS_EXTERNAL_STORE"  # "1": the store is hosted outside rank 0
 STORE_ENV = "MALLEUS_STORE"
@@ -130,8 +134,6 @@ def init_distributed(
     host, port = store_address(env)
     try:
         if external:  # no rank hosts it: a lost store restarts empty, and this client redials
-            from malleus.trainer.world.store_client import RedialingStore
-
             store: Any = RedialingStore(host, port, timeout)
             world.hold(store)  # for as long as the process: C++ keeps only its C++ half
         else:
@@ -211,6 +213,22 @@ def note_writer(env: DistEnv) -> Callable[[str], None] | None:
     if os.environ.get(EXTERNAL_STORE_ENV) != "1":
         return None
     host, port = store_address(env)
-    client = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=30))
-    store = dist.PrefixStore(NOTE_PREFIX, client)
-    return lambda text: store.set(NOTE_KEY, text)
+    return _Note(RedialingStore(host, port, timedelta(seconds=30)))
+
+
+class _Note:
+    """`note_writer`'s writer. It dials the store again when the store was lost and started
+    again (its own client: a plain TCPStore's socket stays broken, and a switch that wrote its
+    note through one failed with "Broken pipe" on every try after a store restart). A note is
+    advice for the launcher's failure message: one that cannot be written is logged and
+    dropped, never the failure of what it describes."""
+
+    def __init__(self, client: RedialingStore) -> None:
+        self.client = client  # held: the PrefixStore keeps only the C++ half of a Python store
+        self.store = dist.PrefixStore(NOTE_PREFIX, client)
+
+    def __call__(self, text: str) -> None:
+        try:
+            self.store.set(NOTE_KEY, text)
+        except (RuntimeError, OSError) as e:
+            log.warning("could not leave a note for the launcher: %s", first_line(e))
