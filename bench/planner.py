@@ -185,7 +185,7 @@ def render(rows: list[Row], command: str, load: tuple[float, float]) -> str:
         "layers, alpha [1, 1.9, 3.66, 7.22], its memory model), micro-batches = GPUs. "
         "The `32B`/`70B` rows are `examples/problems/32b.json` and `70b.json` as they are. "
         "Speedup = uniform/T (— when the static layout cannot run), recovery = reference/T, "
-        "efficiency = ideal/T (DESIGN §4.3).",
+        'efficiency = ideal/T (docs/architecture.md, "Cost model").',
         "",
         "| GPUs | situation | speedup | recovery | efficiency | plan s (wall) | CPU s |",
         "|---:|---|---:|---:|---:|---:|---:|",
@@ -365,75 +365,56 @@ def _long_seconds(longs: dict[tuple[int, str], dict[str, Any]], default: float) 
 
 
 SPREAD_NOTES = [
-    "Before (issue 13, the search as it was): one straggler planned in 1.3-2.5 s up to 8192 "
-    "GPUs, but with 20% of the GPUs straggling the built-in minimum amount of search overran "
-    "the budget 3.4x at 4096 GPUs (84 s CPU) and 3.7x at 8192 (184 s, 343 MB); 17.6 s CPU at "
-    "1024 GPUs and 20% here. Where the time went (cProfile, 1024 GPUs, 20%): the templates' "
-    "top-up of special pipelines (one stage-order search per healthy group added, per bin, "
-    "per grouping, hundreds of distinct classes so no cache hits), the per-node grouping DP "
-    "and its quadratic Pareto filter (every node, healthy ones included), and floors of work "
-    "that no deadline could cut. Now: one deadline asked before every unit of work in every "
-    "phase; rates bucketed upwards to a 4% grid when more than 48 differ (then the plans are "
-    "re-split under the true rates); node options cached by signature, a linear Pareto "
-    "filter, a ladder of at most 6 pace caps per node beyond 64 nodes; top-ups by doubling "
-    "and bisection, memoised across groupings; pipeline depths probed as if healthy groups "
-    "were plenty (with 50% straggling no node is healthy); only the best layouts become "
-    "plans.",
+    "How the search keeps to its budget at any spread: one deadline asked before every unit "
+    "of work in every phase; rates bucketed upwards to a 4% grid when more than 48 differ "
+    "(the plans found are then re-split under the true rates); node options cached by "
+    "signature, a linear Pareto filter, a ladder of at most 6 pace caps per node beyond 64 "
+    "nodes; top-ups of special pipelines by doubling and bisection, memoised across "
+    "groupings; pipeline depths probed as if healthy groups were plenty (with 50% straggling "
+    "no node is healthy); only the best layouts become plans.",
     "",
-    "Issue 13, item 2 (T within 0.5% of a long search). Where the default budget went "
-    "(cProfile, 1024 GPUs, 20% and 50%): a layout holds ~30 distinct pipelines of ~11 stages, "
-    "and the stage-order search (`layers.best_order`: three starts, a pass of swaps, 1F1B "
-    "makespans to break ties) was ~95% of each pipeline's cost; the per-node grouping options "
-    "took the grouping phase's whole share, so one or two groupings and one template were "
-    "scored before the climbs. Now, when the rates are bucketed and more than 128 GPUs "
-    "straggle, the search takes the load heuristic's stage order as it is (a tenth of the "
-    "cost; only an order that does not fit is searched) and the layouts it materialises are "
-    "re-scored with full orders in the last 16% of the budget; climbs on unrefined layouts "
-    "rank and count critical pipelines by the same any-m solutions that scored them (no "
-    "per-m solves); the micro-batch split brackets its bisection analytically; grouping "
+    "At 1024 GPUs a layout holds ~30 distinct pipelines of ~11 stages, and a full stage-order "
+    "search (`layers.best_order`: three starts, a pass of swaps, 1F1B makespans to break "
+    "ties) costs ~95% of each pipeline's time. So when the rates are bucketed and more than "
+    "128 GPUs straggle, the search takes the load heuristic's stage order as it is (a tenth "
+    "of the cost; only an order that does not fit is searched) and re-scores the layouts it "
+    "materialises with full orders in the last 16% of the budget; climbs on unrefined "
+    "layouts rank and count critical pipelines by the same any-m solutions that scored them "
+    "(no per-m solves); the micro-batch split brackets its bisection analytically; grouping "
     "prices start uncapped at the middle of the range when most nodes straggle, the first "
-    "ten prices always run, and a late grouping phase no longer takes the templates' share.",
+    "ten prices always run, and the grouping phase keeps to its own share of the budget.",
     "",
-    "Then the climbs (cProfile, 1024 GPUs, 50%): of the neighbours a climb tries, about a "
-    "third are slower by their new pipelines' floors alone, a third slower once solved and a "
-    "third tie; each was built in full (merging ~30 pipeline classes), its new pipelines "
-    "solved, its micro-batches split and, for a tie, its critical pipelines counted by 1F1B "
-    "makespans (a third of the climb); and the any-m lines that score large layouts rank "
-    "them loosely (at 5%, the 7th best template by lines was the best by 0.9% refined). Now a "
-    "neighbour is a change of a few pipelines judged from those alone (`localsearch.Tally`): "
-    "the linear split's time is at most T exactly when the pipelines take B micro-batches "
-    "within T, so the layout's count less the removed pipelines' plus the new ones' says "
-    "faster, tie (fewer micro-batches at T: closer) or slower; a pipeline not solved yet "
-    "counts first by a floor that never counts fewer (`layersplit.LineFloor`: the uncapped "
-    "least bottleneck, the least fill sum on a grid of bottlenecks above it); only the "
-    "neighbours it accepts are built and scored; critical pipelines are counted with the 1F1B "
-    "line as an upper bound first; and the climbs start from the best 24 layouts by lines "
-    "ranked by their refined scores. A climb tries 3-4 times the neighbours per CPU second (9-12k against ~3k at 1024 GPUs, 50%).",
+    "The climbs judge a neighbour, a change of a few pipelines, from those pipelines alone "
+    "(`localsearch.Tally`): the linear split's time is at most T exactly when the pipelines "
+    "take B micro-batches within T, so the layout's count less the removed pipelines' plus "
+    "the new ones' says faster, tie (fewer micro-batches at T: closer) or slower; a pipeline "
+    "not solved yet counts first by a floor that never counts fewer (`layersplit.LineFloor`: "
+    "the uncapped least bottleneck, the least fill sum on a grid of bottlenecks above it); "
+    "only the neighbours it accepts are built and scored; critical pipelines are counted "
+    "with the 1F1B line as an upper bound first; and the climbs start from the best 24 "
+    "layouts by lines ranked by their refined scores. Of the neighbours a climb tries "
+    "(cProfile, 1024 GPUs, 50%), about a third are slower by their new pipelines' floors "
+    "alone, a third slower once solved and a third tie; a climb tries 9-12k of them per CPU "
+    "second there.",
     "",
     "The long searches are `bench/planner_spread_long.json`, regenerated with `--long-save` "
     "on this build (60 CPU s at 1024/4096 GPUs, 30 at 8192; about 30 minutes of wall time "
     "with two at a time on the shared machine). A longer search is not always a better one: "
     "with time for every template it climbs from other starts, and can end above the default "
-    "(T vs long < 1). The default missed by more than 0.5% at 1024 GPUs with 50% "
-    "straggling (1164-1167 against 1157.4, depending on where the CPU deadline cut): the "
-    "search plans on bucketed rates, and under the true rates its slowest pipeline was one "
-    "whose groups drew slow rates within their buckets. Now the fastest plan is settled "
-    "(`settle.py`) on a further 6% of the budget: its micro-batches split exactly on per-m "
-    "pipeline times, then a group of a pipeline with slack swapped with a slower one of the "
-    "slowest pipeline, or moved into it, while the exact step time drops (1164.04 -> "
-    "1157-1162 at 1024 GPUs and 50%); the full-order re-scoring ends at 92% of the budget "
-    "so the whole call keeps to the CPU target. Run to run: where the CPU deadline cuts the "
-    "climbs decides which layout they end on. An earlier session saw a worst row of "
-    "1.0014-1.0125 over seven runs of this command; on 2026-12-02, before stage orders were "
-    "chosen per micro-batch count when it is small (`layers.best_order`), three runs of this "
-    "command gave a worst row of 1.0042 each, and 33 single runs at 1024 GPUs (5%, 20%, 50%; "
-    "quiet, and beside 2 and 6 busy loops on the 2 cores) stayed within 1.0042 (5%: "
-    "1.0006-1.0042, 20%: 0.9942, 50%: 1.0014-1.0021); after it, two runs gave 1.0016 (beside "
-    "the test suite) and 1.0002. A budget counted in work units instead of "
-    "CPU seconds (reproducible by construction) was tried and dropped: the phases' units differ "
-    "in cost, so at the same T it took 1.1-1.7 s of CPU at 1024 GPUs against 0.8. Wall "
-    "time on a busy shared machine is several times the CPU time: the CPU column is the "
-    "figure to hold against the targets.",
+    "(T vs long < 1). The search plans on bucketed rates, so under the true rates its "
+    "slowest pipeline can be one whose groups drew slow rates within their buckets: the "
+    "fastest plan is settled (`settle.py`) on a further 6% of the budget (its micro-batches "
+    "split exactly on per-m pipeline times, then a group of a pipeline with slack swapped "
+    "with a slower one of the slowest pipeline, or moved into it, while the exact step time "
+    "drops; at 1024 GPUs and 50% this takes 1164.04 to 1157-1162), and the full-order "
+    "re-scoring ends at 92% of the budget so the whole call keeps to the CPU target. Run to "
+    "run, where the CPU deadline cuts the climbs decides which layout they end on: two runs "
+    "of this command on 2026-12-02 gave a worst row of 1.0016 (beside the test suite) and "
+    "1.0002. The budget is counted in CPU seconds, not in units of work (which would be "
+    "reproducible by construction): the phases' units differ in cost, so a budget of units "
+    "reaching the same T takes 1.1-1.7 s of CPU at 1024 GPUs against 0.8. Wall time on a "
+    "busy shared machine is several times the CPU time: the CPU column is the figure to hold "
+    "against the targets.",
 ]
 
 
@@ -587,7 +568,7 @@ def render_links(rows: list[LinkRow], command: str) -> str:
         'model"; figures: `LINK_CALIBRATION` in bench/planner.py, one layer-time unit = '
         f"{sec * 1000:.1f} ms). Every plan is scored by the same calibrated, link-aware model: "
         "**uniform** = the static layout; **compute-only** = the planner given neither the "
-        "calibration nor the link rates (the model before); **link-aware** = the planner given "
+        "calibration nor the link rates (layer compute only); **link-aware** = the planner given "
         "both. Ratios > 1 mean the link-aware plan is faster.",
         "",
         "| GPUs | link | uniform s | compute-only s | link-aware s | uniform / aware | "

@@ -148,8 +148,8 @@ def render(
         f"{load} — the CPUs are shared with other work  ",
         f"Date: {dt.date.today().isoformat()}; {wall_s:.0f} s in all",
         "",
-        "Does the trainer, executing a plan, run at the speed the cost model (DESIGN §4.3) "
-        "gives that plan? Emulated GPU clock (DESIGN §4.4): every layer-shard forward is "
+        "Does the trainer, executing a plan, run at the speed the cost model "
+        "gives that plan? Emulated GPU clock: every layer-shard forward is "
         f"charged {args.forward_ms:g} ms and every backward {args.backward_ms:g} ms, times the "
         "rank's injected slowdown; the real math of a tiny model (hidden "
         f"{m.hidden}, {m.heads} heads, ffn {m.ffn}, sequence {m.sequence}, micro-batch 1; "
@@ -169,7 +169,7 @@ def render(
         "- *measured*: uniform / planner median step time; *error* = measured / predicted - 1, "
         f"target within {TARGET:.0%}.",
         "- *uncalibrated*: the prediction of the cost model without calibration (layer compute "
-        "only, DESIGN §4.3) and its error, for comparison.",
+        "only) and its error, for comparison.",
         "- *rates*: the stragglers' straggling rates as the trainer measured them under the "
         "uniform plan (injected: the situation's factors).",
         "",

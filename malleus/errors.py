@@ -7,6 +7,10 @@ is allowed, and optionally a `hint`: the way out that applies to all of them (a 
 option, say). Commands print `str(error)` and exit `BAD_INPUT_EXIT` (2); the operator turns the
 faults into an InvalidSpec condition; the trainers' control endpoint answers 400 with them.
 
+It also holds how a trainer process ends when that is not one more failure, which the runner
+and the operator read: the exit codes and the reasons that head a trainer's termination message
+(torchrun exits 1 whatever its ranks' codes, so in a pod the message is what tells the operator).
+
 A leaf module (no imports from the rest of Malleus) so that the planner, the bottom layer, can
 raise it too.
 """
@@ -16,7 +20,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["BAD_INPUT_EXIT", "BAD_INPUT_REASON", "BadInput", "Fault"]
+__all__ = [
+    "BAD_INPUT_EXIT",
+    "BAD_INPUT_REASON",
+    "ENDING_REASONS",
+    "LEFT_OUT_EXIT",
+    "LEFT_OUT_REASON",
+    "NO_PLAN_EXIT",
+    "NO_PLAN_REASON",
+    "BadInput",
+    "Fault",
+]
 
 BAD_INPUT_EXIT = 2
 """Exit code of every command (and of a trainer in a pod) that refused its input."""
@@ -24,6 +38,20 @@ BAD_INPUT_REASON = "BadInput"
 """The reason a job fails with when its trainers refuse its input; also the first word of such a
 trainer's termination message (torchrun exits 1 whatever its ranks' codes, so the message is
 what tells the operator)."""
+LEFT_OUT_EXIT = 3
+"""A trainer's exit code when the job went on without it (a rank that hung through a recovery
+and woke up after it): the job is not failing."""
+LEFT_OUT_REASON = "LeftOut"
+NO_PLAN_EXIT = 4
+"""A trainer's exit code when no valid plan exists on the GPUs left: the end of the job, not one
+more failure to replace."""
+NO_PLAN_REASON = "NoValidPlan"
+ENDING_REASONS = {
+    BAD_INPUT_EXIT: BAD_INPUT_REASON,
+    LEFT_OUT_EXIT: LEFT_OUT_REASON,
+    NO_PLAN_EXIT: NO_PLAN_REASON,
+}
+"""Exit code -> the reason that heads the trainer's termination message for it."""
 
 
 @dataclass(frozen=True)

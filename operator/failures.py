@@ -35,7 +35,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from malleus.errors import BAD_INPUT_EXIT, BAD_INPUT_REASON
+from malleus.errors import (
+    BAD_INPUT_REASON,
+    ENDING_REASONS,
+    NO_PLAN_REASON,
+)
 from malleus.job import Condition, FailurePolicy
 from malleus.job.status import GpuOut, NodeFailure
 
@@ -43,11 +47,8 @@ from .status import condition
 
 __all__ = [
     "BAD_INPUT",
-    "BAD_INPUT_EXIT",
     "DEGRADED",
-    "LEFT_OUT_EXIT",
     "MAX_BACKOFF_SECONDS",
-    "NO_PLAN_EXIT",
     "NO_VALID_PLAN",
     "NO_WORKERS_LEFT",
     "REPLACE_POLL_SECONDS",
@@ -67,17 +68,13 @@ __all__ = [
 
 DEGRADED = "Degraded"
 """Condition type: True while some node or GPU is out of the job."""
-NO_VALID_PLAN = "NoValidPlan"
+NO_VALID_PLAN = NO_PLAN_REASON
 BAD_INPUT = BAD_INPUT_REASON
 """A trainer refused the job's input (`BAD_INPUT_EXIT`, or its termination message says so)."""
 NO_WORKERS_LEFT = "NoWorkersLeft"
 MAX_BACKOFF_SECONDS = 300
 REPLACE_POLL_SECONDS = 2.0
 """How often the operator looks for failed workers whose backoff is over."""
-LEFT_OUT_EXIT = 3
-"""A trainer's exit code when the job went on without it (``malleus.trainer``: left out)."""
-NO_PLAN_EXIT = 4
-"""A trainer's exit code when no valid plan exists on the GPUs left: the job cannot go on."""
 
 
 @dataclass(frozen=True)
@@ -118,12 +115,13 @@ def pod_failure(pod: Mapping[str, Any], job: str, *, deleted: bool = False) -> P
         if term and int(term.get("exitCode", 0)) != 0:
             code = int(term["exitCode"])
             said = str(term.get("message") or "")
-            why = "LeftOut" if code == LEFT_OUT_EXIT else str(term.get("reason") or "Error")
-            if code == NO_PLAN_EXIT:
-                why = NO_VALID_PLAN
-            if code == BAD_INPUT_EXIT or said.startswith(f"{BAD_INPUT}: "):
-                why = BAD_INPUT
-                said = said.removeprefix(f"{BAD_INPUT}: ")
+            # The rank's own code where the pod shows it (a process kubelet, a one-rank pod);
+            # under torchrun, which exits 1 whatever its ranks' codes, the termination message
+            # the rank wrote (`say_ending`) says how it ended.
+            why = ENDING_REASONS.get(code) or str(term.get("reason") or "Error")
+            for reason in ENDING_REASONS.values():
+                if said.startswith(f"{reason}: "):
+                    why, said = reason, said.removeprefix(f"{reason}: ")
             text = f"container {cs.get('name')} exited with code {code} ({why})"
             if said:
                 text += f": {said}"

@@ -1,5 +1,5 @@
 """Where a job's trainers are: the URL of a rank's control endpoint, and which one is the
-coordinator (DESIGN §4.4).
+coordinator (docs/reference/trainer.md, "Control endpoint").
 
 Not the Kubernetes API (that is `k8s.py`): these are the workers' control endpoints, by default
 reached through their stable DNS names under the job's headless Service. The URL comes from a

@@ -201,7 +201,7 @@ def test_bench_has_no_import_cycle() -> None:
     assert not cycles, "import cycles in bench/:\n" + "\n".join(cycles)
 
 
-# The trainer's own rooms (trainer/<room>/, docs/trainer.md), bottom to top. A module may import
+# The trainer's own rooms (trainer/<room>/, docs/reference/trainer.md), bottom to top. A module may import
 # its own room and the rooms on lower floors; `launch` stands apart and imports `world` only.
 # `cli.py` and `__main__.py` sit on top of them all.
 TRAINER_FLOORS: list[set[str]] = [

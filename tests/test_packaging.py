@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# import name -> folder (DESIGN §3): the core, the operator and the trainer
+# import name -> folder (docs/architecture.md): the core, the operator and the trainer
 MAPPED = {"malleus": "malleus", "malleus.operator": "operator", "malleus.trainer": "trainer"}
 
 

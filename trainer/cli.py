@@ -18,7 +18,6 @@ also leaves the faults as the container's termination message, for the job's Fai
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shlex
 import sys
@@ -319,8 +318,6 @@ def _run(
     return 0
 
 
-TERMINATION_LOG = Path("/dev/termination-log")
-"""The container's termination message file (Kubernetes' default terminationMessagePath)."""
 _IN_POD = (
     "in a pod, paths are read where spec.podTemplate mounts the volumes: is the volume that "
     "holds them mounted at that path?"
@@ -332,14 +329,13 @@ def _refuse(error: BadInput) -> int:
     file, as the container's termination message headed `BAD_INPUT_REASON`, which the operator
     turns into the job's Failed condition (`malleus.operator.failures`): no replacement pod
     could train on input every trainer refuses."""
-    from malleus.errors import BAD_INPUT_EXIT, BAD_INPUT_REASON
+    from malleus.errors import BAD_INPUT_EXIT
+    from malleus.trainer.world.errors import say_ending
 
     if error.hint is None and any(": no such " in f.message for f in error.faults):
         error = BadInput(error.faults, error.source, what=error.what, hint=_IN_POD)
     print(error, file=sys.stderr)
-    if TERMINATION_LOG.is_file():
-        with contextlib.suppress(OSError):  # the message on stderr is still in the pod's log
-            TERMINATION_LOG.write_text(f"{BAD_INPUT_REASON}: {error}"[:4000])
+    say_ending(BAD_INPUT_EXIT, str(error))
     return BAD_INPUT_EXIT
 
 
@@ -383,8 +379,10 @@ def worker_main(argv: list[str] | None = None) -> int:
             "malleus trainer: --join needs $MALLEUS_STORE (a store no rank hosts)", file=sys.stderr
         )
         return 2
+    from malleus.errors import NO_PLAN_EXIT
     from malleus.trainer.checkpoint.directory import CheckpointError
-    from malleus.trainer.recovery.protocol import NO_PLAN_EXIT, NoValidPlan
+    from malleus.trainer.recovery.protocol import NoValidPlan
+    from malleus.trainer.world.errors import say_ending
 
     try:
         return _run(job, plan, _options(args), env, port, args.init_timeout, args.join)
@@ -394,6 +392,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     except NoValidPlan as e:  # the end of the job, not one more failure: nothing fits the rest
         print(f"[malleus] rank {env.rank}: {e}", flush=True)
         print(f"malleus trainer: {e}", file=sys.stderr)
+        say_ending(NO_PLAN_EXIT, f"rank {env.rank}: {e}")
         return NO_PLAN_EXIT
     except LaunchError as e:
         print(f"malleus trainer: {e}", file=sys.stderr)

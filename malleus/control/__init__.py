@@ -1,4 +1,4 @@
-"""The trainers' control API (DESIGN §4.4), torch-free: what rank 0's endpoint serves and takes.
+"""The trainers' control API, torch-free: what rank 0's endpoint serves and takes.
 
 Rooms:
 - `status`: the typed ``GET /status`` body (`ControlStatus`) and the records it carries

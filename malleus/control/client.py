@@ -1,4 +1,4 @@
-"""The trainers' control API (DESIGN §4.4): the typed `/status` body and the one client.
+"""The trainers' control API: the typed `/status` body and the one client.
 
 Rank 0's control endpoint (``trainer/endpoint/server.py``) serves `ControlStatus` at ``GET /status``
 and takes plans, stop requests and injections; the controller's sources and sinks, the local

@@ -1,7 +1,7 @@
 """Which plan generation runs where, as the decision loop follows the trainers' counter.
 
 The trainers own the generation counter: their inbox accepts only the next generation after
-the newest it knows (DESIGN §4.4, `trainer/switching/plan_inbox.py`). A controller can only mirror it, and
+the newest it knows (`trainer/switching/plan_inbox.py`). A controller can only mirror it, and
 its mirror goes stale whenever someone else moves the counter: a person's ``POST /plan``, a
 ``--switch``, or the controller itself before a restart, with a plan the trainers took after it.
 A stale mirror used to mean a 409 for every later plan, for good. `Generations` keeps the

@@ -1,6 +1,6 @@
 """The decision loop: rates -> detect a shift -> plan -> is it worth it -> publish -> acknowledge.
 
-One component, used unchanged by the operator and by the local runner (DESIGN §2); they differ
+One component, used unchanged by the operator and by the local runner; they differ
 only in the RateSource and PlanSink they hand it. Everything that can go wrong on the way
 (planner error or timeout, an invalid plan, a refused POST, no acknowledgement) is reported as a
 ReplanFailed event and leaves the plan in force alone: the loop itself never dies of it, since

@@ -1,6 +1,6 @@
 """The two seams of the decision loop: where rates come from and how plans reach the trainers.
 
-The operator and the local runner differ only here (DESIGN §2): one reads Prometheus or scrapes
+The operator and the local runner differ only here: one reads Prometheus or scrapes
 pods and posts to a Service, the other talks to processes on localhost, a test or a simulation
 talks to objects in memory. The loop sees these protocols and nothing else.
 """

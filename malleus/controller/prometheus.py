@@ -228,8 +228,8 @@ def pod_gpu_rank(
 ) -> Callable[[Mapping[str, str]], int | None]:
     """rank_of(labels) for DCGM series: node index from the workload pod's name (`exported_pod`
     where Prometheus renamed it, else `pod`; exactly ``<job>-node-<n>`` with `job`, else
-    `pattern`'s trailing number), GPU index from the `gpu` label (one worker pod per node,
-    DESIGN §4.5). With `namespace`, the workload's namespace (`exported_namespace` beside an
+    `pattern`'s trailing number), GPU index from the `gpu` label (one worker pod per node).
+    With `namespace`, the workload's namespace (`exported_namespace` beside an
     `exported_pod`) must be it."""
     node_of = _node_of(pattern, job)
 

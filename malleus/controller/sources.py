@@ -1,4 +1,4 @@
-"""The trainers' own HTTP endpoint as RateSource and PlanSink (DESIGN §4.4).
+"""The trainers' own HTTP endpoint as RateSource and PlanSink.
 
 `TrainerScrapeSource` reads the coordinator's `GET /metrics` (it publishes every rank's rate,
 and its series tell "not measured yet" from "failed", which `/status` does not need to);

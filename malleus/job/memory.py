@@ -1,4 +1,4 @@
-"""The planner's memory model of a job (DESIGN §4.3), derived from the model's sizes.
+"""The planner's memory model of a job, derived from the model's sizes.
 
 The memory model is derived from the model's sizes, per *logical shard* (one of the `tp` pieces
 every layer is cut into), because the cost model multiplies it by the shards a GPU holds:

@@ -154,7 +154,7 @@ class TrainingSpec(StrictModel):
     """The user's own data; when given it replaces `dataset`."""
     precision: Precision = "fp32"
     """fp32, or bf16: bf16 parameters and activations in the layers, with float32 master
-    weights, gradient reduction and Adam state (docs/trainer.md, Precision)."""
+    weights, gradient reduction and Adam state (docs/guide/trainer.md, "Precision and memory")."""
     activation_checkpointing: bool = False
     """Recompute each layer's activations in the backward instead of keeping them: less memory
     for one more forward per layer; the same math."""

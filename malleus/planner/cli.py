@@ -82,7 +82,7 @@ def summary(problem: PlanningProblem, result: Plan) -> str:
         "straggling rate; time/mb: the stage's time per micro-batch)"
     )
     if e is not None:
-        lines.append(f"predicted step time: {e.step_time:.1f} (layer-time units, DESIGN §4.3)")
+        lines.append(f"predicted step time: {e.step_time:.1f} (layer-time units)")
         lines.extend(_terms(problem, result))
         if e.uniform_step_time is not None and math.isfinite(e.uniform_step_time):
             lines.append(

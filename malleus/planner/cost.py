@@ -1,4 +1,4 @@
-"""The cost model (DESIGN §4.3, calibrated: docs/architecture.md "Cost model"): the planner's
+"""The cost model (calibrated: docs/architecture.md "Cost model"): the planner's
 objective and every benchmark's yardstick.
 
 Times are in *layer-time* units: one layer, forward+backward, one micro-batch, on a healthy full
@@ -334,7 +334,7 @@ def ideal_step_time(problem: PlanningProblem) -> float:
 
 
 def reference_step_time(problem: PlanningProblem) -> float:
-    """Healthy uniform step time scaled by the capacity the stragglers took (DESIGN §4.3)."""
+    """Healthy uniform step time scaled by the capacity the stragglers took."""
     healthy = problem.model_copy(update={"rates": {}, "link_rates": {}})
     base = uniform_step_time(healthy)
     capacity = sum(1.0 / r for x in problem.usable_ranks() if (r := problem.rate(x)))

@@ -1,4 +1,4 @@
-"""The planner's output contract (DESIGN §4.2): the layout every trainer executes.
+"""The planner's output contract: the layout every trainer executes.
 
 A Plan is plain data: which ranks form each stage (a TP group, ordered: GPU i holds logical
 shards [i*2^k, (i+1)*2^k)), which half-open layer range each stage holds, how many
@@ -47,7 +47,7 @@ class Pipeline(StrictModel):
 
 
 class Estimate(StrictModel):
-    """Cost-model figures, in layer-time units (DESIGN §4.3); MB for migration."""
+    """Cost-model figures, in layer-time units (docs/architecture.md, "Cost model"); MB for migration."""
 
     step_time: float
     uniform_step_time: float | None = Field(
@@ -72,12 +72,17 @@ class Estimate(StrictModel):
 
 
 class Plan(StrictModel):
-    """A complete layout of the job (DESIGN §4.2)."""
+    """A complete layout of the job."""
 
     generation: int = Field(default=0, description="Increases by one with every applied plan.")
     tp: int = Field(description="Nominal TP degree: logical shards per layer.")
     pipelines: list[Pipeline]
     excluded: list[int] = Field(default_factory=list, description="Usable ranks left idle.")
+    failed: list[int] = Field(
+        default_factory=list,
+        description="Ranks the problem marks unusable (rate null: failed GPUs), in no stage; "
+        "the planner lists them all, a plan written by hand may leave them out.",
+    )
     estimate: Estimate | None = None
 
     def stages(self) -> Iterator[tuple[int, int, Stage]]:

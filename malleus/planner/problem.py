@@ -1,4 +1,4 @@
-"""The planner's input contract (DESIGN §4.1): a cluster, its per-GPU straggling rates, a model.
+"""The planner's input contract: a cluster, its per-GPU straggling rates, a model.
 
 Every fault in a problem is reported at once, each naming the field and what is allowed, because
 a problem usually comes from a person or a metrics pipeline and one round trip per fault is slow.
@@ -86,7 +86,7 @@ class ModelSpec(_Strict):
 
 
 class MemorySpec(_Strict):
-    """Per-GPU memory model in MB (DESIGN §4.3); every term is per logical shard."""
+    """Per-GPU memory model in MB; every term is per logical shard."""
 
     capacity_mb: float = Field(description="Usable memory of one GPU.")
     layer_mb: float = Field(
@@ -103,7 +103,7 @@ class MemorySpec(_Strict):
 
 
 class PlanningProblem(_Strict):
-    """A cluster with per-GPU straggling rates and a model to lay out (DESIGN §4.1)."""
+    """A cluster with per-GPU straggling rates and a model to lay out."""
 
     nodes: Count = Field(description="Number of nodes.")
     gpus_per_node: Count = Field(

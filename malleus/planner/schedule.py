@@ -1,4 +1,4 @@
-"""The 1F1B schedule's makespan (DESIGN §4.3): a pipeline's time from its stage costs.
+"""The 1F1B schedule's makespan (docs/architecture.md, "Cost model"): a pipeline's time from its stage costs.
 
 Kept apart from the rest of the cost model because it is pure arithmetic on a tuple of stage
 costs (no problem, no plan): the search calls `pipeline_time` and its cheap bounds
@@ -97,7 +97,7 @@ def _build_topology(S: int, m: int) -> list[tuple[int, int, int]]:
 
 
 def _one_f_one_b(costs: tuple[float, ...], m: int) -> float:
-    """Exact makespan of the 1F1B schedule (DESIGN §4.3; trainer/parallel/pipeline.py).
+    """Exact makespan of the 1F1B schedule (trainer/parallel/pipeline.py).
 
     Stage j of S runs w_j = min(S-1-j, m) warm-up forwards, then alternates one forward and one
     backward, then drains w_j backwards; a forward costs c_j/3 and a backward 2c_j/3. Forward i

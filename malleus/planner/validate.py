@@ -1,4 +1,4 @@
-"""`validate_plan`: every invariant of DESIGN §4.2 plus the memory bound, all violations at once.
+"""`validate_plan`: every invariant of the plan contract (`plan.py`) plus the memory bound, all violations at once.
 
 The trainer calls it before any collective starts and the operator before it posts a plan, so
 each message names where the fault is (pipeline, stage, field) and what is expected.
@@ -93,6 +93,13 @@ def validate_plan(problem: PlanningProblem, plan: Plan) -> list[str]:
             out.append(f"excluded: rank {r} is beyond the world (0..{world - 1})")
         else:
             place(r, "excluded")
+    for r in plan.failed:
+        if not 0 <= r < world:
+            out.append(f"failed: rank {r} is beyond the world (0..{world - 1})")
+        elif problem.rate(r) is not None:
+            out.append(f"failed: rank {r} is usable in the problem (rate {problem.rate(r)})")
+        else:
+            place(r, "failed")
     missing = [r for r in problem.usable_ranks() if r not in seen]
     if missing:
         out.append(f"ranks {missing} are usable but in no stage and not in excluded")

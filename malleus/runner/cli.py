@@ -2,8 +2,9 @@
 
 Exit codes: 0 done; 1 the run failed (no member of the job left, no valid plan on the GPUs
 left, a switch failed); 2 bad input (manifest, resources, no plan, nothing to resume), refused
-before anything started; 130 interrupted (Ctrl-C or SIGTERM; with a checkpoint configured the
-trainers save one first and the message gives the `malleus run --resume WORKDIR` command).
+before anything started; 130 interrupted (Ctrl-C or SIGTERM: the trainers save a checkpoint at
+their next step boundary first, and the message gives the `malleus run --resume WORKDIR`
+command; a second Ctrl-C stops them at once).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from malleus.job.resources import Machine
 from .failures import summary_lines
 from .prepare import MODES, LocalRunOptions, Prepared, ideal_step_seconds, prepare
 from .progress import Progress
-from .report import RunFacts, build_report, judge_baseline, summary_text
+from .report import RunFacts, build_report, judge_baseline, refigure, summary_text
 from .resume import REPORT_FILE, append_report, previous_report
 from .session import Outcome, Session
 
@@ -37,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resume",
         metavar="WORKDIR",
-        help="continue the interrupted run in WORKDIR from its latest checkpoint "
-        "(its job and options; report and plot are appended)",
+        help="continue the interrupted run in WORKDIR from its latest checkpoint, under the "
+        "plan in force there (its job and options; report, plot and logs are appended)",
     )
     parser.add_argument("--report", metavar="REPORT.json", help="write the JSON run report here")
     parser.add_argument("--plot", metavar="PLOT.png", help="write throughput and rate plots here")
@@ -192,6 +193,9 @@ def run(
         previous = previous_report(prepared.workdir)
         if previous is not None:
             report = append_report(previous, report, prepared.resume_step)
+            refigure(
+                report, window_steps=prepared.policy.window_steps, problem_of=prepared.job.problem
+            )
     judge_baseline(report)  # with the failures in: a baseline that does not apply is dropped
     write_json(report, str(prepared.workdir / REPORT_FILE))  # what a --resume appends to
     if options.report:

@@ -29,7 +29,6 @@ from malleus.notation import size
 
 __all__ = [
     "BACKOFF_CAP_SECONDS",
-    "NO_PLAN_EXIT",
     "Failure",
     "FailureLog",
     "Recovery",
@@ -41,9 +40,6 @@ __all__ = [
 ]
 
 BACKOFF_CAP_SECONDS = 300.0
-NO_PLAN_EXIT = 4
-"""A trainer's exit code when no valid plan exists on the GPUs left (trainer/recovery/protocol.py
-`NO_PLAN_EXIT`, the same number): the end of the job, not a failure to replace."""
 
 
 def backoff_seconds(policy: FailurePolicy, failures: int) -> float:

@@ -19,9 +19,10 @@ from malleus.job import BadInput, ResolvedJob, StragglerPolicy
 from malleus.job.resources import Machine, Needs, probe_machine, require_resources
 from malleus.planner.cost import ideal_step_time
 from malleus.planner.plan import Plan
+from malleus.planner.validate import validate_plan
 
 from .processes import LaunchSpec
-from .resume import checkpoint_generation, save_options
+from .resume import checkpoint_generation, checkpoint_plan, previous_report, save_options
 
 __all__ = [
     "MODES",
@@ -147,8 +148,9 @@ def prepare(options: LocalRunOptions, machine: Machine | None = None) -> Prepare
     )
     stale = workdir / "checkpoints"
     resume_step = None
+    total_steps = options.steps or job.steps
     if options.resume:
-        resume_step, plan = _resumed(workdir, plan)
+        resume_step, plan = _resumed(workdir, job, plan, total_steps)
     elif stale.is_dir() and any(stale.iterdir()):
         # The trainers resume from whatever checkpoint they find: this run would continue that one.
         raise BadInput.one(
@@ -167,14 +169,11 @@ def prepare(options: LocalRunOptions, machine: Machine | None = None) -> Prepare
     token_file = workdir / "control-token"
     token_file.write_text(token)
     os.chmod(token_file, 0o600)
-    checkpoint_dir, every = None, 0
-    if options.mode == "restart":
-        checkpoint_dir = str((workdir / "checkpoints").resolve())
-    if job.spec.checkpoint.interval_steps > 0:
-        checkpoint_dir = str((workdir / "checkpoints").resolve())
-        every = job.spec.checkpoint.interval_steps
-    if options.resume:
-        checkpoint_dir = str((workdir / "checkpoints").resolve())
+    # Every local run keeps checkpoints in its work directory, whatever spec.checkpoint says:
+    # with intervalSteps 0 the trainers save one only when stopped (Ctrl-C, SIGTERM) and at
+    # the end, so any run stopped by hand can be continued with `--resume`.
+    checkpoint_dir = str((workdir / "checkpoints").resolve())
+    every = job.spec.checkpoint.interval_steps
     cpus = machine.cpus if machine is not None else (os.cpu_count() or 1)
     launch = LaunchSpec(
         job=str(Path(options.job).resolve()),
@@ -199,23 +198,59 @@ def prepare(options: LocalRunOptions, machine: Machine | None = None) -> Prepare
         launch=launch,
         machine=machine,
         needs=needs,
-        total_steps=options.steps or job.steps,
+        total_steps=total_steps,
         resume_step=resume_step,
     )
 
 
-def _resumed(workdir: Path, initial: Plan) -> tuple[int, Plan]:
-    """The checkpoint's step and the plan it was taken under (`plans/gen-N.json`)."""
+def _resumed(workdir: Path, job: ResolvedJob, initial: Plan, total_steps: int) -> tuple[int, Plan]:
+    """The checkpoint's step and the plan it was taken under (kept in its manifest; else
+    `plans/gen-N.json`), checked against the job; BadInput when there is nothing to continue:
+    no checkpoint, or the run already trained its steps."""
     found = checkpoint_generation(workdir / "checkpoints")
+    previous = previous_report(workdir) or {}
+    ended = previous.get("exit") or {}
+    done = found is not None and found[0] >= total_steps
+    if done or (ended.get("code") == 0 and previous.get("steps", 0) >= total_steps):
+        raise BadInput.one(
+            "--resume",
+            f"the run in {workdir} finished: it trained all {total_steps} steps; nothing to "
+            "continue (its report and logs are there as it left them)",
+            what="arguments",
+        )
     if found is None:
         raise BadInput.one(
             "--resume",
-            f"{workdir / 'checkpoints'} holds no checkpoint to continue from (a run saves one "
-            "every spec.checkpoint.intervalSteps steps, and when stopped by Ctrl-C or SIGTERM)",
+            f"{workdir / 'checkpoints'} holds no checkpoint to continue from: the run was "
+            "stopped before it saved one (a run saves one when stopped by Ctrl-C or SIGTERM, "
+            "and every spec.checkpoint.intervalSteps steps); start it again instead",
             what="arguments",
         )
     step, generation = found
+    if not generation or generation == initial.generation:
+        return step, initial
     path = workdir / "plans" / f"gen-{generation}.json"
-    if generation and generation != initial.generation and path.exists():
-        return step, Plan.from_json(path.read_text())
-    return step, initial
+    text = checkpoint_plan(workdir / "checkpoints")
+    if text is None and path.exists():
+        text = path.read_text()
+    if text is None:
+        raise BadInput.one(
+            "--resume",
+            f"the checkpoint of step {step} was taken under plan generation {generation}, "
+            f"which neither its manifest nor {path} holds: the run cannot go on under it",
+            what="arguments",
+        )
+    try:
+        plan = Plan.from_json(text)
+        faults = validate_plan(job.problem(), plan)
+    except (ValueError, TypeError, KeyError) as e:
+        faults = [f"not a plan: {e}"]
+    if faults or plan.generation != generation:
+        why = "; ".join(faults) or f"it is generation {plan.generation}"
+        raise BadInput.one(
+            "--resume",
+            f"the plan of the checkpoint of step {step} (generation {generation}) does not fit "
+            f"the job: {why}",
+            what="arguments",
+        )
+    return step, plan

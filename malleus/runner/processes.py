@@ -98,6 +98,16 @@ class RankProcess:
         return self.proc.poll()
 
 
+def _launches_logged(workdir: Path) -> int:
+    """The highest N of the `logs/launch-N` folders in `workdir` (0 when none)."""
+    found = [0]
+    for d in (workdir / "logs").glob("launch-*"):
+        suffix = d.name.removeprefix("launch-")
+        if suffix.isdigit():
+            found.append(int(suffix))
+    return max(found)
+
+
 class TrainerProcesses:
     """Start, watch, replace and stop the job's `world` trainer processes.
 
@@ -116,7 +126,9 @@ class TrainerProcesses:
         self.spec = spec
         self.on_line = on_line
         self.on_rank_line = on_rank_line
-        self.launches = 0
+        self.launches = _launches_logged(spec.workdir)
+        """Launches so far in this work directory, earlier runs' included: a resumed run's
+        logs go to the next `logs/launch-N`, never over the ones it continues."""
         self.ports: list[int] = free_ports(spec.world)
         """Every rank's control port, `ports[0] + rank` (kept across relaunches and
         replacements: the controller keeps scraping one set). Each rank is given
@@ -140,6 +152,7 @@ class TrainerProcesses:
             raise RuntimeError("the previous launch is still running")
         self._join_readers()
         self._close_files()
+        first = self.store is None
         self.launches += 1
         logs = self.logs_dir
         logs.mkdir(parents=True, exist_ok=True)
@@ -147,7 +160,7 @@ class TrainerProcesses:
             self.store.stop()
         self.store = StoreServer(self.spec.python, logs / "store.log")
         self.store.start(timeout=max(60.0, self.spec.init_timeout))
-        if self.store.port in self.ports and self.launches == 1:  # the OS's pick, in our block
+        if self.store.port in self.ports and first:  # the OS's pick, in our block
             self.ports = free_ports(self.spec.world)
         self._plan, self._resume, self._master = plan, resume, self.store.port
         self._retired += self._ranks

@@ -24,7 +24,9 @@ __all__ = [
     "RUN_FILE",
     "append_report",
     "checkpoint_generation",
+    "checkpoint_plan",
     "load_options",
+    "previous_report",
     "resume_options",
     "save_options",
 ]
@@ -88,6 +90,18 @@ def checkpoint_generation(checkpoints: Path) -> tuple[int, int] | None:
         return None
 
 
+def checkpoint_plan(checkpoints: Path) -> str | None:
+    """The plan in force when the checkpoint `checkpoints/latest` was taken, as JSON text (the
+    trainers keep it in the manifest), or None (none recorded). Not yet checked: the caller
+    validates it against the job before anything runs under it."""
+    try:
+        name = (checkpoints / "latest").read_text().strip()
+        plan = json.loads((checkpoints / name / "manifest.json").read_text()).get("plan")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return json.dumps(plan) if isinstance(plan, dict) else None
+
+
 def previous_report(workdir: Path) -> dict[str, Any] | None:
     try:
         data = json.loads((workdir / REPORT_FILE).read_text())
@@ -101,7 +115,8 @@ def append_report(
 ) -> dict[str, Any]:
     """One report for the whole run: `previous`'s steps before `resume_step` (the steps after
     the checkpoint were trained again), then `current`'s; events, plan changes, switches and
-    failures of both; times summed; `resumes` lists each continuation."""
+    failures of both; times summed; `resumes` lists each continuation. The figures over the
+    whole run (windows, static baseline) are `report.refigure`'s, given the job."""
     out = dict(current)
     rows = [r for r in previous.get("per_step", []) if r["step"] < resume_step]
     rows += list(current.get("per_step", []))
@@ -128,6 +143,11 @@ def append_report(
         out["generations"] = generation_segments(rows, tps)
     out["started"] = previous.get("started", current.get("started"))
     out["initial_plan"] = previous.get("initial_plan", current.get("initial_plan"))
+    # The first plan's terms (the static baseline's) were measured before the first stop.
+    out["calibration"] = previous.get("calibration") or current.get("calibration")
+    out["calibrations"] = list(previous.get("calibrations", [])) + list(
+        current.get("calibrations", [])
+    )
     resumes = list(previous.get("resumes", []))
     resumes.append(
         {

@@ -4,9 +4,9 @@ Three tasks share the event loop: the controller (or, in static mode, a plain re
 same metrics), the supervisor (process exits, replacements, Ctrl-C, progress), and the reader
 threads that feed every rank's lines to the record. A rank's death is not the end of the run:
 `supervise.Supervisor` replaces it under spec.failurePolicy while the trainers recover, and
-the run fails only when no member of the job is left. Ctrl-C or SIGTERM with a checkpoint
-configured asks the coordinator to checkpoint and stop first (bounded by the failure policy's
-grace period), and says how to `--resume`. Whatever ends the run, the trainers (and the
+the run fails only when no member of the job is left. Ctrl-C or SIGTERM asks the coordinator to
+checkpoint at the next step boundary and stop first (bounded by the failure policy's grace
+period), and says how to `--resume`. Whatever ends the run, the trainers (and the
 rendezvous store) are stopped before this returns: none outlives it.
 """
 
@@ -273,18 +273,31 @@ class Session:
             self.progress.message(self.supervisor.messages.get_nowait())
 
     def _interrupted_reason(self) -> str:
-        if self.saved is None:
-            return "interrupted: trainers stopped"
-        step, directory = self.saved
+        """What stopped, and whether and how the run can be continued."""
+        again = f"malleus run --resume {self.prepared.workdir}"
+        if self.saved is not None:
+            step, directory = self.saved
+            return (
+                f"interrupted: saved a checkpoint of step {step} in {directory}; continue with: "
+                f"{again}"
+            )
+        directory = self.prepared.launch.checkpoint_dir
+        older = latest_checkpoint_step(Path(directory)) if directory else None
+        if older is not None:
+            return (
+                f"interrupted: trainers stopped before saving a checkpoint; continue from the "
+                f"one of step {older} with: {again}"
+            )
         return (
-            f"interrupted: saved a checkpoint of step {step} in {directory}; continue with: "
-            f"malleus run --resume {self.prepared.workdir}"
+            "interrupted: trainers stopped before any checkpoint was saved, so this run cannot "
+            "be continued; start it again (a single Ctrl-C lets the trainers save one first)"
         )
 
     async def _graceful_stop(self) -> None:
-        """Ctrl-C / SIGTERM with a checkpoint configured: POST /stop {"checkpoint": true} to
-        the coordinator, wait up to spec.failurePolicy.gracePeriodSeconds for the trainers to
-        write it and exit (a second signal cuts this short); then the usual stop."""
+        """Ctrl-C / SIGTERM (a local run always has a checkpoint directory): POST /stop
+        {"checkpoint": true} to the coordinator, wait up to spec.failurePolicy.
+        gracePeriodSeconds for the trainers to write it at their next step boundary and exit
+        (a second signal cuts this short); then the usual stop."""
         p = self.prepared
         directory = p.launch.checkpoint_dir
         if directory is None or not self.procs.running() or self._interrupted > 1:

@@ -28,9 +28,9 @@ import time
 from collections.abc import Callable
 
 from malleus.control import ControlError, RecoveryRecord
+from malleus.errors import NO_PLAN_EXIT
 
 from .failures import (
-    NO_PLAN_EXIT,
     Failure,
     FailureLog,
     Replacement,

@@ -183,7 +183,7 @@ def test_each_trainer_in_a_pod_refuses_a_mistyped_path_and_tells_the_operator(
 
     log = tmp_path / "termination-log"  # the kubelet creates it in every container
     log.write_text("")
-    monkeypatch.setattr(cli, "TERMINATION_LOG", log)
+    monkeypatch.setattr("malleus.trainer.world.errors.TERMINATION_LOG", log)
     # a pod's process owns its streams and signals; this one shares pytest's: leave them be
     monkeypatch.setattr("malleus.trainer.launch.output.whole_lines", lambda: None)
     monkeypatch.setattr("malleus.trainer.launch.distributed.quiet_signals", lambda: None)

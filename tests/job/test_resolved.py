@@ -129,7 +129,7 @@ def test_memory_model_of_the_tiny_preset_by_hand() -> None:
 
 
 def test_memory_model_of_llama_70b_is_in_the_designs_range() -> None:
-    """DESIGN §4.1's example (tp 8): layer 1470 MB, activations 178 MB. GQA is not modelled, so
+    """examples/problems/70b.json (tp 8): layer 1470 MB, activations 178 MB. GQA is not modelled, so
     the layer state comes out higher (safe side)."""
     mem = memory_model(PRESETS["llama-70b"], tp=8, micro_batch_size=1, capacity_mib=81559)
     assert 1400 < mem.layer_mb < 2000

@@ -11,6 +11,7 @@ from typing import Any
 import kopf
 import pytest
 
+from malleus.errors import BAD_INPUT_EXIT, LEFT_OUT_EXIT, NO_PLAN_EXIT
 from malleus.job import FailurePolicy
 from malleus.job.status import GpuOut, NodeFailure
 from malleus.operator import children, failures, handlers, jobs, resources, store, workers
@@ -43,9 +44,9 @@ def failed_pod(node: int, uid: str, code: int = 137, reason: str = "Error") -> d
 def test_pod_failure_classifies_exit_codes_evictions_and_deletions() -> None:
     f = failures.pod_failure(failed_pod(1, "u1"), "demo")
     assert f is not None and (f.node, f.uid, f.reason, f.exit_code) == (1, "u1", "Error", 137)
-    left = failures.pod_failure(failed_pod(1, "u1", code=failures.LEFT_OUT_EXIT), "demo")
+    left = failures.pod_failure(failed_pod(1, "u1", code=LEFT_OUT_EXIT), "demo")
     assert left is not None and left.reason == "LeftOut"
-    no_plan = failures.pod_failure(failed_pod(0, "u0", code=failures.NO_PLAN_EXIT), "demo")
+    no_plan = failures.pod_failure(failed_pod(0, "u0", code=NO_PLAN_EXIT), "demo")
     assert no_plan is not None and no_plan.reason == failures.NO_VALID_PLAN
     evicted = {
         "metadata": {"name": "demo-node-2"},
@@ -95,7 +96,7 @@ def test_a_pod_is_counted_once_and_a_node_past_max_restarts_stays_out() -> None:
 
 
 def test_no_valid_plan_ends_the_job() -> None:
-    seen = [failures.pod_failure(failed_pod(0, "u0", code=failures.NO_PLAN_EXIT), "demo")]
+    seen = [failures.pod_failure(failed_pod(0, "u0", code=NO_PLAN_EXIT), "demo")]
     records, _ = failures.record_failures(None, seen, POLICY, T0)  # type: ignore[arg-type]
     assert records[0].state == "Out"
     reason, message = failures.terminal_reason(records, 4)  # type: ignore[misc]
@@ -117,7 +118,7 @@ def test_a_trainer_that_refused_its_input_ends_the_job_naming_the_fault() -> Non
     pod["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = REFUSAL
     refused = failures.pod_failure(pod, "demo")
     assert refused is not None and refused.reason == failures.BAD_INPUT == "BadInput"
-    direct = failures.pod_failure(failed_pod(1, "u1", code=failures.BAD_INPUT_EXIT), "demo")
+    direct = failures.pod_failure(failed_pod(1, "u1", code=BAD_INPUT_EXIT), "demo")
     assert direct is not None and direct.reason == failures.BAD_INPUT
     records, _ = failures.record_failures(None, [refused], POLICY, T0)
     assert records[0].state == "Out"  # no replacement: it would refuse the same input
@@ -339,7 +340,7 @@ def test_no_valid_plan_fails_the_job_with_a_condition_that_says_so(
 ) -> None:
     _create(kube, memo, make_job())
     _set_uid(kube, "demo-node-0", "pod-0")
-    _fail(kube, memo, 0, code=failures.NO_PLAN_EXIT)
+    _fail(kube, memo, 0, code=NO_PLAN_EXIT)
     st = kube.job("ml", "demo")["status"]
     assert st["phase"] == "Failed"
     failed = next(c for c in st["conditions"] if c["type"] == "Failed")

@@ -224,7 +224,7 @@ def test_notes_say_what_was_installed_and_where_jobs_go(sets: tuple[str, ...], s
     assert "Deployment rel-malleus-operator" in notes
     assert "malleus-edit and malleus-view" in notes
     assert "kubectl apply --server-side --force-conflicts" in notes
-    assert "docs/operator.md" in notes
+    assert "docs/guide/operator.md" in notes
     job_ns = "ml" if "watchNamespaces={ml}" in sets else "malleus-system"
     assert f"kubectl -n {job_ns} apply -f - <<'YAML'" in notes
 
@@ -353,7 +353,7 @@ def test_documented_crd_upgrade_stores_new_fields(cluster: Cluster, tmp_path: Pa
     assert "precision" not in cluster.job(ns, "before")["spec"]["training"]  # pruned
     uid = cluster.job(ns, "before")["metadata"]["uid"]
 
-    # the upgrade, exactly as docs/operator.md and NOTES.txt give it (twice: it is idempotent)
+    # the upgrade, exactly as docs/guide/operator.md and NOTES.txt give it (twice: it is idempotent)
     for _ in range(2):
         out = cluster.shell(
             f"helm show crds {CHART} | kubectl apply --server-side --force-conflicts -f -"

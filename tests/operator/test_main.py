@@ -31,7 +31,7 @@ def test_help_runs_without_a_cluster() -> None:
 
 
 def test_no_operator_module_imports_torch() -> None:
-    """The operator image has no torch (DESIGN §3)."""
+    """The operator image has no torch (docs/images.md)."""
     imports = "; ".join(f"import malleus.operator.{m}" for m in OPERATOR_MODULES)
     code = f"import sys; {imports}; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -160,6 +160,22 @@ def test_what_if_rates_replan_a_job_from_its_initial_plan(tmp_path: Path) -> Non
     result = Plan.from_json(target.read_text())
     used = {r for p in result.pipelines for s in p.stages for r in s.ranks}
     assert 5 not in used and 5 not in result.excluded  # unusable: neither used nor excluded
+    assert result.failed == [5]  # ... and said so in the JSON, as the table says it
+
+
+def test_a_plan_cannot_call_a_usable_rank_failed() -> None:
+    from malleus.job import ResolvedJob
+    from malleus.planner.validate import validate_plan
+
+    job = ResolvedJob.load(ROOT / "examples" / "tiny-cpu.yaml")
+    first = job.initial_plan()
+    problem = job.problem({5: None})
+    assert validate_plan(job.problem(), first) == []
+    wrong = first.model_copy(update={"failed": [2]})
+    assert "failed: rank 2 is usable in the problem (rate 1.0)" in validate_plan(
+        job.problem(), wrong
+    )
+    assert any("rank 5 is unusable" in f for f in validate_plan(problem, first))
 
 
 def test_what_if_rates_lay_over_a_problems_own(tmp_path: Path) -> None:

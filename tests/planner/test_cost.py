@@ -1,4 +1,4 @@
-"""The cost model of DESIGN §4.3, checked against numbers worked out by hand."""
+"""The cost model (docs/architecture.md, "Cost model"), checked against numbers worked out by hand."""
 
 from __future__ import annotations
 

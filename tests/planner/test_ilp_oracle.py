@@ -1,6 +1,6 @@
 """The in-process exact solvers against integer programs stated plainly and solved by PuLP/CBC.
 
-The planner never starts a solver in its search loop (DESIGN §5: ~17 ms per CBC process); these
+The planner never starts a solver in its search loop (~17 ms per CBC process); these
 tests are where the integer programs live, as the clearest statement of what "exact" means.
 """
 

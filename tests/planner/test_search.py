@@ -169,7 +169,7 @@ def test_examples_plan_and_beat_uniform(name: str) -> None:
 
 
 def test_70b_beats_the_authors_planner() -> None:
-    # the authors' planner scores recovery 0.89 on this setting (DESIGN §4.3)
+    # the authors' planner scores recovery 0.89 on this setting
     p = PlanningProblem.load((EXAMPLES / "70b.json").read_text())
     e = plan(p).estimate
     assert e is not None and e.reference_step_time is not None

@@ -108,11 +108,35 @@ def assert_same_model(path: Path, want: dict[str, Any]) -> None:
     assert worst <= 1e-4, worst
 
 
+def runner_says(tmp_path: Path, text: str, runner: subprocess.Popen[str]) -> bool:
+    """`text` in the runner's progress output (`runner` writes it to `tmp_path/out-*.txt`)."""
+    if runner.poll() is not None:
+        _, err = runner.communicate()
+        raise AssertionError(f"malleus run ended early ({runner.returncode}): {err[-3000:]}")
+    return any(text in p.read_text(errors="replace") for p in tmp_path.glob("out-*.txt"))
+
+
 def test_sigterm_checkpoints_first_and_resume_continues_and_appends(tmp_path: Path) -> None:
-    job_file = job(tmp_path, steps=12, checkpoint={"intervalSteps": 100})
+    # No spec.checkpoint (as in the quickstart): a local run can be continued all the same.
+    # Rank 1 slows 4x at step 2, so generation 2 (rank 1 left out) is in force at the stop; a
+    # grace period of 10 minutes, so a stop that waited for it rather than for the next step
+    # boundary would time out below.
+    job_file = job(
+        tmp_path,
+        steps=14,
+        tp=1,
+        stragglerPolicy={"cooldownSeconds": 1, "windowSteps": 2},
+        failurePolicy={"gracePeriodSeconds": 600},
+        emulation={
+            "enabled": True,
+            "layerForwardMs": 30,
+            "layerBackwardMs": 60,
+            "schedule": [{"step": 2, "rank": 1, "factor": 4.0}],
+        },
+    )
     work, report = tmp_path / "work", tmp_path / "r.json"
     first = live_run(tmp_path, job_file, "--plot", str(tmp_path / "p.png"))
-    wait_for("step 3", lambda: step_done(work, 3, first), 240)
+    wait_for("generation 2", lambda: runner_says(tmp_path, "run generation 2", first), 240)
     os.kill(first.pid, signal.SIGTERM)  # what `kill` or a pod's deletion sends
     _, err = first.communicate(timeout=120)
     assert first.returncode == 130, err
@@ -122,22 +146,46 @@ def test_sigterm_checkpoints_first_and_resume_continues_and_appends(tmp_path: Pa
     saved = json.loads(report.read_text())
     assert saved["exit"]["code"] == 130
     stopped_at = int(err.split("saved a checkpoint of step ")[1].split()[0])
-    assert 3 <= stopped_at < 12
+    assert 3 <= stopped_at < 14
     assert (work / "checkpoints" / "latest").read_text().strip() == f"step-{stopped_at:08d}"
+    assert saved["per_step"][-1]["generation"] == 2, saved["per_step"]
+    first_log = (work / "logs" / "launch-1" / "rank-0.log").read_text()
 
     again = runner(tmp_path, "--resume", str(work))
     _, err = again.communicate(timeout=300)
     assert again.returncode == 0, err
     out = json.loads(report.read_text())
-    assert out["exit"]["code"] == 0 and out["steps"] == 12
-    assert [r["step"] for r in out["per_step"]] == list(range(12))
+    assert out["exit"]["code"] == 0 and out["steps"] == 14
+    assert [r["step"] for r in out["per_step"]] == list(range(14))
+    # the plan in force at the checkpoint, and its generation, go on after the resume
+    resumed_rows = [r for r in out["per_step"] if r["step"] >= stopped_at]
+    assert {r["generation"] for r in resumed_rows} == {2}, resumed_rows
+    assert [c["generation"] for c in out["plan_changes"]] == [2]
+    last = out["windows"][-1]  # the re-plan's window spans both launches
+    assert (last["old_generation"], last["generation"], last["last_step"]) == (1, 2, 13)
     assert [r["step"] for r in out["resumes"]] == [stopped_at]
     assert out["resumes"][0]["previous_exit"]["code"] == 130
     assert out["started"] == saved["started"]
     assert (tmp_path / "p.png").stat().st_size > 0
-    resumed = (work / "logs" / "launch-1" / "rank-0.log").read_text()
+    # logs appended: the first launch's as it was, the continuation's beside it
+    assert (work / "logs" / "launch-1" / "rank-0.log").read_text() == first_log
+    resumed = (work / "logs" / "launch-2" / "rank-0.log").read_text()
     assert f"at step {stopped_at}" in resumed  # "resumed from ... at step N"
     assert_same_model(tmp_path / "model.pt", reference(tmp_path, job_file))
+
+    # a finished run says so, and its report is left as it was
+    before = report.read_bytes()
+    done = subprocess.run(
+        [sys.executable, "-m", "malleus.cli", "run", "--resume", str(work)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"the run in {work} finished: it trained all 14 steps" in done.stderr
+    assert report.read_bytes() == before
+    assert not (work / "logs" / "launch-3").exists()
 
 
 def test_resume_needs_a_checkpoint(tmp_path: Path) -> None:

@@ -113,11 +113,14 @@ def save(
     *,
     world: World,
     device: torch.device | None = None,
+    plan: Mapping[str, Any] | None = None,
 ) -> Path:
     """Collective: every rank writes the pieces it owns; the coordinator of `world` (rank 0
     until a recovery moves it) publishes and prunes (keeping `spec.checkpoint.keep`). Returns
     the path. `rank` is this rank's GPU id; `device` where its collectives run (default: its
-    tensors', else the CPU)."""
+    tensors', else the CPU); `plan` the plan in force (JSON), kept in the manifest so that a
+    run continued from this checkpoint goes on under it, whoever made it (a recovery's plan
+    is never published anywhere else)."""
     directory = Path(directory)
     final = _step_dir(directory, step)
     tmp = directory / f".{final.name}.tmp"
@@ -161,6 +164,7 @@ def save(
             "job": job.name,
             "step": step,
             "plan_generation": generation,
+            "plan": dict(plan) if plan is not None else None,
             "saved_at": time.time(),
             **_identity(job),
             "files": dict(sorted(written.items())),

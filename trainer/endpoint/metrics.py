@@ -1,4 +1,4 @@
-"""The trainer's Prometheus metrics (DESIGN §4.4) and `parse_rates`, a reader of its exposition.
+"""The trainer's Prometheus metrics and `parse_rates`, a reader of its exposition.
 
 One registry per trainer object (not prometheus-client's global one), so several ranks or tests
 in one process never collide. The coordinator publishes every rank's rate, since a pod is a node
@@ -48,7 +48,7 @@ RATE_LABELS = (JOB_LABEL, "rank", "node_rank", "gpu", "node_name")
 
 
 class TrainerMetrics:
-    """The metrics of DESIGN §4.4 for one trainer process (GET /status reads the loop's own
+    """The trainer's metrics for one trainer process (GET /status reads the loop's own
     state, not these gauges: see `trainer.services`). `gpu` is this process's GPU index in its
     node; `node_name` defaults to the `NODE_NAME` environment variable."""
 

@@ -1,4 +1,4 @@
-"""The trainer's control endpoint (DESIGN §4.4): health, status, metrics, plans, stop, injections.
+"""The trainer's control endpoint: health, status, metrics, plans, stop, injections.
 
 The stdlib's HTTP request handler behind `intake.Intake` (one selector thread takes connections
 in and reads their heads; a fixed pool of threads handles complete requests), so the training

@@ -106,7 +106,7 @@ def exchange_injections(trainer: TrainerView) -> None:
     """Slowdowns posted to any control endpoint reach their rank at the step boundary.
 
     An all-reduce MAX, on purpose, unlike the step's figures (a gather of each rank's own row):
-    every serving rank's endpoint (each node's first rank in a pod, docs/trainer.md "Control
+    every serving rank's endpoint (each node's first rank in a pod, docs/reference/trainer.md "Control
     endpoint") legitimately takes `POST /inject` for any rank of the world, behind the job's
     token, so no row can be told to speak for fewer ranks than all. The exchange runs only
     under the emulated clock (a test and demo feature the job turns on; with real timings there

@@ -7,6 +7,7 @@ the same under any layout and a job can stop under one plan and continue under a
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -37,6 +38,7 @@ def save_checkpoint(trainer: Trainer, directory: str | Path) -> Path:
         trainer.plan.generation,
         world=trainer.world,
         device=trainer.device,
+        plan=json.loads(trainer.plan.to_json()),
     )
 
 

@@ -291,7 +291,7 @@ class Trainer:
 
     def switch(self, plan: Plan) -> Migration:
         """Collective: put `plan` in force now, moving every piece and its Adam state to its
-        new holders (DESIGN §6), then rebuilding the TP, pipeline and gradient-sync groups.
+        new holders (`parallel/migrate.py`), then rebuilding the TP, pipeline and gradient-sync groups.
 
         Raises MigrationError naming this rank, the generation and the step; every wait is
         bounded by `migration_timeout_s`.

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from malleus.errors import LEFT_OUT_EXIT
 from malleus.trainer.world.errors import DEAD_KEY, LaunchError
 
 from .distributed import (
@@ -151,8 +152,6 @@ def spawn_local(
     return [p.exitcode for p in ctx.processes]
 
 
-LEFT_OUT_EXIT = 3
-"""A rank's exit code when the job went on without it (recovery.py: left out of the job)."""
 FINISH_S = 120.0
 """Once a rank finished, how long a fault-tolerant launcher waits for the others to end (a
 stopped process, a hung rank left out of the job, is killed after `grace_s`)."""

@@ -1,4 +1,4 @@
-"""The emulated GPU clock (DESIGN §4.4): charge each layer-shard a configured time x a slowdown.
+"""The emulated GPU clock: charge each layer-shard a configured time x a slowdown.
 
 Many ranks share a 2-core machine in tests, demos and benchmarks, so real compute times say
 nothing about the layout. With emulation on, every forward/backward of a layer is charged

@@ -1,4 +1,4 @@
-"""Straggling rates (DESIGN §4.4): a rank's compute time per unit of work over a healthy reference.
+"""Straggling rates: a rank's compute time per unit of work over a healthy reference.
 
 A unit is one logical layer-shard for one micro-batch in one pass: a forward of a stage with
 `l` layers on a GPU holding `2^k` shards records `l * 2^k` units, and so does its backward. Only

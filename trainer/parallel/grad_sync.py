@@ -1,6 +1,6 @@
 """Data-parallel gradient sync per piece, and the exact global gradient norm.
 
-A piece's gradient is summed over its contributors (DESIGN §6: per logical shard, across the
+A piece's gradient is summed over its contributors (per logical shard, across the
 pipelines that hold it; a tied embedding also across its first and last stage). Pieces with the
 same holder set travel in one flat all-reduce (a bucket); buckets run in the layout's global
 order, which every rank derives from the plan alone. Replicated norm weights have the same

@@ -62,12 +62,13 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from malleus.errors import BadInput
+from malleus.errors import LEFT_OUT_EXIT, BadInput
 from malleus.planner import Plan, check_plan
 from malleus.trainer.world.alarm import Silence
 from malleus.trainer.world.errors import (  # DEAD_KEY: a launcher saw a GPU's process end
     DEAD_KEY,
     first_line,
+    say_ending,
 )
 from malleus.trainer.world.faults import at_lead
 from malleus.trainer.world.membership import Membership
@@ -83,8 +84,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DECISION_WAIT_S",
-    "LEFT_OUT_EXIT",
-    "NO_PLAN_EXIT",
     "NoValidPlan",
     "PeerFailure",
     "RecoveryError",
@@ -96,7 +95,6 @@ log = logging.getLogger(__name__)
 
 DECISION_WAIT_S = 60.0
 """How long a survivor waits for the leader's decision before starting the next epoch."""
-LEFT_OUT_EXIT = 3
 SPURIOUS_TRIES = 3
 """Recoveries in which every rank arrived (a collective timed out on a slow machine, say) that
 one step may take before its error is taken for a real one and raised."""
@@ -120,11 +118,6 @@ class NoValidPlan(RecoveryError):
     """No valid plan exists on the GPUs left (the planner refused the survivors' problem): the
     job cannot go on. Every survivor exits `NO_PLAN_EXIT`, which the operator (reason
     `NoValidPlan`) and `malleus run` read as the end of the job, not as one more failure."""
-
-
-NO_PLAN_EXIT = 4
-"""Exit code of a rank when no valid plan exists on the GPUs left (operator/failures.py
-`NO_PLAN_EXIT` is the same number, read from the pod's exit code)."""
 
 
 def hang_timeout_s(job: Any) -> float:
@@ -248,12 +241,10 @@ def _dbg(rank: int, what: str) -> None:
 
 
 def _left_out(gpu: int, epoch: int, why: str) -> None:
-    print(
-        f"[malleus] rank {gpu} was left out of the job at recovery epoch {epoch}: {why}",
-        file=sys.stderr,
-        flush=True,
-    )
+    said = f"rank {gpu} was left out of the job at recovery epoch {epoch}: {why}"
+    print(f"[malleus] {said}", file=sys.stderr, flush=True)
     sys.stdout.flush()
+    say_ending(LEFT_OUT_EXIT, said)
     os._exit(LEFT_OUT_EXIT)  # no cleanup: its process group is gone, the job goes on
 
 

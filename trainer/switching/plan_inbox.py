@@ -1,4 +1,4 @@
-"""The coordinator's plan inbox: the switch protocol of DESIGN §4.4, without HTTP or torch.
+"""The coordinator's plan inbox: the switch protocol, without HTTP or torch.
 
 `POST /plan` may arrive at any moment, mid-step included; the plan waits here until the training
 loop reaches a step boundary and `take()`s it, so every rank switches between the same two steps.

@@ -1,4 +1,4 @@
-"""The switch protocol (DESIGN §4.4, §6): plans and stop requests reach every rank at one boundary.
+"""The switch protocol (docs/reference/trainer.md): plans and stop requests reach every rank at one boundary.
 
 Rank 0, the coordinator, holds the plan inbox (`POST /plan`) and the stop request (`POST /stop`).
 At the end of each step it takes whatever is pending and encodes it in control words that

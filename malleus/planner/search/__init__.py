@@ -1,4 +1,4 @@
-"""The planner's search (DESIGN §5): `plan(problem)` -> the fastest `Plan` it finds in its budget.
+"""The planner's search: `plan(problem)` -> the fastest `Plan` it finds in its budget.
 
 Rooms:
 - `driver`: `plan()` and what surrounds the phases: the budget (`default_budget`), rate

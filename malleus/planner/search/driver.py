@@ -1,4 +1,4 @@
-"""`plan()`: Malleus's planner search (DESIGN §5), exact inner solvers, no solver processes.
+"""`plan()`: Malleus's planner search, exact inner solvers, no solver processes.
 
 1. Group every straggler node's GPUs (grouping.py): per node, the fastest grouping for each
    group count (any node may be split, a uniformly slow one included); globally, either every
@@ -296,6 +296,7 @@ def _shape_faults(problem: PlanningProblem) -> list[str]:
 def _finish(problem: PlanningProblem, plan: Plan, t0: float, uni: float | None) -> Plan:
     prev = problem.previous_plan
     plan.generation = prev.generation + 1 if prev is not None else 0
+    plan.failed = [r for r in range(problem.world) if problem.rate(r) is None]
     ref = reference_step_time(problem)  # inf when no static layout fits even when healthy
     cal = problem.calibration
     terms = step_time_terms(problem, plan) if cal is not None else None

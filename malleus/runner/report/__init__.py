@@ -21,7 +21,7 @@ from .baseline import (
     static_baseline,
     static_baseline_of,
 )
-from .build import RunFacts, build_report
+from .build import RunFacts, build_report, refigure
 from .figures import plan_changes, replan_windows
 from .text import summary_text
 
@@ -32,6 +32,7 @@ __all__ = [
     "build_report",
     "judge_baseline",
     "plan_changes",
+    "refigure",
     "replan_windows",
     "static_baseline",
     "static_baseline_of",

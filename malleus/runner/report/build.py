@@ -50,7 +50,7 @@ from ..record import PlanSwitch
 from .baseline import ProblemOf, judge_baseline, static_baseline_of
 from .figures import plan_changes, ratio, replan_windows
 
-__all__ = ["RunFacts", "build_report"]
+__all__ = ["RunFacts", "build_report", "refigure"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,24 @@ def build_report(
         "events": [e.to_dict() for e in events],
         "per_step": list(rows),
     }
+    if problem_of is not None:
+        report["static_baseline"] = static_baseline_of(report, problem_of)
+    return judge_baseline(report)
+
+
+def refigure(
+    report: dict[str, Any], *, window_steps: int, problem_of: ProblemOf | None
+) -> dict[str, Any]:
+    """`report` with its whole-run figures (generation segments, re-plan windows, static
+    baseline) computed again over all of its rows and plan changes: after `--resume` appended
+    a continuation to the run it continues, whose re-plans and first plan came before it."""
+    rows = report.get("per_step") or []
+    changes = report.get("plan_changes") or []
+    schedule = [(s["step"], s["rank"], s["factor"]) for s in report.get("schedule") or []]
+    tps = report["tokens_per_step"]
+    report["generations"] = generation_segments(rows, tps)
+    report["windows"] = replan_windows(changes, rows, schedule, window_steps, tps)
+    report["static_baseline"] = None
     if problem_of is not None:
         report["static_baseline"] = static_baseline_of(report, problem_of)
     return judge_baseline(report)

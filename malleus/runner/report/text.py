@@ -63,6 +63,11 @@ def summary_text(report: Mapping[str, Any]) -> str:
         f"mean {_num(report['mean_tokens_per_second'], ',.0f')} tok/s, "
         f"final loss {_num(report['final_loss'], '.4f')}"
     ]
+    resumes = report.get("resumes") or []
+    if resumes:  # `malleus run --resume`: one report for the whole run, said so
+        at = ", ".join(str(r["step"]) for r in resumes)
+        which = "checkpoint of step" if len(resumes) == 1 else "checkpoints of steps"
+        lines.append(f"continued with --resume from the {which} {at} (times summed)")
     lines += _baseline(report)
     if report.get("ideal_ratio") is not None:
         lines.append(

@@ -1,4 +1,4 @@
-"""The emulated GPU clock end to end (DESIGN §4.4): a rank slowed 3x by the job's emulation
+"""The emulated GPU clock end to end: a rank slowed 3x by the job's emulation
 schedule reports a straggling rate of 3 on the control endpoint, and the uniform plan's step
 time grows as the cost model predicts.
 

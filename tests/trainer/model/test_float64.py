@@ -11,7 +11,7 @@ One spawned 4-rank gloo job (2 nodes x 2 GPUs, tp 2) runs, in float64 and again 
 chain of four live switches (hetero TP groups in both directions, unequal micro-batch counts,
 one pipeline across both nodes, fewer micro-batches than stages, an excluded rank) and a tied
 model under a hetero plan through `run_rank`. Measured numbers (printed with `-s`) are the
-ones docs/trainer.md quotes.
+ones docs/reference/trainer.md quotes.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ RUNS = [
 JOBS = {"chain": JOB, "tied": TIED}
 
 FLOAT64_TOL = 1e-10
-FLOAT32_TOL = 1e-4  # the documented float32 bound (docs/trainer.md); measured ~4e-6 here
+FLOAT32_TOL = 1e-4  # the documented float32 bound (docs/reference/trainer.md); measured ~4e-6 here
 
 
 @pytest.fixture(scope="module")

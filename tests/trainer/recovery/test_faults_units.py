@@ -120,16 +120,37 @@ def test_malleus_store_makes_a_rank_a_client_of_an_external_store(
             dist.destroy_process_group()
 
 
-def test_no_valid_plan_exit_code_is_the_one_the_operator_reads() -> None:
-    """A trainer that finds no plan for the survivors exits NO_PLAN_EXIT; the operator turns
-    exactly that exit code into the job's `Failed` condition with reason `NoValidPlan`, and
-    `malleus run` into the end of the run (tests/runner/test_faults.py)."""
-    from malleus.operator import failures as operator_failures
-    from malleus.runner import failures as runner_failures
-    from malleus.trainer.recovery.protocol import NO_PLAN_EXIT, NoValidPlan, RecoveryError
+@pytest.mark.parametrize(("code", "reason"), [(4, "NoValidPlan"), (3, "LeftOut"), (2, "BadInput")])
+def test_how_a_rank_ended_reaches_the_operator_through_torchrun(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, reason: str
+) -> None:
+    """A trainer that finds no plan for the survivors exits NO_PLAN_EXIT (4), one left out of
+    the job LEFT_OUT_EXIT (3); torchrun, in a pod, exits 1 whatever its ranks' codes, so each
+    also writes how it ended as the container's termination message, which the operator reads
+    (`NoValidPlan` ends the job; `LeftOut` is not a failure). `malleus run` reads the rank's
+    own code (tests/runner/test_faults.py)."""
+    from malleus.errors import ENDING_REASONS
+    from malleus.operator import failures
+    from malleus.trainer.world import errors
 
-    assert NO_PLAN_EXIT == operator_failures.NO_PLAN_EXIT == runner_failures.NO_PLAN_EXIT == 4
-    assert issubclass(NoValidPlan, RecoveryError)
+    assert ENDING_REASONS[code] == reason
+    log = tmp_path / "termination-log"  # the kubelet makes it in every container
+    log.write_text("")
+    monkeypatch.setattr(errors, "TERMINATION_LOG", log)
+    errors.say_ending(code, "rank 3: what happened")
+    assert log.read_text() == f"{reason}: rank 3: what happened"
+    term = {"exitCode": 1, "reason": "Error", "message": log.read_text()}
+    pod = {
+        "metadata": {"name": "demo-node-0", "uid": "u0"},
+        "status": {"containerStatuses": [{"name": "trainer", "state": {"terminated": term}}]},
+    }
+    seen = failures.pod_failure(pod, "demo")
+    assert seen is not None and seen.reason == reason, seen
+    assert seen.message.endswith(f"({reason}): rank 3: what happened"), seen.message
+    # outside a pod (no file), nothing is written anywhere
+    monkeypatch.setattr(errors, "TERMINATION_LOG", tmp_path / "absent")
+    errors.say_ending(code, "x")
+    assert not (tmp_path / "absent").exists()
 
 
 def test_inside_a_step_collectives_time_out_at_the_steps_deadline(
