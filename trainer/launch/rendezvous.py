@@ -15,37 +15,66 @@ GPU's process exited, trainer/launch/distributed.py `DEAD_KEY`). Other lines are
 Security: a TCPStore has no authentication and no encryption: anyone who can connect can read
 and overwrite every key, including the process group's rendezvous. Binding narrowly is the
 protection: the default and what `malleus run` uses is 127.0.0.1 (this machine only); bind a
-pod IP only inside a network the job's pods alone can reach (a NetworkPolicy).
+pod IP only inside a network the job's pods alone can reach (a NetworkPolicy). A TCPStore told
+a host still listens on every interface (it takes the host for its clients only), so
+`listening_store` binds the socket itself, on that one address, and hands it to the store.
 """
 
 from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
 import threading
 from datetime import timedelta
 from typing import Any, TextIO
 
-__all__ = ["READY", "main", "serve"]
+__all__ = ["READY", "listening_store", "main", "serve"]
 
 READY = "store ready on"
 """The first words of the one line printed once the store listens: ``store ready on H:P``."""
 
 
-def serve(host: str = "127.0.0.1", port: int = 0, *, stop: threading.Event | None = None) -> int:
-    """Host a TCPStore on `host`:`port` until `stop` is set (or SIGTERM/SIGINT); returns 0."""
+def listening_store(
+    host: str, port: int = 0, *, timeout: timedelta, world_size: int | None = None
+) -> Any:
+    """A TCPStore server listening on `host`:`port` alone (port 0: the OS picks one; the
+    store's `port` says which). The socket is bound here and passed to the store
+    (`master_listen_fd`): given only a host, TCPStore binds every interface."""
     import torch.distributed as dist
 
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+        bound = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    # the store owns the descriptor from here (it closes it when it goes)
+    return dist.TCPStore(
+        host,
+        bound,
+        world_size,
+        True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
+
+
+def serve(host: str = "127.0.0.1", port: int = 0, *, stop: threading.Event | None = None) -> int:
+    """Host a TCPStore on `host`:`port` until `stop` is set (or SIGTERM/SIGINT); returns 0."""
     stop = stop or threading.Event()
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, lambda *_: stop.set())
     try:
-        store = dist.TCPStore(
-            host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-        )
+        store = listening_store(host, port, timeout=timedelta(seconds=60))
         print(f"{READY} {host}:{store.port}", flush=True)
         threading.Thread(target=_commands, args=(store, sys.stdin), daemon=True).start()
         while not stop.wait(1.0):

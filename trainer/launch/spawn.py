@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from types import FrameType
 from typing import Any
 
@@ -44,6 +45,7 @@ from .distributed import (
     quiet_signals,
 )
 from .output import whole_lines
+from .rendezvous import listening_store
 
 __all__ = ["Interrupted", "spawn_local"]
 
@@ -108,7 +110,8 @@ def spawn_local(
     Returns the children's exit codes.
     """
     host = "127.0.0.1"
-    store = dist.TCPStore(host, 0, None, True, wait_for_workers=False)  # lives while we wait
+    # lives while we wait; listens on loopback alone (a TCPStore given a host binds them all)
+    store = listening_store(host, 0, timeout=timedelta(seconds=300))
     handle = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if handle else {}
     got: list[int] = []
