@@ -69,6 +69,8 @@ __all__ = [
     "COMPONENT",
     "CONFIG_MOUNT",
     "CONTROL_PORT_NAME",
+    "GPU_RESOURCE",
+    "GPU_TOLERATION",
     "JOB_KEY",
     "JOB_LABEL",
     "MANAGED_BY",
@@ -103,6 +105,12 @@ __all__ = [
     "worker_host",
     "worker_selector",
 ]
+
+GPU_RESOURCE = "nvidia.com/gpu"
+"""The extended resource a GPU node offers (NVIDIA's device plugin)."""
+GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+"""The taint GPU nodes commonly carry to keep other pods off them: the job's pods tolerate it
+(the store too, which may have to sit on a GPU node)."""
 
 RENDEZVOUS_PORT = 29500
 """The port of torchrun's agent store, on each pod's own loopback (the ranks meet in the job's

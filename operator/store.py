@@ -16,11 +16,12 @@ controller, keep the job's namespace closed by other means.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from malleus.job import ResolvedJob
 
-from .resources import JOB_LABEL, JobRef, job_labels, metadata
+from .resources import GPU_TOLERATION, JOB_LABEL, JobRef, job_labels, metadata
 
 __all__ = [
     "STORE_COMPONENT",
@@ -114,8 +115,38 @@ def build_store_pod(job: ResolvedJob, ref: JobRef) -> dict[str, Any]:
             ],
             "volumes": [{"name": "tmp", "emptyDir": {}}],
             **_pull_secrets(job),
+            **_placement(job),
         },
     }
+
+
+def _placement(job: ResolvedJob) -> dict[str, Any]:
+    """Where the store may run: where the job's workers may. On a cluster whose GPU nodes are
+    tainted, or a job pinned to a node pool, a store without the job's tolerations, node
+    selector, node affinity and priority stays Pending forever while the workers run.
+
+    The operator's GPU toleration comes along (the store asks for no GPU, but may have to sit on
+    a GPU node); the workers' pod anti-affinity does not (one worker per node is the workers'
+    rule, not the store's), nor their scheduler (a gang scheduler would wait for a pod group the
+    store is not part of)."""
+    out: dict[str, Any] = {}
+    tolerations: list[dict[str, Any]] = []
+    if not job.spec.emulation.enabled:
+        tolerations.append(dict(GPU_TOLERATION))
+    template = job.spec.pod_template
+    if template is not None:
+        extra = template.spec
+        tolerations += [dict(t) for t in extra.tolerations if t not in tolerations]
+        if extra.node_selector:
+            out["nodeSelector"] = dict(extra.node_selector)
+        node_affinity = (extra.affinity or {}).get("nodeAffinity")
+        if node_affinity:
+            out["affinity"] = {"nodeAffinity": copy.deepcopy(node_affinity)}
+        if extra.priority_class_name:
+            out["priorityClassName"] = extra.priority_class_name
+    if tolerations:
+        out["tolerations"] = tolerations
+    return out
 
 
 def _pull_secrets(job: ResolvedJob) -> dict[str, Any]:

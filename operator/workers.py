@@ -20,6 +20,8 @@ from .resources import (
     COMPONENT,
     CONFIG_MOUNT,
     CONTROL_PORT_NAME,
+    GPU_RESOURCE,
+    GPU_TOLERATION,
     JOB_LABEL,
     NODE_LABEL,
     RENDEZVOUS_PORT,
@@ -41,7 +43,6 @@ from .scheduling import gang_metadata
 from .store import STORE_ENV, build_store_pod, build_store_service, store_address
 
 __all__ = [
-    "GPU_RESOURCE",
     "HF_EXPORT",
     "RUN_AS_USER",
     "build_children",
@@ -56,7 +57,6 @@ trained model in the Hugging Face layout (config.json + safetensors)."""
 
 RUN_AS_USER = 1000
 """The non-root user of the trainer image (Dockerfile's ``malleus`` user)."""
-GPU_RESOURCE = "nvidia.com/gpu"
 TLS_MOUNT = "/etc/malleus-tls"
 """Where the job Secret's server certificate, key and CA are mounted (the trainer's
 ``MALLEUS_CONTROL_TLS_CERT`` / ``_KEY`` point there; the CA is for clients run in the pod),
@@ -247,7 +247,7 @@ def build_pod(
         "volumes": volumes,
     }
     if not job.spec.emulation.enabled:
-        spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+        spec["tolerations"] = [dict(GPU_TOLERATION)]
         spec["affinity"] = {
             "podAntiAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": [

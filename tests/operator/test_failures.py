@@ -196,6 +196,8 @@ def test_the_store_pod_and_service(make_job: Any) -> None:
         "capabilities": {"drop": ["ALL"]},
     }
     assert "nvidia.com/gpu" not in container["resources"]["limits"]
+    assert spec["tolerations"] == [resources.GPU_TOLERATION]  # may sit on a tainted GPU node
+    assert "nodeSelector" not in spec and "affinity" not in spec
     svc = store.build_store_service(REF)
     assert svc["spec"]["selector"] == {
         resources.JOB_LABEL: "demo",
@@ -203,6 +205,39 @@ def test_the_store_pod_and_service(make_job: Any) -> None:
     }
     assert svc["spec"]["ports"][0]["port"] == store.STORE_PORT
     assert store.store_address(REF) == "demo-store.ml.svc:29400"
+
+
+def test_the_store_pod_goes_where_the_jobs_workers_may(make_job: Any) -> None:
+    """On tainted GPU nodes, or a job pinned to a node pool, a store without the job's
+    placement stayed Pending forever while its workers ran (seen on a real control plane)."""
+    pool = {"key": "pool", "operator": "Equal", "value": "a100", "effect": "NoSchedule"}
+    zone = {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["z1"]}]}
+            ]
+        }
+    }
+    template = {
+        "spec": {
+            "nodeSelector": {"gpu": "a100"},
+            "tolerations": [pool],
+            "affinity": {"nodeAffinity": zone, "podAffinity": {"x": 1}},
+            "priorityClassName": "training",
+            "schedulerName": "gang",
+        }
+    }
+    job = jobs.resolve(make_job(podTemplate=template))
+    spec = store.build_store_pod(job, REF)["spec"]
+    worker = workers.build_pod(job, REF, 0)["spec"]
+    assert spec["tolerations"] == [resources.GPU_TOLERATION, pool]
+    assert spec["tolerations"] == worker["tolerations"]
+    assert spec["nodeSelector"] == worker["nodeSelector"] == {"gpu": "a100"}
+    assert spec["affinity"] == {"nodeAffinity": zone}  # not the workers' pod (anti-)affinity
+    assert spec["priorityClassName"] == "training"
+    assert "schedulerName" not in spec  # a gang scheduler would wait for a group it is not in
+    small = spec["containers"][0]["resources"]
+    assert small["requests"] == small["limits"] == {"cpu": "100m", "memory": "256Mi"}
 
 
 def test_a_replacement_pod_joins_and_keeps_its_predecessors_name(make_job: Any) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from malleus.job import job_schema, validate_manifest
 from malleus.job.spec import ContainerOverride, EnvVar, PodSpecOverride, PodTemplate, VolumeMount
-from malleus.operator import jobs, workers
+from malleus.operator import jobs, resources, workers
 from malleus.operator.overrides import OPERATOR_RESOURCES, apply_pod_template
 from malleus.operator.resources import JobRef
 from tests.job.cases import REPO, load_yaml
@@ -234,4 +234,4 @@ def test_the_crds_reserved_names_are_the_operators(make_job: Any) -> None:
     for kind in ("requests", "limits"):
         (rule,) = container["resources"]["properties"][kind]["x-kubernetes-validations"]
         assert all(f"'{r}'" in rule["rule"] for r in OPERATOR_RESOURCES)
-    assert workers.GPU_RESOURCE in OPERATOR_RESOURCES
+    assert resources.GPU_RESOURCE in OPERATOR_RESOURCES
