@@ -43,6 +43,8 @@ RUN groupadd --gid 1000 malleus \
  && useradd --uid 1000 --gid 1000 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin malleus
 COPY --from=build /wheels /wheels
 COPY scripts/docker-install.sh /usr/local/bin/malleus-docker-install
+# RDMA user space (rdma-core's libibverbs and providers): NCCL over InfiniBand or RoCE loads it
+RUN malleus-docker-install rdma
 RUN TORCH_VERSION=${TORCH_VERSION} TORCH_INDEX_URL=${TORCH_INDEX_URL} \
     malleus-docker-install trainer /wheels && rm -rf /wheels
 USER 1000:1000

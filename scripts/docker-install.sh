@@ -6,6 +6,11 @@
 #   scripts/docker-install.sh trainer  WHEELDIR install torch==$TORCH_VERSION, then malleus[trainer]
 #   scripts/docker-install.sh check    operator|trainer
 #                                               run the image's entrypoint --help and import checks
+#   scripts/docker-install.sh rdma     [ROOT]   install the RDMA user-space libraries (Debian's
+#                                               rdma-core: libibverbs1, ibverbs-providers,
+#                                               librdmacm1) into the image, or, with ROOT, unpack
+#                                               them there without root (a check of the packages);
+#                                               then load libibverbs.so.1 as NCCL does
 #
 # Environment: PYTHON (default python3), TORCH_VERSION (2.13.0), TORCH_INDEX_URL (empty: PyPI,
 # whose Linux wheels are CUDA builds; a CPU-only image passes the PyTorch CPU wheel index),
@@ -75,8 +80,28 @@ case ${1:-} in
   check)
     check "${2:?usage: $0 check operator|trainer}"
     ;;
+  rdma)
+    # NCCL's InfiniBand/RoCE transport dlopens libibverbs.so.1; the providers (mlx5, efa, ...)
+    # are the plugins it loads for the NIC found. Nothing else of rdma-core is needed in a pod.
+    packages=(libibverbs1 ibverbs-providers librdmacm1)
+    root=${2:-}
+    if [[ -z $root ]]; then
+      apt-get update
+      apt-get install -y --no-install-recommends "${packages[@]}"
+      rm -rf /var/lib/apt/lists/*
+      lib=$(ldconfig -p | awk '/libibverbs\.so\.1 /{print $NF; exit}')
+    else  # no root: the .debs (and their library dependencies) unpacked into ROOT
+      mkdir -p "$root/debs"
+      (cd "$root/debs" && apt-get download "${packages[@]}" libnl-3-200 libnl-route-3-200)
+      for deb in "$root"/debs/*.deb; do dpkg-deb -x "$deb" "$root"; done
+      export LD_LIBRARY_PATH="$root/usr/lib/x86_64-linux-gnu:$root/lib/x86_64-linux-gnu"
+      lib=$root/usr/lib/x86_64-linux-gnu/libibverbs.so.1
+    fi
+    [[ -n $lib && -e $lib ]] || { echo "docker-install: libibverbs.so.1 not installed" >&2; exit 1; }
+    "$python" -c "import ctypes, sys; ctypes.CDLL(sys.argv[1]); print('docker-install: rdma OK,', sys.argv[1])" "$lib"
+    ;;
   *)
-    sed -n '2,13p' "$0" >&2
+    sed -n '2,18p' "$0" >&2
     exit 2
     ;;
 esac

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -197,3 +198,33 @@ def test_install_script_builds_a_working_image(image: str, wheel_dir: Path, tmp_
         check=True,
     ).stdout
     assert str(tmp_path / "venv") in where, f"malleus came from {where}"
+
+
+def test_the_trainer_image_carries_the_rdma_libraries_nccl_loads() -> None:
+    """NCCL over InfiniBand or RoCE dlopens libibverbs.so.1 (rdma-core): the trainer image
+    installs it as root, before it drops to its user; the operator image has no use for it."""
+    stages = _stages()
+    trainer = stages["trainer"]
+    rdma = [i for i, line in enumerate(trainer) if line == "RUN malleus-docker-install rdma"]
+    user = [i for i, line in enumerate(trainer) if line.startswith("USER ")]
+    assert rdma and user and rdma[0] < user[0], trainer
+    assert not any("rdma" in line for line in stages["operator"])
+
+
+@pytest.mark.skipif(
+    not (shutil.which("apt-get") and shutil.which("dpkg-deb")), reason="needs Debian's apt-get"
+)
+def test_the_rdma_packages_exist_and_give_a_loadable_libibverbs(tmp_path: Path) -> None:
+    """The install step's packages, fetched from Debian (the images' base) and unpacked without
+    root: libibverbs.so.1 loads, as NCCL loads it."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    result = subprocess.run(
+        [str(SCRIPT), "rdma", str(tmp_path / "root")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "docker-install: rdma OK" in result.stdout
+    assert (tmp_path / "root/usr/lib/x86_64-linux-gnu/libibverbs.so.1").exists()
