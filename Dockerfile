@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# Two images from one tree (DESIGN §3):
+# Two images from one tree (docs/images.md):
 #   docker build --target operator -t malleus-operator .   # kopf operator + planner, no torch
 #   docker build --target trainer  -t malleus-trainer  .   # torch + the trainer (torchrun entry)
 # The trainer defaults to PyPI's torch (a CUDA build on Linux x86_64; the node's NVIDIA runtime
