@@ -92,6 +92,27 @@ def test_chart_crd_is_an_exact_copy_of_the_crd() -> None:
     )
 
 
+def _validation_rules(node: Any) -> list[dict[str, Any]]:
+    if isinstance(node, dict):
+        found = list(node.get("x-kubernetes-validations") or [])
+        return found + [r for v in node.values() for r in _validation_rules(v)]
+    if isinstance(node, list):
+        return [r for v in node for r in _validation_rules(v)]
+    return []
+
+
+def test_the_charts_kube_version_is_one_the_crd_validates_on() -> None:
+    """A CEL rule's `reason` and `fieldPath` arrived in Kubernetes 1.28: an older API server
+    refuses the CRD, so the chart must not promise less (it said >= 1.27)."""
+    crd = yaml.safe_load((ROOT / "crds" / "malleusjob.yaml").read_text())
+    rules = _validation_rules(crd)
+    assert rules and any("fieldPath" in r or "reason" in r for r in rules)
+    assert not any("optionalOldSelf" in r for r in rules)  # 1.29+: would raise the floor
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    floor = chart["kubeVersion"].removeprefix(">=").split("-")[0]
+    assert tuple(int(x) for x in floor.split(".")[:2]) >= (1, 28), chart["kubeVersion"]
+
+
 def test_values_schema_accepts_the_default_values() -> None:
     jsonschema = pytest.importorskip("jsonschema")
     import json
