@@ -66,7 +66,9 @@ def _evaluate(
         # The API server reports a rule that cannot run at the rule's own node.
         return [Fault(path, f"{message} (the rule could not be evaluated: {error.args[0]})")]
     if not bool(result):
-        return [Fault(path + rule.get("fieldPath", ""), message)]
+        # fieldPath is relative to the rule's object (`.parallelism.tp`); at the root it names a
+        # top-level field, without the leading dot the API server drops there too
+        return [Fault((path + rule.get("fieldPath", "")).lstrip("."), message)]
     return []
 
 
