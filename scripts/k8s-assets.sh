@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Unpack the test API server binaries (etcd, apiextensions-apiserver) into DEST, executable,
-# for tests that read MALLEUS_K8S_ASSETS=DEST. The gzipped binaries live in shared/k8s/bin
-# beside the repository (read-only there, hence the copy); SRC overrides that folder.
+# Unpack the test Kubernetes binaries into DEST, executable, for tests that read
+# MALLEUS_K8S_ASSETS=DEST: etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
+# kubectl, kwok, kueue (the real control plane, tests/cluster) and apiextensions-apiserver (the
+# CRD-only server of tests/k8s, being retired). The packed binaries live in shared/k8s/bin beside
+# the repository (read-only there, hence the copy; NAME.xz or NAME.gz); SRC overrides that folder.
 #   scripts/k8s-assets.sh /tmp/k8s-assets && export MALLEUS_K8S_ASSETS=/tmp/k8s-assets
 set -euo pipefail
 DEST=${1:?usage: scripts/k8s-assets.sh DEST [SRC]}
@@ -9,14 +11,19 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 SRC=${2:-$here/../../shared/k8s/bin}
 [ -d "$SRC" ] || { echo "k8s-assets: no folder $SRC (pass SRC as the second argument)" >&2; exit 1; }
 mkdir -p "$DEST"
-for name in etcd apiextensions-apiserver; do
-  [ -f "$SRC/$name.gz" ] || { echo "k8s-assets: $SRC/$name.gz is missing" >&2; exit 1; }
+for name in etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok kueue \
+            apiextensions-apiserver; do
+  if [ -f "$SRC/$name.xz" ]; then packed=$SRC/$name.xz; unpack=(xz -dc)
+  elif [ -f "$SRC/$name.gz" ]; then packed=$SRC/$name.gz; unpack=(gunzip -c)
+  else echo "k8s-assets: neither $SRC/$name.xz nor $SRC/$name.gz exists" >&2; exit 1; fi
   # Skip the unpacking when DEST already holds this very binary (CI reruns, local loops).
-  if [ -x "$DEST/$name" ] && [ "$DEST/$name" -nt "$SRC/$name.gz" ]; then continue; fi
-  gunzip -c "$SRC/$name.gz" > "$DEST/$name.tmp"
+  if [ -x "$DEST/$name" ] && [ "$DEST/$name" -nt "$packed" ]; then continue; fi
+  "${unpack[@]}" "$packed" > "$DEST/$name.tmp"
   chmod 0755 "$DEST/$name.tmp"
   mv -f "$DEST/$name.tmp" "$DEST/$name"
 done
 version=$("$DEST/etcd" --version)  # no pipe into head: with pipefail, SIGPIPE would fail it
 echo "${version%%$'\n'*}"
+version=$("$DEST/kube-apiserver" --version)
+echo "$version"
 echo "k8s-assets: $DEST ready (export MALLEUS_K8S_ASSETS=$DEST)"

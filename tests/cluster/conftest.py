@@ -1,0 +1,135 @@
+"""Fixtures for tests on the real control plane (`tests.cluster.controlplane`).
+
+One control plane for the whole session (its start time is printed at the end of the run) and
+two process-kubelet nodes shared by the tests that only need somewhere to run pods; a test that
+breaks a node (loses it) makes a node of its own. Tests isolate themselves with a namespace of
+their own (``namespace``). Everything skips, with the reason, when ``MALLEUS_K8S_ASSETS`` lacks
+the binaries.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.cluster.controlplane import ControlPlane, assets_dir, wait_until
+from tests.cluster.kubelet import ProcessKubelet
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_FILE = ROOT / "crds" / "malleusjob.yaml"
+CHART = ROOT / "helm" / "malleus-operator"
+SHARED_NODES = ("node-1", "node-2")
+_TIMINGS: dict[str, float] = {}
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """etcd, kube-apiserver, kube-controller-manager and kube-scheduler, up and serving."""
+    assets, reason = assets_dir()
+    if assets is None:
+        pytest.skip(reason)
+    with ControlPlane(assets, tmp_path_factory.mktemp("control-plane")) as cluster:
+        _TIMINGS["control plane started in"] = cluster.start_seconds
+        for phase, seconds in cluster.phases.items():
+            _TIMINGS[f"  {phase} ready after"] = seconds
+        yield cluster
+
+
+def node_ready(cluster: ControlPlane, name: str) -> bool | None:
+    """True once the node is Ready and carries no not-ready/unreachable taint (schedulable)."""
+    response = cluster.http().get(f"/api/v1/nodes/{name}")
+    if response.status_code != 200:
+        return None
+    node = response.json()
+    conditions = {c["type"]: c["status"] for c in node["status"].get("conditions") or []}
+    taints = {t["key"] for t in node["spec"].get("taints") or []}
+    blocked = {"node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"} & taints
+    return True if conditions.get("Ready") == "True" and not blocked else None
+
+
+@pytest.fixture(scope="session")
+def nodes(
+    control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[ProcessKubelet]]:
+    """Two Ready nodes (8 ``nvidia.com/gpu`` each) whose kubelets run pods as processes."""
+    workdir = tmp_path_factory.mktemp("kubelets")
+    kubelets = [
+        ProcessKubelet(
+            control_plane, name, workdir / name, index=i + 1,
+            labels={"nvidia.com/gpu.product": "emulated"},
+        )
+        for i, name in enumerate(SHARED_NODES)
+    ]  # fmt: skip
+    try:
+        for kubelet in kubelets:
+            kubelet.start()
+        for kubelet in kubelets:
+            wait_until(
+                lambda k=kubelet: node_ready(control_plane, k.name),
+                30,
+                f"node {kubelet.name} Ready",
+                alive=lambda k=kubelet: k.check() or control_plane.dead(),
+            )
+        yield kubelets
+    finally:
+        for kubelet in kubelets:
+            kubelet.stop()
+    errors = [e for k in kubelets for e in k.errors]
+    assert not errors, "the kubelets met errors:\n" + "\n".join(errors)
+
+
+@pytest.fixture
+def namespace(control_plane: ControlPlane) -> Iterator[str]:
+    """A fresh namespace (with its default ServiceAccount), deleted afterwards."""
+    name = control_plane.create_namespace(f"t-{uuid.uuid4().hex[:8]}")
+    yield name
+    control_plane.http().delete(f"/api/v1/namespaces/{name}")
+
+
+@pytest.fixture(scope="session")
+def cluster_crd(control_plane: ControlPlane) -> dict[str, Any]:
+    """crds/malleusjob.yaml applied and Established on the real API server."""
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    control_plane.apply([crd])
+    control_plane.kubectl(
+        "wait", "--for=condition=Established", "--timeout=30s", f"crd/{crd['metadata']['name']}"
+    )
+    return crd
+
+
+def _helm() -> str | None:
+    return (
+        os.environ.get("MALLEUS_HELM")
+        or shutil.which("helm")
+        or (str(ROOT / ".cache/bin/helm") if (ROOT / ".cache/bin/helm").exists() else None)
+    )
+
+
+@pytest.fixture(scope="session")
+def chart_rbac(control_plane: ControlPlane, cluster_crd: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chart's ServiceAccount, ClusterRoles, Roles and bindings, applied for real."""
+    helm = _helm()
+    if helm is None:
+        pytest.skip("helm not found: run `scripts/helm-bin.sh .cache/bin` or set MALLEUS_HELM")
+    out = subprocess.run(
+        [helm, "template", "rel", str(CHART), "--namespace", "malleus-system"],
+        capture_output=True, text=True, check=True, timeout=120,
+    ).stdout  # fmt: skip
+    kinds = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+    docs = [d for d in yaml.safe_load_all(out) if d and d["kind"] in kinds]
+    control_plane.create_namespace("malleus-system")
+    control_plane.apply(docs)
+    return docs
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for what, seconds in _TIMINGS.items():
+        terminalreporter.write_line(f"tests/cluster: {what} {seconds:.1f} s")
