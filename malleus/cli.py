@@ -222,12 +222,26 @@ def _check_files(job: ResolvedJob) -> None:
         raise BadInput(faults, job.source, hint=_NO_FILE_CHECK if missing else None)
 
 
+def _policy_faults(job: ResolvedJob) -> None:
+    """The pod template judged by the chart's default `PodTemplatePolicy`, as the API server and
+    the operator of a default install judge it (each fault names the chart value that would
+    allow it; an admin's values may allow more)."""
+    from malleus.job.podpolicy import PodTemplatePolicy, policy_faults
+
+    faults = policy_faults(
+        job.spec.pod_template, PodTemplatePolicy(), operator_service_account=None
+    )
+    if faults:
+        raise BadInput(faults, job.source)
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     from malleus.job import ResolvedJob
     from malleus.planner.cli import summary
 
     try:
         job = ResolvedJob.load(args.job)
+        _policy_faults(job)  # what the pods may hold, before any planning
         plan = job.initial_plan()
         if not args.no_file_check:
             _check_files(job)  # the model folder and data files, as the trainers will read them

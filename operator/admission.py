@@ -327,6 +327,11 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], at: dt.datetime) -> A
     elif action == "resume":
         try:
             names = await _resume(ctx, fresh, ref)
+        except children.PolicyViolation as e:  # stays Suspended, without pods, and says why
+            conds = stored.get("conditions")
+            refused = await children.report_policy_violation(ctx, ref, e.faults, conds, at)
+            await ctx.cluster.patch_job_status(ref.namespace, ref.name, dump(refused))
+            return None
         except BadInput as e:
             log.warning("%s/%s: cannot resume: %s", ref.namespace, ref.name, e)
             return None

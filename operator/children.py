@@ -7,6 +7,13 @@ neither used (`k8s.NameConflict` stops the creation) nor deleted.
 
 `replace_failed` acts on `failures`: it replaces the worker pods whose backoff is over;
 `follow_out` keeps the PodDisruptionBudget at the nodes still in the job.
+
+No worker pod is created before `check_pod_policy` judged the job's ``spec.podTemplate`` by the
+admin's policy (`malleus.job.podpolicy`, the operator's settings): the API server's admission
+policy judges it too, but a job admitted before that policy existed, or with its binding
+removed, must not get a hostPath, a Secret or the operator's ServiceAccount through the
+operator's rights. `report_policy_violation` says so (``Ready=False/PolicyViolation``, one
+Warning event per occurrence).
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from malleus.errors import BadInput
+from malleus.errors import BadInput, Fault
 from malleus.job import FailurePolicy, Phase, ResolvedJob
+from malleus.job.podpolicy import policy_faults
 from malleus.job.status import MalleusJobStatus, NodeFailure
 from malleus.planner.plan import Plan
 
@@ -28,17 +36,74 @@ from .context import Context
 from .settings import Settings
 
 __all__ = [
+    "PolicyViolation",
+    "check_pod_policy",
     "child_kinds",
     "delete_children",
     "ensure_children",
     "follow_out",
     "network_policy",
+    "pod_policy_faults",
     "replace_failed",
+    "report_policy_violation",
     "started_job",
     "sync_pods",
 ]
 
 log = logging.getLogger(__name__)
+
+
+class PolicyViolation(BadInput):
+    """The job's ``spec.podTemplate`` breaks the operator's pod template policy: its pods are
+    not created (``faults`` name the fields and the chart values that would allow them)."""
+
+
+def pod_policy_faults(settings: Settings, job: ResolvedJob) -> list[Fault]:
+    """`malleus.job.podpolicy.policy_faults` of the job's template under the settings' policy,
+    the operator's own ServiceAccount refused whatever the policy says."""
+    return policy_faults(
+        job.spec.pod_template,
+        settings.template_policy(),
+        operator_service_account=settings.service_account or None,
+    )
+
+
+def check_pod_policy(settings: Settings, job: ResolvedJob) -> None:
+    """Raise `PolicyViolation` unless the job's pods may be created as its template asks."""
+    faults = pod_policy_faults(settings, job)
+    if faults:
+        raise PolicyViolation(faults, what="MalleusJob pod template")
+
+
+async def report_policy_violation(
+    ctx: Context,
+    ref: resources.JobRef,
+    faults: Sequence[Fault],
+    conditions: Sequence[Any] | None,
+    at: dt.datetime,
+    *,
+    fail: bool = False,
+) -> MalleusJobStatus:
+    """The status saying the pods were refused (`status.policy_violation_status`), and a
+    Warning ``PolicyViolation`` event unless ``conditions`` already hold this very refusal (a
+    timer retrying a replacement or a resume says it once, not every minute)."""
+    refused = status.policy_violation_status(faults, ref.generation, at, conditions, fail=fail)
+    (ready,) = [c for c in refused.conditions or [] if c.type == status.READY]
+    stored = [
+        c.model_dump(by_alias=True) if hasattr(c, "model_dump") else c for c in conditions or []
+    ]
+    said = any(
+        isinstance(c, Mapping)
+        and c.get("type") == status.READY
+        and c.get("status") == "False"
+        and c.get("reason") == status.POLICY_VIOLATION
+        and c.get("message") == ready.message
+        for c in stored
+    )
+    if not said:
+        await ctx.cluster.post_event(ref, "Warning", status.POLICY_VIOLATION, ready.message)
+    log.warning("%s/%s: %s", ref.namespace, ref.name, ready.message)
+    return refused
 
 
 def child_kinds(settings: Settings) -> tuple[str, ...]:
@@ -74,8 +139,11 @@ async def ensure_children(
     is one (a retried or resumed create must not show a plan the pods do not run). Raises
     `k8s.NameConflict` at the first name taken by an object the job does not control; what
     comes after it (the pods last) is not created. Without ``pods`` (a job created suspended:
-    `admission`), everything but the pods.
+    `admission`), everything but the pods. With them, `PolicyViolation` (nothing created) when
+    the pod template breaks the policy.
     """
+    if pods:
+        check_pod_policy(ctx.settings, job)
     created: list[str] = []
     token = secrets.token_urlsafe(32)
     certificates = tls.issue(tls.worker_names(ref, job.nodes), dt.datetime.now(dt.UTC))
@@ -241,8 +309,10 @@ async def _replace(
     the replacement created once the name is free; an existing pod that is neither the failed
     one nor failed is the replacement already (created before an operator restart). ``join``:
     its trainers join a running job (a job still Pending has not formed its group yet: then
-    the replacement starts like the first pods).
+    the replacement starts like the first pods). `PolicyViolation` (nothing deleted, nothing
+    created) when the policy no longer admits the job's pod template.
     """
+    check_pod_policy(ctx.settings, job)
     pod = await ctx.cluster.read("Pod", ref.namespace, record.pod)
     if pod is not None:
         if not resources.owned_by(pod, ref.uid):
@@ -276,7 +346,12 @@ async def replace_failed(ctx: Context, body: Mapping[str, Any], at: dt.datetime)
         return []
     job = await started_job(ctx, ref, fresh)
     join = status.phase_of(st) != Phase.PENDING
-    done = [r for r in due if await _replace(ctx, job, ref, r, join)]
+    try:
+        done = [r for r in due if await _replace(ctx, job, ref, r, join)]
+    except PolicyViolation as e:
+        refused = await report_policy_violation(ctx, ref, e.faults, st.get("conditions"), at)
+        await ctx.cluster.patch_job_status(ref.namespace, ref.name, status.dump(refused))
+        return []
     if not done:
         return []
     # Apply to what the status holds now: a pod event may have marked some Replaced already.

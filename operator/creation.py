@@ -41,9 +41,16 @@ async def create_children(
     pods: bool = True,
 ) -> tuple[list[str], Plan]:
     """`children.ensure_children` (without the pods of a suspended job); on a `NameConflict` the job says so (condition, Warning
-    event) and kopf retries later, so deleting the impostor is all the user has to do."""
+    event) and kopf retries later, so deleting the impostor is all the user has to do. A
+    `children.PolicyViolation` (the policy changed since the job was created) gives
+    ``Ready=False/PolicyViolation`` and no retry: a spec edit or a policy change is needed."""
     try:
         return await children.ensure_children(ctx, job, ref, plan, pods=pods)
+    except children.PolicyViolation as e:
+        at = status.now()
+        refused = await children.report_policy_violation(ctx, ref, e.faults, conditions, at)
+        patch.status.update(status.dump(refused))
+        raise kopf.PermanentError(str(e)) from None
     except NameConflict as e:
         blocked = status.name_conflict_status(str(e), ref.generation, status.now(), conditions)
         patch.status.update(status.dump(blocked))
@@ -65,7 +72,16 @@ async def create_job(
         url_faults = ctx.settings.metrics_faults(body.get("spec") or {})
         if url_faults:
             raise BadInput(url_faults)
+        # Before anything is made, suspended or not: the pods would come on resume.
+        children.check_pod_policy(ctx.settings, job)
         plan, seconds = await jobs.initial_plan(job)
+    except children.PolicyViolation as e:
+        refused = await children.report_policy_violation(
+            ctx, ref, e.faults, conditions, at, fail=True
+        )
+        patch.status.update(status.dump(refused))
+        ctx.metrics.phases.set(ref.namespace, ref.name, Phase.FAILED)
+        raise kopf.PermanentError(str(e)) from None
     except BadInput as e:
         invalid = status.invalid_spec_status(e.faults, ref.generation, at, conditions)
         patch.status.update(status.dump(invalid))

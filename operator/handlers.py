@@ -5,12 +5,14 @@ writes through the `k8s.Cluster` in its memo's `Context` (`children` for the job
 kopf's ``patch`` for the job's own status), and posts events. Tests call them directly with ``patch=kopf.Patch()`` and a memo
 holding a `Context` aimed at a test API server.
 
-Lifecycle (DESIGN §4.5):
+Lifecycle (docs/reference/operator.md, "Architecture"):
 - startup: the `Context` (API client, settings, metrics) into kopf's memo;
 - create: the job's faults (`ResolvedJob.faults`, the Prometheus allowlist, then the planner)
   -> InvalidSpec (Failed, nothing created, `kopf.PermanentError`) or NetworkPolicy + Service +
-  ConfigMap + Secret + worker Pods, phase Pending; a child's name taken by an object the job
-  does not control -> NameConflict (condition, event, retried: `kopf.TemporaryError`);
+  ConfigMap + Secret + worker Pods, phase Pending; a pod template the admin's policy refuses
+  (`children.check_pod_policy`, checked again before every pod) -> PolicyViolation (Failed,
+  nothing created); a child's name taken by an object the job does not control ->
+  NameConflict (condition, event, retried: `kopf.TemporaryError`);
 - pod events: Pending -> Running when every worker runs; a worker that fails or disappears is
   recorded (PodFailed, Degraded) and replaced after its backoff by a timer (`failures`); Failed
   only with no worker left or no valid plan; Succeeded when the live workers complete; the

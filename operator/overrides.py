@@ -46,8 +46,9 @@ def apply_pod_template(pod: Mapping[str, Any], template: PodTemplate | None) -> 
       annotations it sets (its selector labels, the scrape annotations); the trainer
       container's name, image, command, ports and every env var it sets (``MALLEUS_*``,
       ``POD_IP``, ``HOME``, ...); the pod and container security contexts; ``restartPolicy``,
-      ``hostname``/``subdomain``, ``automountServiceAccountToken: false`` (a
-      ``serviceAccountName`` still gets no token); its volumes (config, control-tls, tmp,
+      ``hostname``/``subdomain``, ``automountServiceAccountToken: false`` (no
+      token is automounted; a projected token volume is refused by the pod template policy,
+      `malleus.job.podpolicy`, unless the admin allows it); its volumes (config, control-tls, tmp,
       checkpoints) and their mount paths; the `OPERATOR_RESOURCES` amounts; its GPU toleration
       and one-worker-per-node anti-affinity (kept beside the template's terms).
     - **The template adds**: labels, annotations, ``nodeSelector``, affinity terms,

@@ -19,6 +19,7 @@ from typing import Any
 
 from malleus.control.capped import MAX_RESPONSE_BYTES
 from malleus.errors import Fault
+from malleus.job.podpolicy import PodTemplatePolicy
 
 __all__ = ["DEFAULT_ENDPOINT", "Settings", "url_allowed"]
 
@@ -160,6 +161,14 @@ class Settings:
     ``peering.lifetime``): a standby takes over this long after the active replica's last
     heartbeat (it heartbeats every lifetime minus 5-10 s, at least every second)."""
 
+    pod_template_policy: str = ""
+    """What a job's ``spec.podTemplate`` may put in its pods (`malleus.job.podpolicy`), a JSON
+    object with the chart's ``podTemplatePolicy`` keys; empty: the policy's defaults. The
+    operator checks it before it creates any pod (`template_policy`)."""
+    service_account: str = ""
+    """The operator pod's own ServiceAccount (the chart sets it from the downward API): no
+    job's ``serviceAccountName`` may name it, whatever the policy says. Empty: unknown."""
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if environ is None else environ
@@ -171,6 +180,7 @@ class Settings:
             values[f.name] = _parse(raw, getattr(cls(), f.name), f.name)
         settings = cls(**values)  # type: ignore[arg-type]
         settings.control_port_peer_list()  # a malformed list fails at startup, not per job
+        settings.template_policy()  # and so does a malformed policy
         return settings
 
     def to_env(self) -> dict[str, str]:
@@ -199,6 +209,10 @@ class Settings:
                 "the chart's prometheus.allowedUrls)",
             )
         ]
+
+    def template_policy(self) -> PodTemplatePolicy:
+        """`pod_template_policy` parsed; pydantic's ValidationError when malformed."""
+        return PodTemplatePolicy.from_json_text(self.pod_template_policy)
 
     def operator_selector(self) -> dict[str, str]:
         """`operator_labels` as a label selector's ``matchLabels``."""

@@ -9,6 +9,7 @@ Conditions follow ``metav1.Condition``: one per type, ``lastTransitionTime`` kep
 status flips, ``observedGeneration`` set to the spec generation the operator acted on. Types:
 
 - ``Ready``: True while every worker runs (reason ``Running``); False with ``InvalidSpec``,
+  ``PolicyViolation`` (the pod template breaks the admin's policy: no pods),
   ``NameConflict`` (an object of a child's name is someone else's), ``PodsPending``,
   ``PodFailed`` or ``Completed``.
 - ``Straggling``: True when some GPU is a straggler by the job's policy.
@@ -16,8 +17,8 @@ status flips, ``observedGeneration`` set to the spec generation the operator act
   trainers leave GPUs out (`failures.degraded_condition`); False (``AllGpusIn``) otherwise.
 - ``Succeeded`` / ``Failed``: set True, once, when the job ends (``kubectl wait
   --for=condition=Succeeded mj/NAME``), with the reason (``Completed``; ``InvalidSpec``,
-  ``BadInput`` (a trainer refused the job's files), ``NoValidPlan``, ``NoWorkersLeft``,
-  ``DeadlineExceeded``); ``completionTime`` is set with them.
+  ``PolicyViolation``, ``BadInput`` (a trainer refused the job's files), ``NoValidPlan``,
+  ``NoWorkersLeft``, ``DeadlineExceeded``); ``completionTime`` is set with them.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from malleus.planner.plan import Plan
 __all__ = [
     "ACTIVE_PHASES",
     "FAILED",
+    "POLICY_VIOLATION",
     "READY",
     "STRAGGLING",
     "SUCCEEDED",
@@ -60,6 +62,8 @@ __all__ = [
     "phase_of",
     "plan_status",
     "plan_summary",
+    "policy_violation_message",
+    "policy_violation_status",
     "replan_status",
     "stragglers",
     "straggling_condition",
@@ -72,6 +76,9 @@ STRAGGLING = "Straggling"
 SUCCEEDED = "Succeeded"
 FAILED = "Failed"
 """The terminal condition types, named like the phases they end in."""
+POLICY_VIOLATION = "PolicyViolation"
+"""The reason (``Ready=False``, and ``Failed`` at creation) and the Warning event of a job whose
+``spec.podTemplate`` breaks the operator's pod template policy: no pod is created."""
 _MESSAGE_LIMIT = 32768
 """metav1.Condition's message limit."""
 
@@ -274,6 +281,36 @@ def invalid_spec_status(
     failed = finished_status(Phase.FAILED, "InvalidSpec", message, generation, at, existing)
     failed.observed_generation = generation
     return failed
+
+
+def policy_violation_message(faults: Sequence[Fault]) -> str:
+    """One line per fault, ``path: message`` (each names the chart value that would allow it)."""
+    return "pod template policy: no pods created: " + "; ".join(str(f) for f in faults)
+
+
+def policy_violation_status(
+    faults: Sequence[Fault],
+    generation: int,
+    at: dt.datetime,
+    existing: Iterable[Mapping[str, Any] | Condition] | None = (),
+    *,
+    fail: bool,
+) -> MalleusJobStatus:
+    """``Ready=False/PolicyViolation`` naming the faults. ``fail`` (at creation: nothing was
+    created): phase ``Failed`` with ``Failed=True`` too, like InvalidSpec; otherwise (a resume
+    or a replacement refused, the policy having changed since) the phase stays, the pods are
+    not created, and the job waits for its spec or the policy to change."""
+    message = policy_violation_message(faults)
+    if fail:
+        failed = finished_status(Phase.FAILED, POLICY_VIOLATION, message, generation, at, existing)
+        failed.observed_generation = generation
+        return failed
+    return MalleusJobStatus(
+        message=message,
+        conditions=merge_conditions(
+            existing, condition(READY, False, POLICY_VIOLATION, message, generation, at)
+        ),
+    )
 
 
 def finished_status(
