@@ -94,3 +94,20 @@ def test_the_runner_side_sets_keys_through_the_servers_stdin(tmp_path: Path) -> 
     finally:
         server.stop()
     assert not server.alive() and not server.set("k", "v")
+
+
+def test_the_ranks_of_a_run_derive_the_runners_store_key_from_its_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `MALLEUS_STORE_KEY` of the user's shell never reaches the ranks (it would win over
+    the token and their key would not be the runner's): they derive it from the token file."""
+    from malleus.control.sealed import store_key
+    from malleus.runner.launch import LaunchSpec
+    from malleus.trainer.world.sealed import STORE_KEY_ENV, job_store_key
+
+    token = tmp_path / "control-token"
+    token.write_text("the-runs-token")
+    monkeypatch.setenv(STORE_KEY_ENV, "ab" * 32)
+    env = LaunchSpec("job.yaml", 2, tmp_path, token).env(1, 29500, "127.0.0.1:29400")
+    assert STORE_KEY_ENV not in env
+    assert job_store_key(env) == store_key("the-runs-token")
