@@ -250,7 +250,10 @@ def _failure(
     error (its peer's "connection reset") reached the launcher first; both are named.
     """
     try:
-        doing = notes.get(NOTE_KEY).decode() if notes.check([NOTE_KEY]) else ""
+        # Advice, not sealed (trainer/world/sealed.py): quoted, never decoded strictly.
+        doing = (
+            notes.get(NOTE_KEY).decode(errors="replace")[:500] if notes.check([NOTE_KEY]) else ""
+        )
     except (RuntimeError, OSError):
         doing = ""
     during = f" during {doing}" if doing else ""

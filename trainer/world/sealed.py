@@ -33,7 +33,8 @@ Keys left unsealed, and why:
   rendezvous sooner, where it waits for the real peers.
 - `rec/fault/GPU` (fault injection's time of death, a figure of the recovery record) and the
   launcher's note `malleus/note/doing` (quoted in an error message): no decision reads them;
-  their readers drop what does not parse.
+  the first reader drops what does not parse, the second quotes at most 500 characters with
+  undecodable bytes replaced.
 
 What a reader does with a forgery: treats the key as absent and logs once per key (`Sealer`).
 It never raises: the job's honest ranks must not be stopped by a value a stranger wrote (the
