@@ -7,6 +7,8 @@ Rooms:
   (`AsyncControlClient`), whom it trusts over HTTPS (`ControlTLS`), and what its calls raise:
   `ControlError` (nothing answered, or an answer outside the contract), `PlanConflict` (409: a
   plan's generation is not the next one) or `malleus.errors.BadInput` (400);
+- `sealed`: the seal of the job's rendezvous store values (an HMAC with a key derived from the
+  job's token: `store_key`, `seal`, `open_sealed`), which the trainers and the runner share;
 - `capped`: reading an HTTP answer under a byte cap (`MAX_RESPONSE_BYTES`) and one deadline for
   the whole request, which the clients here and the controller's Prometheus source share.
 

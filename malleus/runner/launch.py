@@ -71,6 +71,7 @@ class LaunchSpec:
         env.pop("MALLEUS_EXTERNAL_STORE", None)
         env.pop(STORE_ENV, None)
         env.pop("MALLEUS_CONTROL_TOKEN", None)
+        env.pop("MALLEUS_STORE_KEY", None)  # the store's key comes from the token file alone
         env.update(
             RANK=str(rank),
             LOCAL_RANK=str(rank),  # one machine: the rank is also the local GPU index

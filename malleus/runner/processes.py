@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from malleus.control.sealed import store_key
+
 from .launch import LaunchSpec
 from .store_server import StoreServer, death_signal, free_port, free_ports
 
@@ -158,7 +160,7 @@ class TrainerProcesses:
         logs.mkdir(parents=True, exist_ok=True)
         if self.store is not None:
             self.store.stop()
-        self.store = StoreServer(self.spec.python, logs / "store.log")
+        self.store = StoreServer(self.spec.python, logs / "store.log", key=self._store_key())
         self.store.start(timeout=max(60.0, self.spec.init_timeout))
         if self.store.port in self.ports and first:  # the OS's pick, in our block
             self.ports = free_ports(self.spec.world)
@@ -168,6 +170,11 @@ class TrainerProcesses:
         for rank in range(self.spec.world):
             self._ranks.append(self._spawn(rank, logs / f"rank-{rank}.log", 0))
         self.expect_exit = False
+
+    def _store_key(self) -> bytes:
+        """The job's store key, from the control token the ranks read too (their
+        `MALLEUS_CONTROL_TOKEN_FILE`): the runner's dead marks are sealed with it."""
+        return store_key(self.spec.token_file.read_text(encoding="utf-8").strip())
 
     def _spawn(self, rank: int, log: Path, joins: int) -> RankProcess:
         assert self._plan is not None and self.store is not None

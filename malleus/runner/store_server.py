@@ -9,6 +9,11 @@ parent-death signal that keeps a child from outliving a runner that died without
 
 Apart from `malleus.runner.processes` (the trainer processes) because the store is a process of
 its own, with its own life: started fresh for every launch, stopped after the ranks.
+
+What the runner tells the trainers through it (`mark_dead`: a GPU's process ended) is sealed
+here with the job's store key (malleus/control/sealed.py, derived from the run's control token,
+which the ranks read too): the ranks believe only sealed dead marks (trainer/world/sealed.py),
+and the store process never holds the key.
 """
 
 from __future__ import annotations
@@ -24,7 +29,16 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["StoreServer", "death_signal", "free_port", "free_ports"]
+from malleus.control.sealed import seal
+
+__all__ = ["DEAD_KEY", "JOB_PREFIX", "StoreServer", "death_signal", "free_port", "free_ports"]
+
+JOB_PREFIX = "malleus/0/"
+"""The ranks' `PrefixStore("malleus/<attempt>/")` (trainer/launch/distributed.py): it joins
+prefix and key with one more "/", so the raw key of their `rec/dead/3` is
+``malleus/0//rec/dead/3``."""
+DEAD_KEY = "rec/dead/"
+"""trainer/world/errors.py DEAD_KEY: a GPU's process ended (as the ranks name it)."""
 
 _PR_SET_PDEATHSIG = 1
 
@@ -74,11 +88,14 @@ def death_signal() -> Callable[[], None] | None:
 
 class StoreServer:
     """The job's rendezvous store as a child process (`python -m malleus.trainer store`),
-    bound to 127.0.0.1 on a port the OS picks; `address` is `127.0.0.1:PORT` once it listens."""
+    bound to 127.0.0.1 on a port the OS picks; `address` is `127.0.0.1:PORT` once it listens.
+    `key`: the job's store key (malleus/control/sealed.py `store_key`), which `mark_dead` seals
+    with; None: no dead mark can be written."""
 
-    def __init__(self, python: str, log: Path) -> None:
+    def __init__(self, python: str, log: Path, key: bytes | None = None) -> None:
         self.python = python
         self.log = log
+        self._key = key
         self.address: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -136,6 +153,14 @@ class StoreServer:
         except (OSError, ValueError):
             return False
         return True
+
+    def mark_dead(self, rank: int, why: str) -> bool:
+        """Tell the ranks that GPU `rank`'s process ended (`why`: "hung", "1", ...), sealed with
+        the job's key so that they believe it; False if the store is gone or there is no key."""
+        if self._key is None:
+            return False
+        name = f"{DEAD_KEY}{rank}"
+        return self.set(f"{JOB_PREFIX}/{name}", seal(self._key, name, why).decode())
 
     @property
     def port(self) -> int:

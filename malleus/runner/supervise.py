@@ -43,14 +43,17 @@ from .prepare import Prepared
 from .processes import TrainerProcesses, describe_exit, proc_state
 from .record import PlanSwitch, RunRecord
 from .sinks import CoordinatorClient
+from .store_server import DEAD_KEY as STORE_DEAD_KEY
+from .store_server import JOB_PREFIX
 from .supervise_restart import RestartMode
 
 __all__ = ["DEAD_KEY", "Supervisor"]
 
-DEAD_KEY = "malleus/0//rec/dead/"
+DEAD_KEY = f"{JOB_PREFIX}/{STORE_DEAD_KEY}"
 """Where the runner tells the trainers that a GPU's process ended: trainer/launch/distributed.py DEAD_KEY
 (`rec/dead/`) under the job's `PrefixStore("malleus/<attempt>/")`, which joins prefix and key
-with one more "/" (hence the double slash: the raw key the trainers read)."""
+with one more "/" (hence the double slash: the raw key the trainers read). Written sealed
+(`StoreServer.mark_dead`): the trainers believe nothing else there."""
 _STATUS_EVERY = 0.5
 HOLD_REPLACEMENT_S = 30.0
 """The longest a due replacement waits for the survivors to commit a step after its failure
@@ -151,7 +154,7 @@ class Supervisor(RestartMode):
                     # stopped, so it says so (the trainers later list it out, and it is
                     # killed and replaced then).
                     self._marked.add(rp.proc.pid)
-                    self.procs.store.set(f"{DEAD_KEY}{rank}", "hung")
+                    self.procs.store.mark_dead(rank, "hung")
                 continue
             if rp.proc.pid in self._handled or code == 0:
                 continue
@@ -230,7 +233,7 @@ class Supervisor(RestartMode):
             )
         )
         if self.procs.store is not None:
-            self.procs.store.set(f"{DEAD_KEY}{rank}", "1")
+            self.procs.store.mark_dead(rank, "1")
         if not self.live:
             self._restart_for = self.log.failures[-1]
         self.messages.put(f"step {step}: rank {rank} {why}: {action}")

@@ -63,9 +63,13 @@ def test_a_taken_port_is_an_error_not_a_hang() -> None:
 
 def test_the_runner_side_sets_keys_through_the_servers_stdin(tmp_path: Path) -> None:
     dist = pytest.importorskip("torch.distributed")
+    from malleus.control.sealed import store_key
     from malleus.runner.processes import StoreServer
+    from malleus.trainer.world.sealed import TOKEN_FILE_ENV, Sealer, job_store_key
 
-    server = StoreServer(sys.executable, tmp_path / "store.log")
+    token = tmp_path / "control-token"
+    token.write_text("the-runs-token\n")
+    server = StoreServer(sys.executable, tmp_path / "store.log", key=store_key("the-runs-token"))
     address = server.start(timeout=60)
     try:
         host, port = address.rsplit(":", 1)
@@ -74,12 +78,36 @@ def test_the_runner_side_sets_keys_through_the_servers_stdin(tmp_path: Path) -> 
         from malleus.runner.supervise import DEAD_KEY
         from malleus.trainer.world.errors import DEAD_KEY as TRAINER_DEAD_KEY
 
-        assert server.set(f"{DEAD_KEY}3", "1")
+        assert server.set(f"{DEAD_KEY}3", "1")  # unsealed: as a stranger would write it
+        assert server.mark_dead(4, "hung")  # sealed with the key of the run's token
         client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=20))
         trainers = dist.PrefixStore("malleus/0/", client)
-        trainers.wait([f"{TRAINER_DEAD_KEY}3"], timedelta(seconds=20))
+        trainers.wait([f"{TRAINER_DEAD_KEY}3", f"{TRAINER_DEAD_KEY}4"], timedelta(seconds=20))
         assert trainers.get(f"{TRAINER_DEAD_KEY}3") == b"1"
+        # A rank's key, from the same token file as its environment names it
+        key = job_store_key({TOKEN_FILE_ENV: str(token)})
+        assert key is not None
+        seal = Sealer(key)
+        assert seal.get(trainers, f"{TRAINER_DEAD_KEY}4") == "hung"
+        assert seal.get(trainers, f"{TRAINER_DEAD_KEY}3") is None  # not believed
         del trainers, client
     finally:
         server.stop()
     assert not server.alive() and not server.set("k", "v")
+
+
+def test_the_ranks_of_a_run_derive_the_runners_store_key_from_its_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `MALLEUS_STORE_KEY` of the user's shell never reaches the ranks (it would win over
+    the token and their key would not be the runner's): they derive it from the token file."""
+    from malleus.control.sealed import store_key
+    from malleus.runner.launch import LaunchSpec
+    from malleus.trainer.world.sealed import STORE_KEY_ENV, job_store_key
+
+    token = tmp_path / "control-token"
+    token.write_text("the-runs-token")
+    monkeypatch.setenv(STORE_KEY_ENV, "ab" * 32)
+    env = LaunchSpec("job.yaml", 2, tmp_path, token).env(1, 29500, "127.0.0.1:29400")
+    assert STORE_KEY_ENV not in env
+    assert job_store_key(env) == store_key("the-runs-token")

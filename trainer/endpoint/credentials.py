@@ -17,6 +17,9 @@ import ssl
 from collections.abc import Mapping
 from pathlib import Path
 
+# The token's names live with the store's seal, whose key is derived from the same token.
+from malleus.trainer.world.sealed import TOKEN_ENV, TOKEN_FILE_ENV
+
 __all__ = [
     "POD_IP_ENV",
     "TLS_CERT_ENV",
@@ -31,8 +34,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "MALLEUS_CONTROL_TOKEN"
-TOKEN_FILE_ENV = "MALLEUS_CONTROL_TOKEN_FILE"
 TLS_CERT_ENV = "MALLEUS_CONTROL_TLS_CERT"
 """Path of the server certificate (PEM), the job Secret's ``tls.crt`` mounted in the pod."""
 TLS_KEY_ENV = "MALLEUS_CONTROL_TLS_KEY"

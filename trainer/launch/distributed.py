@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from malleus.trainer.world.errors import LaunchError, first_line
 from malleus.trainer.world.membership import Membership
+from malleus.trainer.world.sealed import STORE_KEY_ENV, TOKEN_FILE_ENV, Sealer, job_store_key
 from malleus.trainer.world.store_client import RedialingStore
 from malleus.trainer.world.world import World
 
@@ -37,6 +38,7 @@ __all__ = [
     "init_distributed",
     "note_writer",
     "quiet_signals",
+    "store_sealer",
 ]
 
 log = logging.getLogger(__name__)
@@ -123,6 +125,8 @@ def init_distributed(
     rank's loop asks the job to admit it (trainer/run/loop.py `join_job`)."""
     if world.size != env.world_size:
         raise ValueError(f"World({world.size}) for WORLD_SIZE {env.world_size}")
+    if join or fault_tolerant():  # the store decides membership and recovery: sealed values
+        world.seal_with(store_sealer(env.rank))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
     if cuda:
@@ -181,6 +185,24 @@ def init_distributed(
     if fault_tolerant():
         world.start_alarm(store, env.rank)
     return device
+
+
+def store_sealer(rank: int, environ: Mapping[str, str] | None = None) -> Sealer:
+    """The sealer of a fault-tolerant rank (trainer/world/sealed.py): the job's key, from
+    `$MALLEUS_STORE_KEY` or the control token. None is refused: such a rank believes what the
+    store says about who is dead, who leads and who is admitted, and without a key anyone who
+    can write the store would decide it."""
+    try:
+        key = job_store_key(environ)
+    except ValueError as e:
+        raise LaunchError(f"rank {rank}: {e}") from None
+    if key is None:
+        raise LaunchError(
+            f"rank {rank}: a fault-tolerant job needs the job's secret to seal the values of "
+            f"its store: set {TOKEN_FILE_ENV} (the job's control token, as `malleus run` and "
+            f"the operator do) or {STORE_KEY_ENV} (hex, the same for every rank)"
+        )
+    return Sealer(key)
 
 
 def fault_tolerant() -> bool:

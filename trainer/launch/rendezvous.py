@@ -10,7 +10,9 @@ It prints exactly one line, ``store ready on H:P``, once it listens (``--port 0`
 pick a free port, so concurrent runs never race for one), and serves until SIGTERM or SIGINT.
 Its parent may write lines ``set KEY VALUE`` to its stdin, which it sets in the store: that is
 how the torch-free runner tells the trainers what it saw (``malleus/0//rec/dead/GPU``: that
-GPU's process exited, trainer/launch/distributed.py `DEAD_KEY`). Other lines are ignored.
+GPU's process exited, trainer/launch/distributed.py `DEAD_KEY`), its value sealed by the runner
+with the job's key (trainer/world/sealed.py): this process never holds the key. Other lines
+are ignored.
 
 Security: a TCPStore has no authentication and no encryption: anyone who can connect can read
 and overwrite every key, including the process group's rendezvous. Binding narrowly is the

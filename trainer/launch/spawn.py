@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 
 from malleus.errors import LEFT_OUT_EXIT
 from malleus.trainer.world.errors import DEAD_KEY, LaunchError
+from malleus.trainer.world.sealed import STORE_KEY_ENV, Sealer
 
 from .distributed import (
     EXTERNAL_STORE_ENV,
@@ -104,7 +105,8 @@ def spawn_local(
 
     `fault_tolerant`: a child's death does not stop the others (they recover among themselves,
     trainer/recovery/protocol.py): the launcher says so on stderr, marks the GPU dead in the store
-    (`rec/dead/GPU`) and goes on; once a child has finished (exit 0) a stopped one (a hung
+    (`rec/dead/GPU`, sealed with a key drawn for this launch and given to the children as
+    `$MALLEUS_STORE_KEY`, trainer/world/sealed.py) and goes on; once a child has finished (exit 0) a stopped one (a hung
     rank left out of the job) is killed after `grace_s`, any other after `FINISH_S`. LaunchError only when no child
     finished or a survivor failed (exit code other than 0 and 3, "left out of the job").
     Returns the children's exit codes.
@@ -112,6 +114,9 @@ def spawn_local(
     host = "127.0.0.1"
     # lives while we wait; listens on loopback alone (a TCPStore given a host binds them all)
     store = listening_store(host, 0, timeout=timedelta(seconds=300))
+    # The store's values are believed only when sealed with the job's key: one per launch,
+    # shared with the children alone (their environment), never with the store.
+    sealer = Sealer.fresh()
     handle = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if handle else {}
     got: list[int] = []
@@ -120,7 +125,7 @@ def spawn_local(
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         ctx = mp.start_processes(
             _child,
-            args=(fn, args, nprocs, host, store.port, fault_tolerant),
+            args=(fn, args, nprocs, host, store.port, fault_tolerant, sealer.hex),
             nprocs=nprocs,
             join=False,
             start_method="spawn",
@@ -137,7 +142,7 @@ def spawn_local(
         try:
             if fault_tolerant:
                 notes = dist.PrefixStore("malleus/0/", store)
-                return _watch(ctx.processes, ctx.error_files, notes, grace_s)
+                return _watch(ctx.processes, ctx.error_files, notes, grace_s, sealer)
             while not ctx.join(grace_period=grace_s):
                 pass
         except _Stop as stop:
@@ -170,7 +175,7 @@ def _stopped(pid: int) -> bool:
 
 
 def _watch(
-    processes: list[Any], error_files: list[str], store: Any, grace_s: float
+    processes: list[Any], error_files: list[str], store: Any, grace_s: float, sealer: Sealer
 ) -> list[int | None]:
     """Fault-tolerant wait: report deaths, let the survivors go on, end with the job."""
     reported: set[int] = set()
@@ -188,7 +193,7 @@ def _watch(
             how = f"signal {_signal_name(-code)}" if code < 0 else f"exit code {code}"
             why = "killed" if code < 0 else ("left" if code == LEFT_OUT_EXIT else "failed")
             with contextlib.suppress(RuntimeError, OSError):
-                store.set(f"{DEAD_KEY}{i}", why)
+                sealer.put(store, f"{DEAD_KEY}{i}", why)
             # one write per message: the ranks write to the same stderr (output.py)
             if code != LEFT_OUT_EXIT:
                 sys.stderr.write(f"malleus train: rank {i} died ({how}); the others go on\n")
@@ -245,7 +250,10 @@ def _failure(
     error (its peer's "connection reset") reached the launcher first; both are named.
     """
     try:
-        doing = notes.get(NOTE_KEY).decode() if notes.check([NOTE_KEY]) else ""
+        # Advice, not sealed (trainer/world/sealed.py): quoted, never decoded strictly.
+        doing = (
+            notes.get(NOTE_KEY).decode(errors="replace")[:500] if notes.check([NOTE_KEY]) else ""
+        )
     except (RuntimeError, OSError):
         doing = ""
     during = f" during {doing}" if doing else ""
@@ -283,6 +291,7 @@ def _child(
     host: str,
     port: int,
     fault_tolerant: bool = False,
+    store_key: str = "",
 ) -> None:
     quiet_signals()  # also lets the launcher's death (PR_SET_PDEATHSIG: SIGINT) end this rank
     whole_lines()  # the ranks share the launcher's stdout and stderr
@@ -294,6 +303,7 @@ def _child(
             "MASTER_ADDR": host,
             "MASTER_PORT": str(port),
             EXTERNAL_STORE_ENV: "1",
+            STORE_KEY_ENV: store_key,
         }
     )
     if fault_tolerant:

@@ -3,8 +3,8 @@
 Kept apart from the protocol (trainer/recovery/protocol.py) because it is the one place that deals with
 torch.distributed's registry and the sockets behind it: a survivor must release every reference
 to the old group for its peers' collectives to fail at once, and every member (a joiner too,
-trainer/recovery/join.py) forms the next epoch's group the same way. `wait_json` is the
-bounded wait on a key of the job's store that the rendezvous and the admission both use.
+trainer/recovery/join.py) forms the next epoch's group the same way. `wait_sealed` is the
+bounded wait on a sealed key of the job's store (a replacement's admission).
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ import torch
 import torch.distributed as dist
 
 from malleus.trainer.world.membership import Membership
+from malleus.trainer.world.sealed import Sealer
 from malleus.trainer.world.world import World
 
 if TYPE_CHECKING:
     from malleus.trainer.engine.trainer import Trainer
 
-__all__ = ["form_group", "release_groups", "wait_json"]
+__all__ = ["form_group", "release_groups", "wait_sealed"]
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +79,12 @@ def form_group(world: World, store: Any, prefix: str, m: Membership, gpu: int) -
     log.info("rank %d: process group of epoch %d formed: %s", gpu, m.epoch, list(m.members))
 
 
-def wait_json(store: Any, key: str, timeout_s: float) -> Any:
-    """The JSON value at `key` once it is there; None after `timeout_s`."""
+def wait_sealed(store: Any, seal: Sealer, key: str, timeout_s: float) -> Any:
+    """The JSON value at `key` once it is there and sealed by this job (a value a stranger
+    planted is waited past, trainer/world/sealed.py); None after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if store.check([key]):
-            return json.loads(store.get(key))
+        if (got := seal.get(store, key)) is not None:
+            return json.loads(got)
         time.sleep(0.02)
     return None

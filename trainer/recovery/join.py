@@ -13,6 +13,12 @@ and a counter that starts again at 1 would make the next replacement of a GPU al
 once look admitted (it waited until its timeout). Every member keeps the nonces admitted so far
 (`Ledger.admitted`), and a joiner gets them with its admission, so whichever member coordinates
 next reads the requests alike.
+
+The request, the coordinator's list of joiners and the admission are sealed with the job's key
+(trainer/world/sealed.py): a request planted by a stranger is not one (no seat is offered to a
+process without the job's key), nor is a planted list or admission (a replacement forms no
+group with members a stranger names). The count `join/GPU/n` is not sealed: a forged bump can
+only hide a real request until its timeout.
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 from malleus.trainer.world.errors import DEAD_KEY, LaunchError
 from malleus.trainer.world.membership import Membership
+from malleus.trainer.world.sealed import Sealer
 from malleus.trainer.world.world import World
 
-from .groups import form_group, release_groups, wait_json
+from .groups import form_group, release_groups, wait_sealed
 from .ledger import Ledger
 
 if TYPE_CHECKING:
@@ -68,10 +75,11 @@ def await_admission(world: World, store: Any, gpu: int, timeout_s: float) -> Adm
     """A replacement for `gpu` (started with `--join`): ask to join, wait until the coordinator
     admits it at a step boundary, then form the process group with the members (installed
     into `world`, with `store` to recover by)."""
+    seal = world.sealer
     nonce = secrets.token_hex(8)
     n = store.add(f"{JOIN_KEY}{gpu}/n", 1)
-    store.set(f"{JOIN_KEY}{gpu}/{n}", json.dumps({"at": time.time(), "nonce": nonce}))
-    admit = wait_json(store, _admit_key(gpu, nonce), timeout_s)
+    seal.put(store, f"{JOIN_KEY}{gpu}/{n}", json.dumps({"at": time.time(), "nonce": nonce}))
+    admit = wait_sealed(store, seal, _admit_key(gpu, nonce), timeout_s)
     if admit is None:
         raise LaunchError(f"rank {gpu}: the running job did not admit it within {timeout_s:g}s")
     # Its predecessor's death mark (`rec/dead/GPU`) must not outlive it: the recovery reads it
@@ -109,20 +117,21 @@ def joiners(ledger: Ledger, world: World) -> int:
     store, m = world.store, world.current
     if store is None or m is None:
         return 0
-    _await_join(store, m, ledger, world.size)
+    seal = world.sealer
+    _await_join(store, seal, m, ledger, world.size)
     found = []
     for g in range(world.size):
         if g in m:
             continue
-        nonce = _pending(store, g, ledger.admitted)
+        nonce = _pending(store, seal, g, ledger.admitted)
         if nonce is not None:
             found.append([g, nonce])
     if found:
-        store.set(f"rec/{m.epoch + 1}/joiners", json.dumps(found))
+        seal.put(store, f"rec/{m.epoch + 1}/joiners", json.dumps(found))
     return len(found)
 
 
-def _await_join(store: Any, m: Membership, ledger: Ledger, world: int) -> None:
+def _await_join(store: Any, seal: Sealer, m: Membership, ledger: Ledger, world: int) -> None:
     """`AWAIT_JOIN_ENV` (tests): wait for the named GPU's replacement to ask to join."""
     want = os.environ.get(AWAIT_JOIN_ENV, "")
     if not want.isdigit() or int(want) in m or int(want) >= world:
@@ -130,7 +139,7 @@ def _await_join(store: Any, m: Membership, ledger: Ledger, world: int) -> None:
     if ledger.recovering is not None:
         return  # the recovery's first step must commit first: `malleus run` starts it then
     deadline = time.monotonic() + AWAIT_JOIN_S
-    while _pending(store, int(want), ledger.admitted) is None and time.monotonic() < deadline:
+    while _pending(store, seal, int(want), ledger.admitted) is None and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
@@ -138,18 +147,21 @@ def _admit_key(gpu: int, nonce: str) -> str:
     return f"{JOIN_KEY}{gpu}/admit/{nonce}"
 
 
-def _pending(store: Any, gpu: int, admitted: dict[int, str]) -> str | None:
+def _pending(store: Any, seal: Sealer, gpu: int, admitted: dict[int, str]) -> str | None:
     """The nonce of `gpu`'s latest request to join when it is not admitted yet, else None.
 
     Only the latest request counts (the runner starts one replacement of a GPU at a time; an
     earlier one that is still waiting has given up by then). A request counted but not yet
-    posted, or not of the shape `await_admission` writes, is not one (yet)."""
+    posted, not sealed by this job, or not of the shape `await_admission` writes, is not one
+    (yet)."""
     n = store.add(f"{JOIN_KEY}{gpu}/n", 0)
-    key = f"{JOIN_KEY}{gpu}/{n}"
-    if n <= 0 or not store.check([key]):
+    if n <= 0:
+        return None
+    body = seal.get(store, f"{JOIN_KEY}{gpu}/{n}")
+    if body is None:
         return None
     try:
-        nonce = json.loads(store.get(key))["nonce"]
+        nonce = json.loads(body)["nonce"]
     except (ValueError, KeyError, TypeError):
         return None
     if not isinstance(nonce, str) or nonce == admitted.get(gpu):
@@ -163,7 +175,12 @@ def admit(trainer: Trainer, ledger: Ledger) -> None:
     store, m = trainer.world.store, trainer.world.current
     assert store is not None and m is not None
     epoch = m.epoch + 1
-    found = json.loads(store.get(f"rec/{epoch}/joiners"))
+    seal = trainer.world.sealer
+    # Announced by the coordinator's control word, posted before it: a list that does not
+    # open (a stranger's, over the real one) admits nobody, and the members re-form as they are.
+    name = f"rec/{epoch}/joiners"
+    listed = seal.open(name, store.get(name))  # waits for it, as before the seal
+    found = json.loads(listed) if listed is not None else []
     new = Membership(epoch, tuple(sorted({*m.members, *(g for g, _ in found)})), m.coordinator)
     for g, nonce in found:
         ledger.admitted[g] = nonce
@@ -180,7 +197,7 @@ def admit(trainer: Trainer, ledger: Ledger) -> None:
             "admitted": {str(g): v for g, v in ledger.admitted.items()},
         }
         for g, nonce in found:
-            store.set(_admit_key(g, nonce), json.dumps(admission))
+            seal.put(store, _admit_key(g, nonce), json.dumps(admission))
         inbox = trainer.services.inbox
         if inbox is not None:
             inbox.replan(trainer.job.problem({g: None for g in ledger.out}))

@@ -19,7 +19,7 @@ step), so no sample is skipped or seen twice.
 
 Rendezvous (no rank hosts it: keys of the job's store, under `rec/EPOCH/`). Each survivor
 posts `alive/GPU` (its step, the vector it holds, the plan in force, the newest generation it
-knows, its rates), `add("arrive", 1)` (which the peers' alarms watch, trainer/world/alarm.py), lets
+knows, its rates), `arrive` (which the peers' alarms watch, trainer/world/alarm.py), lets
 go of its process groups and posts `released/GPU`. The first to claim the lead (`compare_set`
 of `leader`: atomic, and names it), the leader, waits until every previous member has arrived
 or is known dead (`rec/dead/GPU`, written by a launcher that saw the process exit, or by
@@ -44,6 +44,12 @@ Joining. A replacement (`--join`) posts `join/GPU` and waits; the coordinator an
 step boundary (a control word), every member and the joiner re-form at the next epoch (no step
 lost) and the joiner receives the plan in force, the step and the `out` set; it holds nothing
 (an excluded GPU) until a later plan re-admits it.
+
+Sealed values. Every value of this rendezvous (arrivals, `arrive`, `released`, the leader's
+claim, the decision, and the launchers' dead marks) is written sealed with the job's key and
+read only when its seal checks (trainer/world/sealed.py, `World.sealer`): a value planted by
+whoever else can reach the store is as if absent, so it can neither cause a recovery, nor
+decide who goes on, nor send the survivors to another epoch; a planted leader claim is replaced.
 
 Where it lives. This module is the protocol: the failure types, the survivors' rendezvous and
 the leader's decision. Applying a decision (restoring every piece from replicas or a
@@ -72,6 +78,7 @@ from malleus.trainer.world.errors import (  # DEAD_KEY: a launcher saw a GPU's p
 )
 from malleus.trainer.world.faults import at_lead
 from malleus.trainer.world.membership import Membership
+from malleus.trainer.world.sealed import Sealer
 from malleus.trainer.world.world import DEFAULT_HANG_TIMEOUT_S, World
 
 from .groups import form_group, release_groups
@@ -143,6 +150,7 @@ def recover(
     the one after it)."""
     store, old = trainer.world.store, trainer.world.current
     assert store is not None and old is not None
+    seal = trainer.world.sealer  # every value below is written sealed and read only if it opens
     log.warning("rank %d: %s; recovering", trainer.rank, failure)
     _dbg(trainer.rank, f"enter recovery: {failure}")
     epoch = old.epoch + 1
@@ -153,19 +161,26 @@ def recover(
         # second on a busy host), so that the leader and the peers still computing (whose
         # alarm watches `arrive`, trainer/world/alarm.py) hear of this survivor at once.
         arrival = _arrival(trainer, ledger, failure)
-        store.set(prefix + f"alive/{trainer.rank}", json.dumps(arrival))
-        n = store.add(prefix + "arrive", 1)
-        _dbg(trainer.rank, f"arrived {n}")
+        seal.put(store, prefix + f"alive/{trainer.rank}", json.dumps(arrival))
+        seal.put(store, prefix + "arrive", "1")
+        _dbg(trainer.rank, "arrived")
         release_groups(trainer, failure)
-        mark_released(store, prefix, trainer.rank)  # the leader of a hang waits for this
+        mark_released(store, seal, prefix, trainer.rank)  # the leader of a hang waits for this
         _dbg(trainer.rank, "released")
         # The lead goes to whoever claims it first, atomically and by name, so that the others
         # can tell when the leader is known dead before it decided (`_await_decision`).
-        leader = int(store.compare_set(prefix + "leader", "", str(trainer.rank)))
+        # A claim planted by a stranger is replaced (`Sealer.claim`); one overwritten again and
+        # again leaves this epoch leaderless: the next one is tried, as for a dead leader.
+        claim = seal.claim(store, prefix + "leader", str(trainer.rank))
+        if claim is None or not claim.isdigit():
+            log.warning("rank %d: no leader at recovery epoch %d; next epoch", trainer.rank, epoch)
+            epoch += 1
+            continue
+        leader = int(claim)
         if leader == trainer.rank:
             at_lead(trainer.rank, epoch, store=store)  # fault injection (tests): dies here
             _lead(store, prefix, previous, trainer)
-        decision = _await_decision(store, prefix, leader, trainer.world.silence(store))
+        decision = _await_decision(store, seal, prefix, leader, trainer.world.silence(store))
         _dbg(trainer.rank, "decided")
         if decision is None:  # the leader died before deciding
             log.warning(
@@ -215,20 +230,24 @@ def recover(
         return
 
 
-def _await_decision(store: Any, prefix: str, leader: int, quiet: Silence) -> dict[str, Any] | None:
+def _await_decision(
+    store: Any, seal: Sealer, prefix: str, leader: int, quiet: Silence
+) -> dict[str, Any] | None:
     """The leader's decision; None when it did not come within `DECISION_WAIT_S`, or as soon
     as the leader is known dead (a launcher wrote `rec/dead/LEADER`) or silent (its heartbeat
     stopped, trainer/world/alarm.py) without having written it: a leader killed mid-recovery costs
-    the others one epoch, not the whole wait."""
+    the others one epoch, not the whole wait. Only sealed values count (`seal`): a decision or
+    a dead mark planted by a stranger is as if absent."""
     key, dead = prefix + "decision", DEAD_KEY + str(leader)
     deadline = time.monotonic() + DECISION_WAIT_S
     while time.monotonic() < deadline:
-        if store.check([key]):
-            return json.loads(store.get(key))
+        if (got := seal.get(store, key)) is not None:
+            return json.loads(got)
         # Known dead, or gone without a launcher to say so (its heartbeat stopped): its
         # decision may have landed just before it died.
-        if store.check([dead]) or quiet.silent(leader):
-            return json.loads(store.get(key)) if store.check([key]) else None
+        if seal.get(store, dead) is not None or quiet.silent(leader):
+            got = seal.get(store, key)
+            return json.loads(got) if got is not None else None
         time.sleep(0.02)
     return None
 
@@ -274,11 +293,12 @@ def _arrival(trainer: Trainer, ledger: Ledger, failure: PeerFailure) -> dict[str
 
 def _lead(store: Any, prefix: str, previous: tuple[int, ...], trainer: Trainer) -> None:
     """The first survivor to arrive decides who goes on, at which step, under which plan."""
-    seen = gather(store, prefix, previous, trainer.world.silence(store))
+    seal = trainer.world.sealer
+    seen = gather(store, seal, prefix, previous, trainer.world.silence(store))
     arrivals, dead, silent = seen.arrivals, seen.dead, seen.silent
     _dbg(trainer.rank, f"lead: waited, arrived {list(arrivals)} dead {dead} silent {silent}")
     try:
-        decision = _decide(trainer, arrivals, previous, store)
+        decision = _decide(trainer, arrivals, previous, store, seal)
     except BadInput as e:  # the planner refused the survivors' problem: nothing fits them
         log.error("no valid plan on the GPUs left: %s", e)
         decision = {"members": sorted(arrivals), "error": str(e), "no_plan": True}
@@ -286,11 +306,15 @@ def _lead(store: Any, prefix: str, previous: tuple[int, ...], trainer: Trainer) 
         log.exception("recovery decision failed")
         decision = {"members": sorted(arrivals), "error": f"{type(e).__name__}: {e}"}
     _dbg(trainer.rank, "lead: decided")
-    store.set(prefix + "decision", json.dumps(decision))
+    seal.put(store, prefix + "decision", json.dumps(decision))
 
 
 def _decide(
-    trainer: Trainer, arrivals: dict[int, dict[str, Any]], previous: tuple[int, ...], store: Any
+    trainer: Trainer,
+    arrivals: dict[int, dict[str, Any]],
+    previous: tuple[int, ...],
+    store: Any,
+    seal: Sealer,
 ) -> dict[str, Any]:
     from malleus.planner.search import plan as planner
 
@@ -303,8 +327,7 @@ def _decide(
     hung = any(a["timeout"] for a in arrivals.values())
     failed: dict[int, str] = {}
     for g in gone:
-        key = DEAD_KEY + str(g)
-        known = store.get(key).decode() if store.check([key]) else None
+        known = seal.get(store, DEAD_KEY + str(g))
         failed[g] = known if known in ("killed", "left", "hung") else ("hung" if hung else "killed")
     out = {int(g): w for a in arrivals.values() for g, w in a["out"].items()}
     out.update(failed)

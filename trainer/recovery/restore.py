@@ -120,11 +120,16 @@ def apply_decision(
 
 
 def _fault_times(store: Any, failed: dict[int, str]) -> dict[int, float]:
+    """When each failed GPU's injected fault fired (`rec/fault/GPU`, tests and demos): a figure
+    of the record, not sealed (trainer/world/sealed.py), so what does not parse is dropped."""
     out: dict[int, float] = {}
     for g in failed:
         key = f"{FAULT_KEY}{g}"
         if store is not None and store.check([key]):
-            out[g] = float(json.loads(store.get(key))["at"])
+            try:
+                out[g] = float(json.loads(store.get(key))["at"])
+            except (ValueError, KeyError, TypeError):
+                continue
     return out
 
 

@@ -32,6 +32,7 @@ from malleus.trainer.world import alarm
 from malleus.trainer.world.errors import (
     DEAD_KEY,  # what launchers write when a GPU's process ends
 )
+from malleus.trainer.world.sealed import Sealer
 
 __all__ = [
     "JOIN_WINDOW_S",
@@ -56,9 +57,9 @@ def quiet_after_timeout_s(world: int) -> float:
     return max(QUIET_MIN_S, 2 * alarm.interval_s(world))
 
 
-def mark_released(store: Any, prefix: str, gpu: int) -> None:
-    """Say that `gpu` let go of its process groups at this recovery epoch (`prefix`)."""
-    store.set(prefix + f"released/{gpu}", "1")
+def mark_released(store: Any, seal: Sealer, prefix: str, gpu: int) -> None:
+    """Say that `gpu` let go of its process groups at this recovery epoch (`prefix`), sealed."""
+    seal.put(store, prefix + f"released/{gpu}", "1")
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Gathered:
 
 def gather(
     store: Any,
+    seal: Sealer,
     prefix: str,
     previous: tuple[int, ...],
     silence: alarm.Silence,
@@ -82,17 +84,19 @@ def gather(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Gathered:
-    """Wait for the previous members by the rule of this module's docstring."""
+    """Wait for the previous members by the rule of this module's docstring. Only values that
+    `seal` opens count (arrivals, dead marks, releases): one planted by a stranger is as if
+    absent, so it can neither add a member nor make the leader stop waiting for one."""
     quiet_s = quiet_after_timeout_s(len(previous))
     start = last = clock()
     got: dict[int, dict[str, Any]] = {}  # each arrival, read once (posted whole before `arrive`)
     released: set[int] = set()
     while True:
         for g in previous:
-            if g not in got and store.check([prefix + f"alive/{g}"]):
-                got[g] = json.loads(store.get(prefix + f"alive/{g}"))
+            if g not in got and (body := seal.get(store, prefix + f"alive/{g}")) is not None:
+                got[g] = json.loads(body)
                 last = clock()
-        dead = [g for g in previous if store.check([DEAD_KEY + str(g)])]
+        dead = [g for g in previous if seal.get(store, DEAD_KEY + str(g)) is not None]
         silent = [g for g in previous if g not in got and g not in dead and silence.silent(g)]
         if len(set(got) | set(dead) | set(silent)) >= len(previous):
             break
@@ -101,7 +105,7 @@ def gather(
             break
         if any(a["timeout"] for a in got.values()):  # a hang: some collective timed out
             for g in got:
-                if g not in released and store.check([prefix + f"released/{g}"]):
+                if g not in released and seal.get(store, prefix + f"released/{g}") is not None:
                     released.add(g)
                     last = now
             if set(got) - set(dead) <= released and now - last > quiet_s:

@@ -4,8 +4,10 @@ A rank that dies breaks at once only the collectives its peers are blocked in wi
 computing its share of the step (another pipeline's layers, say) would find out at its next
 collective with a broken peer, often the gradient sync at the end of the step, so the whole
 job waits out the rest of a step that is going to be redone anyway. Each survivor that enters
-recovery epoch E+1 counts itself in at `rec/E+1/arrive` (trainer/recovery/protocol.py); this thread
-watches for that key on its own connection to the job's store and raises a flag, and the
+recovery epoch E+1 says so at `rec/E+1/arrive`, sealed with the job's key
+(trainer/recovery/protocol.py, trainer/world/sealed.py); this thread watches for that key on its
+own connection to the job's store and, once its seal checks (a value a stranger planted is
+ignored: no spurious recovery), raises a flag, and the
 step's layer calls (trainer/parallel/pipeline.py `LayerTimer`) check the flag before each
 layer and raise `PeerRecovering`, which the step loop treats like any failed collective
 (trainer/recovery/protocol.py `as_failure`): the step commits or is redone by the same rule.
@@ -31,7 +33,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .sealed import Sealer
 
 __all__ = ["BEAT_KEY", "Alarm", "PeerRecovering", "Silence", "beat_s", "interval_s"]
 
@@ -90,8 +95,9 @@ class Silence:
 
 class Alarm:
     """Watches `rec/E+1/arrive` on its own connection to the job's store (`store.clone()`),
-    E being the epoch of the membership in force (`epoch()`, read at every check), and beats
-    for `rank` (`rec/beat/RANK`) every `beat` seconds (None: no heartbeat)."""
+    E being the epoch of the membership in force (`epoch()`, read at every check), believing it
+    only when `sealer` opens it, and beats for `rank` (`rec/beat/RANK`) every `beat` seconds
+    (None: no heartbeat)."""
 
     def __init__(
         self,
@@ -101,8 +107,10 @@ class Alarm:
         *,
         rank: int | None = None,
         beat: float = MIN_BEAT_S,
+        sealer: Sealer,
     ) -> None:
         self._store, self._every, self._epoch = store.clone(), every, epoch
+        self._sealer = sealer
         self._rank, self._beat = rank, beat
         self._raised: int | None = None  # the epoch a peer entered; None while none did
         self._done = threading.Event()
@@ -141,7 +149,9 @@ class Alarm:
             if self._raised is not None and self._raised <= epoch:
                 self._raised = None  # that recovery is over: this rank took part in it
             try:
-                if self._raised is None and self._store.check([f"rec/{epoch + 1}/arrive"]):
+                if self._raised is None and self._sealer.get(
+                    self._store, f"rec/{epoch + 1}/arrive"
+                ):
                     self._raised = epoch + 1
             except (RuntimeError, OSError) as e:  # the store is gone: the job is ending
                 log.debug("recovery alarm stops: %s", e)

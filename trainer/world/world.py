@@ -24,6 +24,7 @@ from typing import Any
 
 from .alarm import MIN_BEAT_S, SILENT_BEATS, Alarm, Silence, beat_s, interval_s
 from .membership import Membership
+from .sealed import Sealer
 
 __all__ = [
     "DEFAULT_HANG_TIMEOUT_S",
@@ -60,6 +61,7 @@ class World:
         self._bounds: dict[int, tuple[Any, float]] = {}  # id(group) -> (group, its timeout)
         self._alarm: Alarm | None = None
         self._held: list[Any] = []  # store connections kept alive (`hold`)
+        self._sealer: Sealer | None = None
 
     # ---- the membership ---------------------------------------------------------------------
     def install(self, membership: Membership, rendezvous: Any = None) -> None:
@@ -77,6 +79,17 @@ class World:
     def store(self) -> Any:
         """The rendezvous store that outlives any rank, or None when failures are not survivable."""
         return self._store
+
+    @property
+    def sealer(self) -> Sealer:
+        """Seals what this process writes to the job's store and opens what it reads
+        (trainer/world/sealed.py); set with the store (`seal_with`), before any recovery."""
+        if self._sealer is None:
+            raise RuntimeError("no store key: the job's store values cannot be sealed or read")
+        return self._sealer
+
+    def seal_with(self, sealer: Sealer) -> None:
+        self._sealer = sealer
 
     def pg(self, gpu: int) -> int:
         """GPU id -> process-group rank under the membership in force (the identity before any)."""
@@ -167,7 +180,12 @@ class World:
         """Watch the job's store and beat for `rank` from now on (once per World)."""
         if self._alarm is None:
             self._alarm = Alarm(
-                store, interval_s(self.size), self._epoch, rank=rank, beat=beat_s(self.size)
+                store,
+                interval_s(self.size),
+                self._epoch,
+                rank=rank,
+                beat=beat_s(self.size),
+                sealer=self.sealer,
             ).start()
             atexit.register(self._alarm.close)
 

@@ -18,6 +18,7 @@ from malleus.trainer.recovery.protocol import PeerFailure, as_failure  # noqa: E
 from malleus.trainer.recovery.restore import survivor_holders  # noqa: E402
 from malleus.trainer.switching.protocol import Boundary  # noqa: E402
 from malleus.trainer.world import world as world_module  # noqa: E402
+from malleus.trainer.world.errors import LaunchError  # noqa: E402
 from malleus.trainer.world.faults import Faults  # noqa: E402
 from malleus.trainer.world.membership import Membership  # noqa: E402
 from malleus.trainer.world.world import DEFAULT_HANG_TIMEOUT_S, World  # noqa: E402
@@ -108,11 +109,19 @@ def test_malleus_store_makes_a_rank_a_client_of_an_external_store(
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)  # no rank hosts it
     monkeypatch.setenv("MALLEUS_STORE", f"127.0.0.1:{store.port}")
     monkeypatch.delenv("MALLEUS_EXTERNAL_STORE", raising=False)
+    for name in ("MALLEUS_STORE_KEY", "MALLEUS_CONTROL_TOKEN_FILE", "MALLEUS_CONTROL_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
     world = World(1)
+    # Without the job's secret a fault-tolerant rank would believe whatever the store says:
+    # it refuses to start (trainer/world/sealed.py)
+    with pytest.raises(LaunchError, match="needs the job's secret"):
+        init_distributed(DistEnv(0, 1, 0, "127.0.0.1", 1), world, init_timeout_s=10)
+    monkeypatch.setenv("MALLEUS_STORE_KEY", "5e" * 32)
     try:
         # MASTER_PORT points nowhere: the rank meets at MALLEUS_STORE, as rank 0 too
         init_distributed(DistEnv(0, 1, 0, "127.0.0.1", 1), world, init_timeout_s=10)
         assert fault_tolerant() and world.store is not None
+        assert world.sealer.seal("k", "v").startswith(b"v~")
         assert world.current == Membership.full(1)
         assert dist.PrefixStore("malleus/0/", store).check(["joined/0"])
     finally:

@@ -1,5 +1,6 @@
 """The recovery leader's wait (trainer/recovery/wait.py) against a real c10d store, on the
-test's clock: the store's keys appear when the clock passes the times a scenario gives."""
+test's clock: the store's keys appear when the clock passes the times a scenario gives. Values
+are sealed with the job's key (trainer/world/sealed.py); planted ones change nothing."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from malleus.trainer.recovery.wait import (
 )
 from malleus.trainer.world import alarm
 from malleus.trainer.world.errors import DEAD_KEY
+from malleus.trainer.world.sealed import Sealer
 
 PREFIX = "rec/1/"
 PREVIOUS = (0, 1, 2, 3)
@@ -28,6 +30,7 @@ class Scenario:
 
     def __init__(self) -> None:
         self.store = dist.HashStore()
+        self.seal = Sealer.fresh()
         self.now = 0.0
         self._due: list[tuple[float, Callable[[], None]]] = []
 
@@ -37,9 +40,9 @@ class Scenario:
 
     def arrive(self, t: float, gpu: int, *, timeout: bool, released_after: float | None) -> None:
         body = json.dumps({"gpu": gpu, "timeout": timeout})
-        self.at(t, lambda: self.store.set(PREFIX + f"alive/{gpu}", body))
+        self.at(t, lambda: self.seal.put(self.store, PREFIX + f"alive/{gpu}", body))
         if released_after is not None:
-            self.at(t + released_after, lambda: mark_released(self.store, PREFIX, gpu))
+            self.at(t + released_after, lambda: mark_released(self.store, self.seal, PREFIX, gpu))
 
     def beat(self, gpu: int, every: float, until: float) -> None:
         t = 0.0
@@ -61,7 +64,9 @@ class Scenario:
 
     def gather(self):
         silence = alarm.Silence(self.store, 3.0, clock=self.clock)
-        return gather(self.store, PREFIX, PREVIOUS, silence, clock=self.clock, sleep=self.sleep)
+        return gather(
+            self.store, self.seal, PREFIX, PREVIOUS, silence, clock=self.clock, sleep=self.sleep
+        )
 
 
 def test_every_member_arrived_no_wait() -> None:
@@ -109,7 +114,7 @@ def test_an_arrival_that_never_lets_go_is_known_dead_or_waited_out() -> None:
     s.arrive(0.0, 0, timeout=True, released_after=0.0)
     s.arrive(0.0, 1, timeout=True, released_after=None)  # died while releasing
     s.arrive(0.0, 2, timeout=True, released_after=0.0)
-    s.at(0.5, lambda: s.store.set(DEAD_KEY + "1", "killed"))
+    s.at(0.5, lambda: s.seal.put(s.store, DEAD_KEY + "1", "killed"))
     got = s.gather()
     # the hung rank 3 is neither dead nor silent yet; rank 1's mark ends the wait for it
     assert got.dead == [1] and 0.5 <= s.now < 0.5 + quiet_after_timeout_s(4)
@@ -134,3 +139,23 @@ def test_without_a_timeout_the_missing_rank_is_waited_for_until_silent() -> None
 def test_the_quiet_grows_with_the_alarm_interval() -> None:
     assert quiet_after_timeout_s(1024) == pytest.approx(2 * alarm.interval_s(1024))
     assert quiet_after_timeout_s(8192) == pytest.approx(1.6384)
+
+
+def test_planted_arrivals_dead_marks_and_releases_change_nothing() -> None:
+    """A stranger who can write the store plants an arrival of the hung rank, dead marks of
+    the others and releases: none opens, so the leader waits exactly as without them (the
+    hung rank is still missing, nobody is taken for dead, the quiet still waits for the real
+    releases), and a mark sealed for another GPU is not one either."""
+    s = Scenario()
+    forged = json.dumps({"gpu": 3, "timeout": False})
+    s.at(0.0, lambda: s.store.set(PREFIX + "alive/3", forged))
+    s.at(0.0, lambda: s.store.set(DEAD_KEY + "2", "killed"))
+    s.at(0.0, lambda: s.store.set(DEAD_KEY + "1", s.seal.seal(DEAD_KEY + "0", "killed")))
+    s.at(0.0, lambda: s.store.set(PREFIX + "released/2", "1"))
+    s.arrive(0.0, 0, timeout=True, released_after=0.0)
+    s.arrive(0.0, 1, timeout=True, released_after=0.0)
+    s.arrive(0.0, 2, timeout=True, released_after=0.3)
+    got = s.gather()
+    assert list(got.arrivals) == [0, 1, 2] and got.dead == [] and got.silent == []
+    assert s.now >= 0.3 + quiet_after_timeout_s(4)  # waited for rank 2's real release
+    assert s.seal.forged >= 4

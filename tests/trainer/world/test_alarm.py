@@ -1,5 +1,6 @@
 """The recovery alarm (trainer/world/alarm.py) on a real TCPStore: a computing rank learns that a peer
-entered recovery within a few polls, and only of an epoch it is not part of yet."""
+entered recovery within a few polls, only of an epoch it is not part of yet, and only from a
+value sealed with the job's key (trainer/world/sealed.py): a planted one raises nothing."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from malleus.trainer.world.alarm import (
     beat_s,
     interval_s,
 )
+from malleus.trainer.world.sealed import Sealer
+
+SEAL = Sealer.fresh()
 
 
 def _raises_within(alarm: Alarm, seconds: float) -> float:
@@ -34,14 +38,19 @@ def test_a_peer_arriving_at_the_next_epoch_raises_and_the_epoch_after_clears_it(
     server = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
     client = dist.PrefixStore("malleus/0/", dist.TCPStore("127.0.0.1", server.port, 1, False))
     epoch = [0]
-    alarm = Alarm(client, 0.02, lambda: epoch[0]).start()
+    alarm = Alarm(client, 0.02, lambda: epoch[0], sealer=SEAL).start()
     try:
         time.sleep(0.1)
         alarm.check()  # nobody recovering: no alarm
-        client.set("rec/2/arrive", "1")  # an epoch beyond the next one is not this rank's
+        SEAL.put(client, "rec/2/arrive", "1")  # an epoch beyond the next one is not this rank's
         time.sleep(0.1)
         alarm.check()
-        client.add("rec/1/arrive", 1)  # a survivor entered recovery epoch 1
+        client.set("rec/1/arrive", "1")  # planted by a stranger: not sealed
+        client.set("rec/1/arrive", SEAL.seal("rec/2/arrive", "1"))  # sealed for another epoch
+        time.sleep(0.2)
+        alarm.check()  # no spurious recovery
+        assert alarm._sealer.forged >= 2
+        SEAL.put(client, "rec/1/arrive", "1")  # a survivor entered recovery epoch 1
         assert _raises_within(alarm, 2.0) < 1.0
         epoch[0] = 1  # this rank recovered with it: re-formed at epoch 1
         time.sleep(0.1)
@@ -74,10 +83,11 @@ def test_a_worlds_alarm_follows_the_membership_it_installs() -> None:
     server, client = _store()
     world = World(4)
     world.install(Membership.full(4), client)
+    world.seal_with(SEAL)
     world.start_alarm(client, 1)
     try:
         world.check_alarm()  # nobody recovering
-        client.add("rec/1/arrive", 1)  # a survivor entered recovery epoch 1
+        SEAL.put(client, "rec/1/arrive", "1")  # a survivor entered recovery epoch 1
         deadline = time.monotonic() + 2.0
         with pytest.raises(PeerRecovering):
             while time.monotonic() < deadline:
@@ -94,7 +104,7 @@ def test_a_beating_rank_is_never_silent_and_a_stopped_one_is_after_the_window() 
     server, client = _store()
     now = [0.0]
     quiet = Silence(client, 3.0, clock=lambda: now[0])
-    alarm = Alarm(client, 0.01, lambda: 0, rank=5, beat=0.01).start()
+    alarm = Alarm(client, 0.01, lambda: 0, rank=5, beat=0.01, sealer=SEAL).start()
 
     def count() -> int:
         return int(client.add(f"{BEAT_KEY}5", 0))
@@ -132,12 +142,15 @@ def test_survivors_stop_waiting_for_a_silent_leader_that_never_decided() -> None
     server, client = _store()
     client.add(f"{BEAT_KEY}2", 1)  # the leader beat once, then died with no launcher to say so
     t0 = time.monotonic()
-    assert _await_decision(client, "rec/1/", 2, World(4).silence(client)) is None
+    assert _await_decision(client, SEAL, "rec/1/", 2, World(4).silence(client)) is None
     took = time.monotonic() - t0
     assert SILENT_BEATS * beat_s(4) <= took < DECISION_WAIT_S / 4
-    # A decision written before it went silent is still taken
-    client.set("rec/1/decision", '{"members": [0, 1]}')
-    assert _await_decision(client, "rec/1/", 2, World(4).silence(client)) == {"members": [0, 1]}
+    # A decision written before it went silent is still taken; a planted one never
+    client.set("rec/1/decision", '{"members": [0]}')
+    assert _await_decision(client, SEAL, "rec/1/", 2, World(4).silence(client)) is None
+    SEAL.put(client, "rec/1/decision", '{"members": [0, 1]}')
+    got = _await_decision(client, SEAL, "rec/1/", 2, World(4).silence(client))
+    assert got == {"members": [0, 1]}
     del server
 
 
