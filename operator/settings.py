@@ -174,7 +174,7 @@ class Settings:
     """What one job may ask of the planner (`malleus.job.limits.PlanningLimits`: maxGpus,
     maxPlanningSeconds, minCooldownSeconds), a JSON object with the chart's ``planningLimits``
     keys; empty: the defaults. Checked at startup (`limits`)."""
-    planner_processes: int = 2
+    planner_processes: int = 4
     """Planner processes the jobs share (`malleus.controller.processes`): at most this many
     plans run at once, each job at most one; 0: plan in threads of the operator's process
     (no isolation: one job's planning then slows every other job's handling)."""

@@ -31,6 +31,7 @@ import logging
 import multiprocessing
 import threading
 import time
+import weakref
 from collections import deque
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -118,7 +119,7 @@ class PlannerProcesses:
     """A pool of ``size`` planner processes (see the module's docstring)."""
 
     def __init__(
-        self, size: int = 2, *, planner: str = DEFAULT_PLANNER, kill_grace: float = 1.0
+        self, size: int = 4, *, planner: str = DEFAULT_PLANNER, kill_grace: float = 1.0
     ) -> None:
         if size < 1:
             raise ValueError(f"a planner pool needs at least one process, got {size}")
@@ -133,6 +134,7 @@ class PlannerProcesses:
         self._closed = False
         self.killed = 0
         """Processes killed for overrunning their plan's limit (a count, for tests and logs)."""
+        self._jobs: weakref.WeakValueDictionary[str, JobPlanner] = weakref.WeakValueDictionary()
 
     def start(self) -> PlannerProcesses:
         """Start every process now (they import the planner while nothing waits on them)."""
@@ -142,8 +144,13 @@ class PlannerProcesses:
         return self
 
     def for_job(self, key: str) -> JobPlanner:
-        """The `Planner` of one job: at most one plan of it in flight at a time."""
-        return JobPlanner(self, key)
+        """The `Planner` of job ``key``: at most one plan of it in flight at a time, however
+        many controllers hold it (a daemon restarted mid-plan gets the same one)."""
+        with self._cond:
+            planner = self._jobs.get(key)
+            if planner is None:
+                planner = self._jobs[key] = JobPlanner(self, key)
+            return planner
 
     def close(self) -> None:
         """Stop the idle processes; a busy one is stopped when its plan returns."""
@@ -227,7 +234,8 @@ class PlannerProcesses:
 
     def _release(self, worker: _Worker, healthy: bool) -> None:
         if not healthy:  # overran or died: kill it, and start its replacement at once
-            self.killed += 1
+            with self._cond:
+                self.killed += 1
             log.warning("killing planner process %s", worker.process.pid)
             worker.kill()
         replacement: _Worker | None = None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import time
+from typing import Any
 
 from malleus.planner import Plan, PlanningProblem, uniform_plan
 
@@ -15,3 +17,21 @@ def spin_when_short(problem: PlanningProblem, *, time_limit: float | None = None
     plan = uniform_plan(problem)
     assert plan is not None
     return plan
+
+
+def probe(conn: Any, problem_json: str, until: float, pause: float) -> None:
+    """Plan ``problem_json`` again and again until ``until`` (CLOCK_MONOTONIC, shared by every
+    process of the machine), pausing ``pause`` between plans; send back the (start, wall
+    seconds) of each as JSON: what planning that problem costs on this machine, moment by
+    moment, in a process of its own."""
+    from malleus.planner.search import plan
+
+    problem = PlanningProblem.load(problem_json)
+    plan(problem)  # warm
+    samples = []
+    while time.monotonic() < until:
+        t0 = time.monotonic()
+        plan(problem)
+        samples.append((t0, time.monotonic() - t0))
+        time.sleep(pause)
+    conn.send_bytes(json.dumps(samples).encode())

@@ -195,6 +195,7 @@ def test_an_overrunning_planner_process_is_killed_and_replaced(make_job: Any) ->
             pool.for_job("ml/demo")(problem, time_limit=0.5)
         assert time.monotonic() - t0 < 0.5 + 0.3 + 1.0
         assert pool.killed == 1
+        assert pool.for_job("ml/demo") is pool.for_job("ml/demo")  # one lock per job
         plan = pool.for_job("ml/demo")(problem, time_limit=30)
         assert json.loads(plan.to_json())["tp"] == 2
     finally:
