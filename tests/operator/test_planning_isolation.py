@@ -17,7 +17,13 @@ onset (`_Probe`; the machine these tests run on is shared, and its load moves a 
 over a second).
 
 ``MALLEUS_TEST_PLANNER_THREADS=1`` runs the same test with the planner in threads of the test's
-process (the operator before the planner processes): it fails, and says by how much.
+process (the operator before the planner processes). Measured on the shared 2-core machine:
+re-plans land 0.1-0.7 s after the onset with processes in quiet stretches, 0.2-1.9 s with
+threads (1-9 s, some never, when the machine is busier); with the bound measured by the probe
+the threads run fails in some runs only, by tenths of a second: the GIL's switch interval
+gives the event loop its turns, so a planning thread slows the others about twofold, not
+without bound. What only processes give (killing an overrunning plan) is tested in
+test_planning_limits.py. Each run prints every job's latency and bound.
 """
 
 from __future__ import annotations
@@ -51,9 +57,10 @@ SPACING = 0.7
 """Seconds between two jobs' straggler onsets."""
 FIRST_ONSET = 2.0
 """Seconds after the start of the first onset (the hostile job is planning by then)."""
-PROBE_WINDOW = 1.0
+PROBE_WINDOW = 0.5
 """A job's own planning time is the slowest of its problem's plans alone (before the storm) and
-of the probe's plans that started within this many seconds of its straggler's onset."""
+of the probe's plans that ran between this many seconds before its straggler's onset and its
+re-plan's publication."""
 MARGIN = 1.0
 """What a re-plan may take beyond its own planning time: one scrape (the observation with the
 straggler is read at its tick), a process's turn (the pool has the operator's default number
@@ -281,9 +288,8 @@ async def _storm(threads: bool) -> tuple[list[tuple[str, float, float]], int]:
         for name, _, paced, alone in small:
             landed = paced.published[0] if paced.published else float("inf")
             onset = paced.due(onsets[name])
-            now = [
-                wall for t0, wall in samples if onset - PROBE_WINDOW <= t0 <= onset + PROBE_WINDOW
-            ]
+            end = min(landed, onset + 3 * MARGIN)  # probe plans that ran while it re-planned
+            now = [w for t0, w in samples if t0 <= end and t0 + w >= onset - PROBE_WINDOW]
             results.append((name, landed - onset, max([alone, *now]) + MARGIN))
         if pool is not None:
             print(f"planner processes killed: {pool.killed}")
