@@ -185,7 +185,8 @@ async def _resume(ctx: Context, body: Mapping[str, Any], ref: resources.JobRef) 
     job = jobs.resolve(body)
     stored = await ctx.cluster.read("ConfigMap", ref.namespace, resources.configmap_name(ref.name))
     text = ((stored or {}).get("data") or {}).get(resources.PLAN_KEY)
-    plan = Plan.from_json(text) if text else (await jobs.initial_plan(job))[0]
+    planner = ctx.planner(f"{ref.namespace}/{ref.name}")
+    plan = Plan.from_json(text) if text else (await jobs.initial_plan(job, planner, ctx.limits))[0]
     await children.ensure_children(ctx, job, ref, plan)
     return [resources.pod_name(ref.name, i) for i in range(job.nodes)]
 

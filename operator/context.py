@@ -11,6 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from malleus.controller.planning import Planner, default_planner
+from malleus.controller.processes import PlannerProcesses
+from malleus.job.limits import PlanningLimits
+
 from .k8s import Cluster
 from .metrics import OperatorMetrics
 from .settings import Settings
@@ -23,11 +27,23 @@ MEMO_KEY = "malleus"
 
 @dataclass(frozen=True)
 class Context:
-    """The cluster to call, the settings in force and the metrics to count in."""
+    """The cluster to call, the settings in force and the metrics to count in; the planner
+    processes every job's plans run in (None: threads of this process)."""
 
     cluster: Cluster
     settings: Settings
     metrics: OperatorMetrics
+    planners: PlannerProcesses | None = None
+
+    def planner(self, key: str) -> Planner:
+        """Job ``key``'s planner: its share of the planner processes, else the search in a
+        thread (`default_planner`)."""
+        return self.planners.for_job(key) if self.planners is not None else default_planner
+
+    @property
+    def limits(self) -> PlanningLimits:
+        """The operator's planning limits (validated at startup)."""
+        return self.settings.limits()
 
     @classmethod
     def of(cls, memo: Mapping[str, Any]) -> Context:

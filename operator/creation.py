@@ -10,13 +10,14 @@ kept, the ConfigMap's plan included).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NoReturn
 
 import kopf
 
 from malleus.controller.planning import PlanningTimeout
 from malleus.errors import BadInput
 from malleus.job import Phase, ResolvedJob
+from malleus.job.limits import OVER_LIMIT, OverLimit
 from malleus.planner.plan import Plan
 
 from . import admission, children, jobs, resources, status
@@ -74,7 +75,10 @@ async def create_job(
             raise BadInput(url_faults)
         # Before anything is made, suspended or not: the pods would come on resume.
         children.check_pod_policy(ctx.settings, job)
-        plan, seconds = await jobs.initial_plan(job)
+        job, limited = jobs.limited(job, ctx.limits)  # OverLimit: never planned
+        plan, seconds = await jobs.initial_plan(job, ctx.planner(_key(ref)), ctx.limits)
+    except OverLimit as e:
+        await _refuse_over_limit(ctx, ref, e, patch, conditions, at)
     except children.PolicyViolation as e:
         refused = await children.report_policy_violation(
             ctx, ref, e.faults, conditions, at, fail=True
@@ -118,4 +122,31 @@ async def create_job(
         f"created {0 if suspended else len(pods)} worker pod(s) on {job.world} GPU(s); plan "
         f"generation {plan.generation}: {status.plan_summary(plan)}",
     )
+    if limited:
+        await ctx.cluster.post_event(ref, "Normal", "PlanningLimited", "; ".join(limited))
     log.info("%s/%s: created %s (planning %.3f s)", ref.namespace, ref.name, created, seconds)
+
+
+def _key(ref: resources.JobRef) -> str:
+    return f"{ref.namespace}/{ref.name}"
+
+
+async def _refuse_over_limit(
+    ctx: Context,
+    ref: resources.JobRef,
+    error: OverLimit,
+    patch: kopf.Patch,
+    conditions: list[Any],
+    at: Any,
+) -> NoReturn:
+    """Failed with ``Ready=False/OverLimit`` naming the limit and the chart value raising it,
+    a Warning event; kopf does not retry (a spec edit or a higher limit is needed)."""
+    message = "over the operator's planning limits: " + "; ".join(str(f) for f in error.faults)
+    failed = status.finished_status(
+        Phase.FAILED, OVER_LIMIT, message, ref.generation, at, conditions
+    )
+    failed.observed_generation = ref.generation
+    patch.status.update(status.dump(failed))
+    ctx.metrics.phases.set(ref.namespace, ref.name, Phase.FAILED)
+    await ctx.cluster.post_event(ref, "Warning", OVER_LIMIT, message)
+    raise kopf.PermanentError(message) from None

@@ -35,7 +35,7 @@ from pydantic import ValidationError
 from malleus.control import AsyncControlClient, ControlError, ControlStatus
 from malleus.controller.events import DecisionEvent, Migrated
 from malleus.controller.loop import Controller
-from malleus.controller.planning import Planner, default_planner
+from malleus.controller.planning import Planner
 from malleus.controller.ports import Observation, RateSource
 from malleus.controller.sources import HttpPlanSink
 from malleus.errors import BadInput
@@ -188,7 +188,8 @@ async def _plan_in_force(
     read from them (``GET /plan``) and recorded: neither lost nor numbered again."""
     plan, pending = await planstore.resume_plan(ctx.cluster, ref, running)
     if plan is None:
-        plan, _ = await jobs.initial_plan(job)
+        planner = ctx.planner(f"{ref.namespace}/{ref.name}")
+        plan, _ = await jobs.initial_plan(job, planner, ctx.limits)
     ahead = running is not None and running.generation > plan.generation
     if ahead and (pending is None or pending.generation != running.generation):
         theirs = await fetch_plan(client)
@@ -275,12 +276,13 @@ async def run_job(
     body: Mapping[str, Any],
     stopped: StopFlag,
     *,
-    planner: Planner = default_planner,
+    planner: Planner | None = None,
     poll_seconds: float = 2.0,
     resync: Callable[[], Awaitable[Any]] | None = None,
 ) -> str | None:
     """Run the decision loop for the job in ``body`` (kopf's live view) until it ends.
 
+    ``planner`` None: the job's share of the operator's planner processes (`Context.planner`).
     ``resync`` re-derives the phase from the pods while the job is Pending (see
     `_wait_running`). Returns None when the job ended or the daemon was stopped, `SPEC_CHANGED`
     when the spec's generation moved (the caller restarts the daemon, which then reads the new
@@ -290,7 +292,8 @@ async def run_job(
     if not await _wait_running(body, stopped, poll_seconds, resync):
         return None
     try:
-        job = await effective_job(ctx, ref, body)
+        # The operator's planning limits, clamped where the initial plan clamps them.
+        job, _ = jobs.limited(await effective_job(ctx, ref, body), ctx.limits)
     except BadInput as e:
         log.warning("%s/%s: not running the controller: %s", ref.namespace, ref.name, e)
         return None
@@ -369,7 +372,7 @@ async def run_job(
         initial_plan=plan,
         problem_builder=job.problem,
         policy=job.policy,
-        planner=planner,
+        planner=planner or ctx.planner(f"{ref.namespace}/{ref.name}"),
         on_event=on_event,
         initial_rates=rates,
         pending_plan=pending,

@@ -39,6 +39,7 @@ from typing import Any
 
 import kopf
 
+from malleus.controller.processes import PlannerProcesses
 from malleus.errors import BadInput
 from malleus.job import (
     API_GROUP,
@@ -119,15 +120,27 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     cluster = Cluster.connect(ours.kubeconfig or None, ours.context or None)
     metrics = OperatorMetrics()
     metrics.serve(ours.metrics_port)
-    memo[MEMO_KEY] = Context(cluster=cluster, settings=ours, metrics=metrics)
+    memo[MEMO_KEY] = Context(
+        cluster=cluster, settings=ours, metrics=metrics, planners=_planner_processes(ours)
+    )
+
+
+def _planner_processes(ours: Settings) -> PlannerProcesses | None:
+    """The planner processes every job shares (none when ``planner_processes`` is 0)."""
+    if not ours.planner_processes:
+        return None
+    return PlannerProcesses(ours.planner_processes).start()
 
 
 @kopf.on.cleanup()
 async def close(memo: kopf.Memo, **_: Any) -> None:
-    """Release the API client's connections when the operator stops."""
+    """Release the API client's connections and the planner processes when the operator
+    stops."""
     ctx = memo.get(MEMO_KEY)
     if isinstance(ctx, Context):
         ctx.cluster.close()
+        if ctx.planners is not None:
+            ctx.planners.close()
 
 
 @kopf.on.probe(id="jobs")
@@ -341,7 +354,8 @@ async def on_resume(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: An
     expected = [resources.pod_name(ref.name, i) for i in range(job.nodes)]
     if phase == Phase.PENDING:
         # The ConfigMap's plan wins when there is one (`children.ensure_children` returns it).
-        plan, _ = await jobs.initial_plan(job)
+        key = f"{ref.namespace}/{ref.name}"
+        plan, _ = await jobs.initial_plan(job, ctx.planner(key), ctx.limits)
         conditions = list(st.get("conditions") or [])
         created, _ = await creation.create_children(ctx, job, ref, plan, patch, conditions)
         if created:

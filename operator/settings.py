@@ -19,6 +19,7 @@ from typing import Any
 
 from malleus.control.capped import MAX_RESPONSE_BYTES
 from malleus.errors import Fault
+from malleus.job.limits import PlanningLimits
 from malleus.job.podpolicy import PodTemplatePolicy
 
 __all__ = ["DEFAULT_ENDPOINT", "Settings", "url_allowed"]
@@ -169,6 +170,15 @@ class Settings:
     """The operator pod's own ServiceAccount (the chart sets it from the downward API): no
     job's ``serviceAccountName`` may name it, whatever the policy says. Empty: unknown."""
 
+    planning_limits: str = ""
+    """What one job may ask of the planner (`malleus.job.limits.PlanningLimits`: maxGpus,
+    maxPlanningSeconds, minCooldownSeconds), a JSON object with the chart's ``planningLimits``
+    keys; empty: the defaults. Checked at startup (`limits`)."""
+    planner_processes: int = 4
+    """Planner processes the jobs share (`malleus.controller.processes`): at most this many
+    plans run at once, each job at most one; 0: plan in threads of the operator's process
+    (no isolation: one job's planning then slows every other job's handling)."""
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if environ is None else environ
@@ -181,6 +191,11 @@ class Settings:
         settings = cls(**values)  # type: ignore[arg-type]
         settings.control_port_peer_list()  # a malformed list fails at startup, not per job
         settings.template_policy()  # and so does a malformed policy
+        settings.limits()  # and malformed planning limits
+        if settings.planner_processes < 0:
+            raise ValueError(
+                f"{_PREFIX}PLANNER_PROCESSES={settings.planner_processes}: need 0 or more"
+            )
         return settings
 
     def to_env(self) -> dict[str, str]:
@@ -213,6 +228,15 @@ class Settings:
     def template_policy(self) -> PodTemplatePolicy:
         """`pod_template_policy` parsed; pydantic's ValidationError when malformed."""
         return PodTemplatePolicy.from_json_text(self.pod_template_policy)
+
+    def limits(self) -> PlanningLimits:
+        """`planning_limits` parsed; ValueError naming the setting when malformed."""
+        try:
+            return PlanningLimits.from_json_text(self.planning_limits)
+        except ValueError as e:  # pydantic's ValidationError is one
+            raise ValueError(
+                f"{_PREFIX}PLANNING_LIMITS (the chart's planningLimits) is invalid: {e}"
+            ) from None
 
     def operator_selector(self) -> dict[str, str]:
         """`operator_labels` as a label selector's ``matchLabels``."""

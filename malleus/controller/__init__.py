@@ -7,7 +7,9 @@ Every decision is a `DecisionEvent` with a typed payload (events).
 Where rates come from and how plans reach the trainers are the ports (RateSource, PlanSink):
 HTTP to the trainers (sources), Prometheus (prometheus), or a simulation (simulate). The
 trainers own the plan generations and the loop follows them (generations); reported rates are
-bounded and cannot write off more than a share of the job at once (guard).
+bounded and cannot write off more than a share of the job at once (guard). The operator's jobs
+plan in one shared pool of planner processes (processes), so no job's planning stalls another's;
+the local runner plans in a thread (planning).
 
 No torch and no Kubernetes here; prometheus-client is imported only to parse /metrics.
 """

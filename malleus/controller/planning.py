@@ -7,6 +7,10 @@ cannot be killed, so a planner should honour its `time_limit` itself; one that d
 its thread busy until it returns, and its late answer is dropped. The controller gives the
 planner its own small pool rather than asyncio's default executor: `asyncio.run` joins the
 default executor on exit, so one hung planner would hang the operator's shutdown.
+
+The operator hands the controller a planner whose work runs in a planner process
+(`processes.JobPlanner`): the worker thread then only waits on a pipe, and an overrunning plan
+is killed there. The local runner keeps the search itself in the thread.
 """
 
 from __future__ import annotations

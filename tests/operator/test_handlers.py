@@ -159,7 +159,7 @@ def test_a_slow_initial_planner_times_out_into_a_retry(
         raise AssertionError("too late to matter")
 
     original = jobs.initial_plan
-    monkeypatch.setattr(jobs, "initial_plan", lambda job: original(job, planner=slow))
+    monkeypatch.setattr(jobs, "initial_plan", lambda job, *_: original(job, planner=slow))
     body = make_job(stragglerPolicy={"planningTimeoutSeconds": 1})
     kube.add_job(body)
     try:
