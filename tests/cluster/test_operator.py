@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.cluster.conftest import SHARED_NODES
 from tests.cluster.controlplane import ControlPlane, ControlPlaneError, wait_until
+from tests.cluster.fixtures import SHARED_NODES
 from tests.cluster.kubelet import ProcessKubelet
 
 pytestmark = pytest.mark.timeout(300)

@@ -9,8 +9,8 @@ import textwrap
 import time
 from typing import Any
 
-from tests.cluster.conftest import SHARED_NODES
 from tests.cluster.controlplane import ControlPlane, wait_until
+from tests.cluster.fixtures import SHARED_NODES
 from tests.cluster.kubelet import ProcessKubelet
 
 

@@ -113,21 +113,31 @@ def _helm() -> str | None:
     )
 
 
-@pytest.fixture(scope="session")
-def chart_rbac(control_plane: ControlPlane, cluster_crd: dict[str, Any]) -> list[dict[str, Any]]:
-    """The chart's ServiceAccount, ClusterRoles, Roles and bindings, applied for real."""
+def apply_chart_rbac(
+    control_plane: ControlPlane, watch: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
+    """The chart's ServiceAccount, ClusterRoles, Roles and bindings (``helm template`` of release
+    ``rel`` in ``malleus-system``, watching ``watch`` too), applied for real; skips without helm."""
     helm = _helm()
     if helm is None:
         pytest.skip("helm not found: run `scripts/helm-bin.sh .cache/bin` or set MALLEUS_HELM")
-    out = subprocess.run(
-        [helm, "template", "rel", str(CHART), "--namespace", "malleus-system"],
-        capture_output=True, text=True, check=True, timeout=120,
-    ).stdout  # fmt: skip
+    args = [helm, "template", "rel", str(CHART), "--namespace", "malleus-system"]
+    if watch:
+        args += ["--set", "watchNamespaces={" + ",".join(watch) + "}"]
+    out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=120).stdout
     kinds = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
     docs = [d for d in yaml.safe_load_all(out) if d and d["kind"] in kinds]
     control_plane.create_namespace("malleus-system")
+    for ns in watch:
+        control_plane.create_namespace(ns)
     control_plane.apply(docs)
     return docs
+
+
+@pytest.fixture(scope="session")
+def chart_rbac(control_plane: ControlPlane, cluster_crd: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chart's ServiceAccount, ClusterRoles, Roles and bindings, applied for real."""
+    return apply_chart_rbac(control_plane)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
