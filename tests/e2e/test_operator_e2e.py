@@ -60,6 +60,17 @@ def manifest(name: str, nodes: int = 2, **spec: Any) -> dict[str, Any]:
         },
     }
     body["spec"].update(spec)
+    # one worker per node (the operator asks for it on GPUs only; emulated pods fit anywhere)
+    term = {
+        "labelSelector": {
+            "matchLabels": {"malleus.io/job": name, "app.kubernetes.io/component": "worker"}
+        },
+        "topologyKey": "kubernetes.io/hostname",
+    }
+    template = body["spec"].setdefault("podTemplate", {}).setdefault("spec", {})
+    template["affinity"] = {
+        "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}
+    }
     return body
 
 
@@ -135,7 +146,7 @@ def test_a_two_node_job_trains_on_two_nodes_and_replans_around_its_straggler(
     timings = {"running": time.monotonic() - t0}
     uid = world.job(job)["metadata"]["uid"]  # type: ignore[index]
     pods = world.workers(job)
-    # the real scheduler put one worker on each node (the operator's anti-affinity)
+    # the real scheduler put one worker on each node (the pod template's anti-affinity)
     assert sorted(p["spec"]["nodeName"] for p in pods) == sorted(SHARED_NODES), pods
     for pod in pods:
         owner = pod["metadata"]["ownerReferences"][0]
