@@ -138,6 +138,45 @@ def test_a_spec_the_schema_accepts_but_no_layout_fits_fails_with_nothing_created
     world.wait(lambda: world.job(name) is None or None, 30, "deleted", job=name, running=False)
 
 
+def test_a_job_whose_store_cannot_be_scheduled_says_so_in_ready_and_one_warning(
+    world: JobWorld,
+) -> None:
+    name = "e2e-nowhere"
+    body = manifest(name, nodes=1)
+    body["spec"]["podTemplate"]["spec"]["nodeSelector"] = {"malleus.io/pool": "none-such"}
+    world.create(body)
+    store = f"{name}-store"
+
+    def stuck() -> dict[str, Any] | None:
+        st = world.status(name)
+        ready = next((c for c in st.get("conditions") or [] if c["type"] == "Ready"), {})
+        ok = ready.get("reason") == "Unschedulable" and f"{store}: Unschedulable" in str(
+            ready.get("message")
+        )
+        return ready if ok else None
+
+    ready = world.wait(stuck, 60, "Ready=False naming the unschedulable store", job=name)
+    assert (
+        ready["status"] == "False"
+        and "didn't match Pod's node affinity/selector" in (ready["message"])
+    ), ready
+    assert world.in_phase(name, "Pending"), world.status(name)
+
+    pods = (store, f"{name}-node-0")
+
+    def warned() -> list[dict[str, Any]] | None:
+        found = [e for e in world.events(name) if e["reason"] == "Unschedulable"]
+        return found if all(any(p in e["message"] for e in found) for p in pods) else None
+
+    events = world.wait(warned, 30, "Warning events for the store and the worker", job=name)
+    assert all(e["type"] == "Warning" for e in events), events
+    # every pod event recomputes the same reasons: each is said once (one per occurrence)
+    events = [e for e in world.events(name) if e["reason"] == "Unschedulable"]
+    for pod in pods:
+        assert sum(e["message"].startswith(pod) for e in events) == 1, events
+    assert world.http.delete(f"{world.url}/{name}").is_success
+
+
 def test_a_two_node_job_trains_on_two_nodes_and_replans_around_its_straggler(
     world: JobWorld, job: str, control_plane: ControlPlane
 ) -> None:
@@ -158,6 +197,17 @@ def test_a_two_node_job_trains_on_two_nodes_and_replans_around_its_straggler(
     assert world.children("services", job) and world.children("configmaps", job)
     created = [e["message"] for e in world.events(job) if e["reason"] == "Created"]
     assert created and "plan generation 1:" in created[0], created
+    # Ready is the trainers' word: True (Training) once every rank trains, said once
+    ready = world.wait(
+        lambda: next(
+            (c for c in world.status(job)["conditions"] if c["type"] == "Ready"
+             and c["status"] == "True"), None,
+        ),
+        30, "Ready=True", job=job,
+    )  # fmt: skip
+    assert ready["reason"] == "Training", ready
+    assert ready["message"].startswith("every rank (4) is training"), ready
+    assert world.reasons(job).count("Running") == 1, world.reasons(job)  # one per occurrence
     first_generation = running["plan"]["generation"]
 
     def replanned() -> dict[str, Any] | None:
