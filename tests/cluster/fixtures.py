@@ -94,15 +94,53 @@ def namespace(control_plane: ControlPlane) -> Iterator[str]:
     control_plane.http().delete(f"/api/v1/namespaces/{name}")
 
 
+@pytest.fixture
+def job_namespace(control_plane: ControlPlane) -> Iterator[str]:
+    """A fresh namespace for MalleusJobs alone (no pods: its ServiceAccount is not waited for),
+    deleted afterwards."""
+    name = f"j-{uuid.uuid4().hex[:8]}"
+    made = control_plane.http().post("/api/v1/namespaces", json={"metadata": {"name": name}})
+    assert made.status_code == 201, made.text
+    yield name
+    control_plane.http().delete(f"/api/v1/namespaces/{name}")
+
+
 @pytest.fixture(scope="session")
 def cluster_crd(control_plane: ControlPlane) -> dict[str, Any]:
-    """crds/malleusjob.yaml applied and Established on the real API server."""
-    crd = yaml.safe_load(CRD_FILE.read_text())
-    control_plane.apply([crd])
-    control_plane.kubectl(
-        "wait", "--for=condition=Established", "--timeout=30s", f"crd/{crd['metadata']['name']}"
-    )
-    return crd
+    """crds/malleusjob.yaml applied and Established on the real API server; the CRD as the
+    server stored it (with its status)."""
+    return AdminApi(control_plane).apply_crd(yaml.safe_load(CRD_FILE.read_text()))
+
+
+class AdminApi:
+    """The real API server as admin (``system:masters``), with what the CRD-level tests read:
+    ``client`` (an ``httpx.Client``), ``url``, ``kubeconfig``, ``env()`` and `apply_crd`."""
+
+    def __init__(self, cluster: ControlPlane) -> None:
+        self.cluster = cluster
+        self.client = cluster.http()
+        self.url = cluster.url
+        self.kubeconfig = cluster.admin
+
+    def env(self) -> dict[str, str]:
+        return self.cluster.env()
+
+    def apply_crd(self, crd: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+        """Apply ``crd`` (server side) and wait until it is Established; the stored CRD."""
+        name = crd["metadata"]["name"]
+        self.cluster.apply([crd])
+        self.cluster.kubectl(
+            "wait", "--for=condition=Established", f"--timeout={int(timeout)}s", f"crd/{name}"
+        )
+        got = self.client.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+        assert got.status_code == 200, got.text
+        return dict(got.json())
+
+
+@pytest.fixture(scope="session")
+def admin_api(control_plane: ControlPlane, cluster_crd: dict[str, Any]) -> AdminApi:
+    """The real API server, as admin, with the MalleusJob CRD applied (`AdminApi`)."""
+    return AdminApi(control_plane)
 
 
 def _helm() -> str | None:
