@@ -125,6 +125,41 @@ class AdminApi:
     def env(self) -> dict[str, str]:
         return self.cluster.env()
 
+    def list(
+        self,
+        plural: str,
+        namespace: str,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """A core (``/api/v1``) collection of ``namespace``, optionally selected."""
+        params = {"labelSelector": label_selector, "fieldSelector": field_selector}
+        got = self.client.get(
+            f"/api/v1/namespaces/{namespace}/{plural}",
+            params={k: v for k, v in params.items() if v},
+        )
+        assert got.status_code == 200, got.text
+        return list(got.json()["items"])
+
+    def delete(self, plural: str, namespace: str, name: str) -> dict[str, Any]:
+        """Delete a core object; its last body (a pod bound to no node goes at once)."""
+        got = self.client.delete(f"/api/v1/namespaces/{namespace}/{plural}/{name}")
+        assert got.status_code in (200, 202), got.text
+        return dict(got.json())
+
+    def set_pod_phase(
+        self, namespace: str, name: str, phase: str, reason: str | None = None
+    ) -> dict[str, Any]:
+        """Write a pod's phase (and reason) as its kubelet would; its new body."""
+        status: dict[str, Any] = {"phase": phase, **({"reason": reason} if reason else {})}
+        got = self.client.patch(
+            f"/api/v1/namespaces/{namespace}/pods/{name}/status",
+            json={"status": status},
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
+        assert got.status_code == 200, got.text
+        return dict(got.json())
+
     def apply_crd(self, crd: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
         """Apply ``crd`` (server side) and wait until it is Established; the stored CRD."""
         name = crd["metadata"]["name"]
