@@ -1,7 +1,7 @@
-"""crds/malleusjob.yaml against a real API server (etcd + apiextensions-apiserver).
+"""crds/malleusjob.yaml against the real kube-apiserver (`tests/cluster`).
 
-Skipped unless MALLEUS_K8S_ASSETS names the binaries (see tests/cluster/controlplane.py). One server
-per session; each test works in a namespace of its own.
+Skipped unless MALLEUS_K8S_ASSETS names the binaries (see tests/cluster/controlplane.py). One
+control plane per session; each test works in a namespace of its own.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Never adopt what the job does not own: a planted Secret or ConfigMap is neither used nor
 touched, the job says why, and it starts once the impostor is gone.
 
-Against kmock (`tests.operator.kube`) for the handlers, and against the real API server with
-the test cluster's core API (`tests/k8s`) for `k8s.Cluster.create` and the condition's shape.
+Against kmock (`tests.operator.kube`) for the handlers, and against the real API server
+(`tests/cluster`) for `k8s.Cluster.create` and the condition's shape.
 """
 
 from __future__ import annotations

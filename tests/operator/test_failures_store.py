@@ -3,8 +3,8 @@ the job as started, once, with an event; never for a job that is not active; nev
 of that name the job does not control.
 
 Against kmock (`tests.operator.kube`) through the handlers, like the worker failures in
-`test_failures.py`; then on the test cluster (the real CRD server, its core API, `tests/k8s`),
-where uids are the server's: through the handlers, and through a real operator process whose
+`test_failures.py`; then on the real API server (`tests/cluster`), where uids are the
+server's: through the handlers, and through a real operator process whose
 pod watch sees the deletion.
 """
 
