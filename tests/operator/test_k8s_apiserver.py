@@ -17,9 +17,12 @@ import pytest
 
 from malleus.errors import Fault
 from malleus.job import LastReplan, MalleusJobStatus, Phase, StragglerPolicy
-from malleus.operator import jobs, lifecycle, resources, status, workers
+from malleus.operator import children, jobs, lifecycle, resources, status, workers
+from malleus.operator.context import Context
 from malleus.operator.k8s import Cluster
+from malleus.operator.metrics import OperatorMetrics
 from malleus.operator.resources import JobRef
+from malleus.operator.settings import Settings
 from malleus.planner.plan import Estimate
 
 if TYPE_CHECKING:
@@ -159,3 +162,55 @@ def test_core_objects_through_a_cluster(admin_api: AdminApi, namespace: str, mak
     assert [(e["reason"], e["involvedObject"]["kind"]) for e in events] == [
         ("PodFailed", "MalleusJob")
     ]
+
+
+def test_two_pod_events_at_once_make_one_transition_and_one_event(
+    admin_api: AdminApi, namespace: str, make_job: Any
+) -> None:
+    """kopf handles the events of two pods at once: both read the job Pending and both would
+    move it to Running (the real control plane showed two ``Running`` events); the status is
+    written only onto the version read (`k8s.StaleRead`), so the second computes again."""
+    ns = namespace
+    body = make_job(namespace=ns)
+    body["metadata"] = {"name": "demo", "namespace": ns}
+    made = admin_api.client.post(
+        f"/apis/malleus.io/v1alpha1/namespaces/{ns}/malleusjobs", json=body
+    )
+    assert made.status_code == 201, made.text
+    uid = made.json()["metadata"]["uid"]
+    owner = {"apiVersion": "malleus.io/v1alpha1", "kind": "MalleusJob", "name": "demo",
+             "uid": uid, "controller": True}  # fmt: skip
+    for i in range(2):
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": f"demo-node-{i}",
+                "labels": {**resources.job_labels("demo"), "app.kubernetes.io/component": "worker"},
+                "ownerReferences": [owner],
+            },
+            "spec": {
+                "nodeSelector": {"malleus.io/test": "nowhere"},  # no kubelet runs it
+                "containers": [{"name": "trainer", "image": "malleus:test"}],
+            },
+        }
+        got = admin_api.client.post(f"/api/v1/namespaces/{ns}/pods", json=pod)
+        assert got.status_code == 201, got.text
+        admin_api.set_pod_phase(ns, f"demo-node-{i}", "Running")
+    k8s = Cluster.connect(str(admin_api.kubeconfig))
+    ctx = Context(k8s, Settings(metrics_port=0), OperatorMetrics())
+
+    async def go() -> None:
+        await k8s.patch_job_status(ns, "demo", {"phase": "Pending"})
+        await asyncio.gather(*(children.sync_pods(ctx, ns, "demo") for _ in range(3)))
+
+    try:
+        asyncio.run(go())
+    finally:
+        k8s.close()
+    job = admin_api.client.get(f"/apis/malleus.io/v1alpha1/namespaces/{ns}/malleusjobs/demo")
+    assert job.json()["status"]["phase"] == "Running"
+    reasons = [
+        e["reason"] for e in admin_api.list("events", ns, field_selector="involvedObject.name=demo")
+    ]
+    assert reasons.count("Running") == 1, reasons
