@@ -31,7 +31,7 @@ from malleus.job import MalleusJobStatus, Phase
 from malleus.job.spec import MalleusJobSpec, SchedulingSpec
 from malleus.planner.plan import Plan
 
-from . import children, jobs, resources, tls
+from . import children, jobs, resources, store, tls
 from .context import Context
 from .k8s import ApiError, NameConflict
 from .lifecycle import parse_time, pod_outcome, schedule_timeout_transition
@@ -301,7 +301,11 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], at: dt.datetime) -> A
         for p in await ctx.cluster.list_children("Pod", ref.namespace, ref.name)
         if resources.owned_by(p, ref.uid)
     ]
-    outcomes = [pod_outcome(p) for p in pods]
+    # The store outlives its workers (it serves no one once they exited): it goes with the
+    # last of them, and does not hold the resume (on the real cluster, a suspended job whose
+    # trainers stopped when asked kept its store Running and never resumed).
+    stores = [p for p in pods if store.is_store_pod(p)]
+    outcomes = [pod_outcome(p) for p in pods if not store.is_store_pod(p)]
     live = [o for o in outcomes if o.state in ("Pending", "Running")]
     phase = phase_of(stored)
     action = admission_action(bool(spec.get("suspend")), phase, len(live), _since(stored), at)
@@ -309,6 +313,9 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], at: dt.datetime) -> A
         for o in outcomes:
             if o.state in ("Succeeded", "Failed"):
                 await ctx.cluster.delete("Pod", ref.namespace, o.name)
+        if not live:
+            for pod in stores:
+                await ctx.cluster.delete("Pod", ref.namespace, pod["metadata"]["name"])
     if action == "suspend":
         checkpoint = bool((spec.get("checkpoint") or {}).get("intervalSteps"))
         message = "spec.suspend is true: " + (

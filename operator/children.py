@@ -18,6 +18,7 @@ Warning event per occurrence).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -33,6 +34,7 @@ from malleus.planner.plan import Plan
 
 from . import failures, jobs, lifecycle, monitoring, resources, status, store, tls, workers
 from .context import Context
+from .k8s import StaleRead
 from .settings import Settings
 
 __all__ = [
@@ -217,7 +219,28 @@ async def sync_pods(
 ) -> lifecycle.Transition:
     """Recompute the job's phase and failures from its pods; apply them (status + events).
 
-    ``deleted``: pods gone, by body (a watch's DELETED event) or by name."""
+    ``deleted``: pods gone, by body (a watch's DELETED event) or by name. The status is written
+    only onto the version of the job it was computed from, else computed again: two pod events
+    handled at once (kopf handles pods concurrently) must not both make the same transition
+    (seen on the real control plane: the ``Running`` event posted twice)."""
+    for _ in range(SYNC_ATTEMPTS - 1):
+        with contextlib.suppress(StaleRead):
+            return await _sync_pods_once(ctx, namespace, job_name, fresh=fresh, deleted=deleted)
+    return await _sync_pods_once(ctx, namespace, job_name, fresh=fresh, deleted=deleted)
+
+
+SYNC_ATTEMPTS = 8
+"""How often `sync_pods` computes again after a concurrent write to the job's status."""
+
+
+async def _sync_pods_once(
+    ctx: Context,
+    namespace: str,
+    job_name: str,
+    *,
+    fresh: Mapping[str, Any] | None = None,
+    deleted: list[str | Mapping[str, Any]] | None = None,
+) -> lifecycle.Transition:
     cluster = ctx.cluster
     job_body = await cluster.get_job(namespace, job_name)
     if job_body is None or (job_body.get("metadata") or {}).get("deletionTimestamp"):
@@ -246,7 +269,9 @@ async def sync_pods(
         gpus_per_node=int(spec.get("gpusPerNode") or 1),
     )
     if transition.status is not None:
-        await cluster.patch_job_status(namespace, job_name, status.dump(transition.status))
+        version = (job_body.get("metadata") or {}).get("resourceVersion")
+        patch = status.dump(transition.status)
+        await cluster.patch_job_status(namespace, job_name, patch, resource_version=version)
         if transition.status.phase is not None:
             ctx.metrics.phases.set(namespace, job_name, transition.status.phase)
     records = transition.status.failures if transition.status is not None else None
@@ -323,6 +348,8 @@ async def _replace(
             return True
         if not meta.get("deletionTimestamp"):
             await ctx.cluster.delete("Pod", ref.namespace, record.pod)
+        elif failures.stuck_terminating(pod, status.now()):  # on a lost node
+            await ctx.cluster.delete("Pod", ref.namespace, record.pod, grace_period_seconds=0)
         return False
     obj = workers.build_pod(job, ref, record.node, join=join, restart=record.restarts + 1)
     await ctx.cluster.create(obj)

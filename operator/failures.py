@@ -73,6 +73,9 @@ BAD_INPUT = BAD_INPUT_REASON
 """A trainer refused the job's input (`BAD_INPUT_EXIT`, or its termination message says so)."""
 NO_WORKERS_LEFT = "NoWorkersLeft"
 MAX_BACKOFF_SECONDS = 300
+STUCK_TERMINATING_SECONDS = 15
+"""How long past the end of its grace period (its ``deletionTimestamp``) a pod may stay
+Terminating before the operator force-deletes it (`stuck_terminating`)."""
 REPLACE_POLL_SECONDS = 2.0
 """How often the operator looks for failed workers whose backoff is over."""
 
@@ -320,3 +323,19 @@ def degraded_condition(
     gpus = sorted({o.gpu for o in out})
     head = f"{len(gpus)} GPU(s) out" if gpus else "GPUs out"
     return condition(DEGRADED, True, reason, f"{head}; " + "; ".join(parts), generation, at)
+
+
+def stuck_terminating(pod: Mapping[str, Any], at: dt.datetime) -> bool:
+    """Whether ``pod`` was deleted and is still there `STUCK_TERMINATING_SECONDS` after its
+    grace period ended (its ``deletionTimestamp``): its node's kubelet is not confirming, the
+    node is lost (unreachable, its pods evicted by the taint manager). Only a force deletion
+    frees the pod's name for its replacement then; a real cluster's pod GC would wait for the
+    node object to go, which a lost node's never does by itself."""
+    stamp = (pod.get("metadata") or {}).get("deletionTimestamp")
+    if not stamp:
+        return False
+    try:
+        ends = dt.datetime.fromisoformat(str(stamp).replace("Z", "+00:00"))
+    except ValueError:
+        return False
+    return (at - ends).total_seconds() >= STUCK_TERMINATING_SECONDS

@@ -27,8 +27,9 @@ Lifecycle (docs/reference/operator.md, "Architecture"):
   children ``ttlSecondsAfterFinished`` after it ended;
 - admission (a timer, and ``spec.suspend`` edits): `admission.tick`, suspend/resume and the
   schedule timeout of Pending pods;
-- delete: delete the children explicitly (the garbage collector would, via ownerReferences,
-  but not every cluster the operator is tested on has one), then kopf drops its finalizer.
+- delete: no finalizer holds a job (`finalizers`): the garbage collector removes its children
+  (ownerReferences); the job's DELETED event stops its daemon and timers. Where a job is seen
+  Terminating (another finalizer holds it), its children are deleted explicitly too.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from . import (
     creation,
     daemon,
     failures,
+    finalizers,
     jobs,
     lifecycle,
     resources,
@@ -375,13 +377,15 @@ async def on_resume(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: An
 # ---- delete ---------------------------------------------------------------------------------
 
 
-@kopf.on.delete(API_GROUP, VERSION, PLURAL)
+@kopf.on.delete(API_GROUP, VERSION, PLURAL, optional=True)  # no finalizer: `finalizers`
 async def on_delete(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """Delete the job's children (pods first; only those it controls), then let kopf release
-    the finalizer."""
+    """A job seen Terminating: delete its children (pods first; only those it controls)."""
     ctx = Context.of(memo)
     ref = resources.JobRef.from_body(body)
     nodes = int((body.get("spec") or {}).get("nodes") or 0)
     deleted = await children.delete_children(ctx, ref, nodes)
     log.info("%s/%s: deleted %s", ref.namespace, ref.name, deleted)
     ctx.metrics.phases.forget(ref.namespace, ref.name)
+
+
+finalizers.release_finalizers()  # the daemon and timers above need no finalizer either

@@ -56,6 +56,10 @@ class ApiError(RuntimeError):
         super().__init__(f"Kubernetes API error {status} {reason}: {body[:500]}")
 
 
+class StaleRead(RuntimeError):
+    """A conditional write found the object changed since it was read (409 Conflict)."""
+
+
 class NameConflict(RuntimeError):
     """An object of a child's kind and name exists and is not controlled by the same owner.
 
@@ -213,15 +217,16 @@ class Cluster:
             item.setdefault("apiVersion", _KINDS[kind][2])
         return items
 
-    async def delete(self, kind: str, namespace: str, name: str) -> bool:
-        """Delete (background propagation); False when it was already gone."""
+    async def delete(
+        self, kind: str, namespace: str, name: str, *, grace_period_seconds: int | None = None
+    ) -> bool:
+        """Delete (background propagation; ``grace_period_seconds=0`` forces a pod whose
+        kubelet will never confirm); False when it was already gone."""
+        options: dict[str, Any] = {"propagationPolicy": "Background"}
+        if grace_period_seconds is not None:
+            options["gracePeriodSeconds"] = grace_period_seconds
         try:
-            await _run(
-                self._method("delete", kind),
-                name,
-                namespace,
-                body={"propagationPolicy": "Background"},
-            )
+            await _run(self._method("delete", kind), name, namespace, body=options)
         except ApiException as e:
             if e.status == 404:
                 return False
@@ -275,12 +280,24 @@ class Cluster:
                 return None
             raise _error(e) from None
 
-    async def patch_job_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+    async def patch_job_status(
+        self,
+        namespace: str,
+        name: str,
+        status: Mapping[str, Any],
+        *,
+        resource_version: str | None = None,
+    ) -> None:
         """Merge ``status`` into the job's ``.status`` (status subresource); a gone job is ignored.
 
         Lists (conditions, stragglers, pipelines) are replaced whole by a merge patch, so
-        callers send complete lists (see `status.merge_conditions`).
+        callers send complete lists (see `status.merge_conditions`). With ``resource_version``
+        the patch applies only to that version of the job, else `StaleRead` (409): a decision
+        made from an older read (two pod events racing to the same transition) is made again.
         """
+        body: dict[str, Any] = {"status": dict(status)}
+        if resource_version is not None:
+            body["metadata"] = {"resourceVersion": resource_version}
         try:
             await _run(
                 self._custom.patch_namespaced_custom_object_status,
@@ -289,12 +306,15 @@ class Cluster:
                 namespace,
                 PLURAL,
                 name,
-                {"status": dict(status)},
+                body,
                 _content_type=_MERGE_PATCH,
             )
         except ApiException as e:
             if e.status == 404:
                 return
+            if e.status == 409 and resource_version is not None:
+                message = f"{namespace}/{name} changed since version {resource_version}"
+                raise StaleRead(message) from None
             raise _error(e) from None
 
     async def post_event(

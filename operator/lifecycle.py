@@ -16,7 +16,7 @@ from malleus.job import Condition, FailurePolicy, MalleusJobStatus, Phase
 from malleus.job.spec import RunPolicy
 from malleus.job.status import NodeFailure
 
-from . import failures, scheduling
+from . import failures, readiness, scheduling
 from .status import (
     ACTIVE_PHASES,
     READY,
@@ -26,6 +26,7 @@ from .status import (
     merge_conditions,
     phase_of,
 )
+from .store import store_name
 
 __all__ = [
     "RUN_POLICY_INTERVAL",
@@ -119,16 +120,6 @@ def pod_outcome(pod: Mapping[str, Any]) -> PodOutcome:
     return PodOutcome(name, "Pending")
 
 
-def _running(message: str, conds: Any, generation: int, at: dt.datetime) -> MalleusJobStatus:
-    return MalleusJobStatus(
-        phase=Phase.RUNNING,
-        message=message,
-        conditions=merge_conditions(
-            conds, condition(READY, True, "Running", message, generation, at)
-        ),
-    )
-
-
 def pods_transition(
     job_status: Mapping[str, Any] | None,
     pods: Sequence[Mapping[str, Any]],
@@ -195,7 +186,8 @@ def pods_transition(
         done = finished_status(Phase.SUCCEEDED, "Completed", msg, generation, at, conds)
         done.failures, done.gpus_out = patch.failures, patch.gpus_out
         return Transition(status=done, events=[*events, Event("Normal", "Succeeded", msg)])
-    rest = _phase_transition(phase, conds, pods, by_name, live, states, generation, at)
+    stuck = readiness.store_stuck(pods, store_name(job)) if job else None
+    rest = _phase_transition(phase, conds, pods, by_name, live, states, generation, at, stuck)
     if rest.status is not None:
         rest.status.failures, rest.status.gpus_out = patch.failures, patch.gpus_out
         return Transition(status=rest.status, events=[*events, *rest.events])
@@ -232,19 +224,51 @@ def _phase_transition(
     states: Sequence[str],
     generation: int,
     at: dt.datetime,
+    stuck: scheduling.PendingReason | None = None,
 ) -> Transition:
-    """Pending -> Running once every live worker runs; why not yet, while Pending."""
+    """Pending -> Running once every live worker runs, ``Ready=False`` until the trainers say
+    they train (`readiness`); why not yet, while Pending; the store pod's trouble (``stuck``)
+    in ``Ready`` and a Warning event, whatever the phase."""
     if live and all(s in ("Running", "Succeeded") for s in states):
         if phase != Phase.PENDING:
-            return Transition()
+            return _store_transition(conds, stuck, generation, at)
         msg = f"all {len(live)} worker pod(s) running"
+        ready = readiness.starting_condition(len(live), stuck, generation, at)
+        events = [Event("Normal", "Running", msg)]
+        if stuck is not None:
+            events.append(Event("Warning", stuck.reason, str(stuck)))
         return Transition(
-            status=_running(msg, conds, generation, at),
-            events=[Event("Normal", "Running", msg)],
+            status=MalleusJobStatus(
+                phase=Phase.RUNNING, message=msg, conditions=merge_conditions(conds, ready)
+            ),
+            events=events,
         )
     if phase != Phase.PENDING:
-        return Transition()  # a running job with a pod not yet "Running" again (a replacement)
-    return _pending_transition(conds, pods, by_name, live, states, generation, at)
+        # a running job with a pod not yet "Running" again (a replacement)
+        return _store_transition(conds, stuck, generation, at)
+    return _pending_transition(conds, pods, by_name, live, states, generation, at, stuck)
+
+
+def _store_transition(
+    conds: Any, stuck: scheduling.PendingReason | None, generation: int, at: dt.datetime
+) -> Transition:
+    """A running job whose store pod cannot run (a new store, after the first was lost):
+    ``Ready=False`` with its reason and a Warning event, once."""
+    if stuck is None:
+        return Transition()
+    conds = [
+        c.model_dump(mode="json", by_alias=True) if isinstance(c, Condition) else c
+        for c in conds or []
+    ]
+    old = next((c for c in conds if c.get("type") == READY), None) or {}
+    if old.get("reason") == stuck.reason and str(stuck) in str(old.get("message") or ""):
+        return Transition()
+    message = f"the store cannot run: {stuck}"
+    ready = condition(READY, False, stuck.reason, message, generation, at)
+    return Transition(
+        status=MalleusJobStatus(conditions=merge_conditions(conds, ready)),
+        events=[Event("Warning", stuck.reason, str(stuck))],
+    )
 
 
 def _pending_transition(
@@ -255,21 +279,22 @@ def _pending_transition(
     states: Sequence[str],
     generation: int,
     at: dt.datetime,
+    stuck: scheduling.PendingReason | None = None,
 ) -> Transition:
-    """Some worker still pending: say why in ``Ready=False``. Its reason is the first stuck
+    """Some worker still pending: say why in ``Ready=False`` (the store's trouble too). Its reason is the first stuck
     pod's (`scheduling.UNSCHEDULABLE`, `scheduling.IMAGE_PULL`) with the scheduler's or the
     kubelet's message, else ``PodsPending``; a new stuck reason is also a Warning event, once."""
     conds = [  # after a failure was merged in, some are models
         c.model_dump(mode="json", by_alias=True) if isinstance(c, Condition) else c
         for c in conds or []
     ]
-    reasons = scheduling.pending_reasons(pods, expected)
-    stuck = {r.pod for r in reasons}
+    reasons = scheduling.pending_reasons(pods, expected) + ([stuck] if stuck else [])
+    stuck_pods = {r.pod for r in reasons}
     others = [by_name[n] for n in expected if n in by_name and by_name[n].detail]
     running = sum(s == "Running" for s in states)
     msg = f"{running}/{len(expected)} worker pod(s) running"
     details = [str(r) for r in reasons] + [
-        f"{o.name}: {o.detail}" for o in others if o.name not in stuck
+        f"{o.name}: {o.detail}" for o in others if o.name not in stuck_pods
     ]
     if details:
         msg += "; " + "; ".join(details)

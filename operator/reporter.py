@@ -7,7 +7,8 @@ reaches into the controller: the stragglers it shows are smoothed by a `ShiftDet
 own fed with the same observations (the controller's definition of a straggler, applied to
 what the status shows), and re-plans are described by the events alone.
 
-`JobReporter.on_trainers` gets the coordinator's ``GET /status`` answers: the GPUs the trainers
+`JobReporter.on_trainers` gets the coordinator's ``GET /status`` answers (``Ready=True`` once
+every rank trains: `readiness`): the GPUs the trainers
 leave out (``status.gpusOut``, the ``Degraded`` condition) and their latest recovery
 (``status.lastRecovery`` and one ``Recovered`` event per recovery epoch, kept in the status so
 that a restarted operator does not post it again).
@@ -36,7 +37,7 @@ from malleus.job.status import LastRecovery
 from malleus.notation import size
 from malleus.planner.plan import Plan
 
-from . import failures, resources, status
+from . import failures, readiness, resources, status
 from .context import Context
 
 __all__ = ["EVENT_REASONS", "JobReporter"]
@@ -140,6 +141,17 @@ class JobReporter:
                 stored.get("conditions"),
                 failures.degraded_condition(records or [], out, self.ref.generation, status.now()),
             )
+        ready = readiness.ready_when_training(
+            patch.conditions or stored.get("conditions"),
+            answer,
+            self.job.world,
+            self.ref.generation,
+            status.now(),
+        )
+        if ready is not None and status.phase_of(stored) in _LIVE:
+            patch.conditions = status.merge_conditions(
+                patch.conditions or stored.get("conditions"), ready
+            )
         rec = answer.last_recovery
         seen = int((stored.get("lastRecovery") or {}).get("epoch") or 0)
         if rec is not None and rec.epoch > seen:
@@ -147,7 +159,7 @@ class JobReporter:
             await self.ctx.cluster.post_event(
                 self.ref, "Normal", "Recovered", recovered_message(rec)
             )
-        if patch.gpus_out is not None or patch.last_recovery is not None:
+        if patch.gpus_out is not None or patch.last_recovery is not None or patch.conditions:
             await self._patch(patch)
 
     async def on_event(self, event: DecisionEvent) -> None:

@@ -17,6 +17,7 @@ controller, keep the job's namespace closed by other means.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 from malleus.job import ResolvedJob
@@ -29,6 +30,7 @@ __all__ = [
     "STORE_PORT",
     "build_store_pod",
     "build_store_service",
+    "is_store_pod",
     "store_address",
     "store_labels",
     "store_name",
@@ -57,6 +59,12 @@ def store_address(ref: JobRef) -> str:
 def store_labels(job: str) -> dict[str, str]:
     """The job's labels (so the job's NetworkPolicy and list calls find it), as component store."""
     return {**job_labels(job), "app.kubernetes.io/component": STORE_COMPONENT}
+
+
+def is_store_pod(pod: Mapping[str, Any]) -> bool:
+    """Whether ``pod`` is a job's store pod (by its component label)."""
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    return labels.get("app.kubernetes.io/component") == STORE_COMPONENT
 
 
 def build_store_pod(job: ResolvedJob, ref: JobRef) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Unpack the test Kubernetes binaries into DEST, executable, for tests that read
 # MALLEUS_K8S_ASSETS=DEST: etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
-# kubectl, kwok, kueue (the real control plane, tests/cluster) and apiextensions-apiserver (the
-# CRD-only server of tests/k8s, being retired). The packed binaries live in shared/k8s/bin beside
+# kubectl, kwok, kueue (the real control plane, tests/cluster). The packed binaries live in
+# shared/k8s/bin beside
 # the repository (read-only there, hence the copy; NAME.xz or NAME.gz); SRC overrides that folder.
 #   scripts/k8s-assets.sh /tmp/k8s-assets && export MALLEUS_K8S_ASSETS=/tmp/k8s-assets
 set -euo pipefail
@@ -11,8 +11,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 SRC=${2:-$here/../../shared/k8s/bin}
 [ -d "$SRC" ] || { echo "k8s-assets: no folder $SRC (pass SRC as the second argument)" >&2; exit 1; }
 mkdir -p "$DEST"
-for name in etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok kueue \
-            apiextensions-apiserver; do
+for name in etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok kueue; do
   if [ -f "$SRC/$name.xz" ]; then packed=$SRC/$name.xz; unpack=(xz -dc)
   elif [ -f "$SRC/$name.gz" ]; then packed=$SRC/$name.gz; unpack=(gunzip -c)
   else echo "k8s-assets: neither $SRC/$name.xz nor $SRC/$name.gz exists" >&2; exit 1; fi

@@ -1,3 +1,3 @@
-"""Suite-wide fixtures: the real Kubernetes API server harness (skips without MALLEUS_K8S_ASSETS)."""
+"""Suite-wide fixtures: the real Kubernetes control plane (tests/cluster; skips without MALLEUS_K8S_ASSETS)."""
 
-pytest_plugins = ["tests.k8s.fixtures"]
+pytest_plugins = ["tests.cluster.fixtures"]

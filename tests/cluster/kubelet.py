@@ -67,7 +67,11 @@ import httpx
 
 from tests.cluster.controlplane import ControlPlane, free_port
 
-__all__ = ["LEASE_RENEW_S", "KubeletError", "PodProcesses", "ProcessKubelet"]
+__all__ = ["CONTAINER_ENV", "LEASE_RENEW_S", "KubeletError", "PodProcesses", "ProcessKubelet"]
+
+CONTAINER_ENV = "MALLEUS_TEST_CONTAINER"
+"""Set in every container's environment (inherited by its descendants), so that the kubelet
+finds all of a container's processes (`_marked`), as a runtime finds them in its cgroup."""
 
 LEASE_RENEW_S = 1.0
 """How often the Lease is renewed (a real kubelet: every 10 s of a 40 s lease)."""
@@ -111,6 +115,11 @@ class _Container:
     probe_port: int | None = None
     """``readinessProbe.tcpSocket``'s port: ready once it accepts on the pod's IP."""
 
+    @property
+    def marker(self) -> str:
+        """The value of `CONTAINER_ENV` in this container's processes (unique: its log path)."""
+        return str(self.log)
+
 
 @dataclass
 class PodProcesses:
@@ -131,23 +140,33 @@ class PodProcesses:
     reported: str = ""
 
     def pids(self) -> list[int]:
-        """Pids of this pod's processes that still run."""
-        return [c.process.pid for c in self.containers if c.process and c.process.poll() is None]
+        """Pids of this pod's processes that still run: each container's own and every
+        descendant (`_marked`: torchrun starts its ranks in sessions of their own)."""
+        own = [c.process.pid for c in self.containers if c.process and c.process.poll() is None]
+        return own + [p for c in self.containers for p in _marked(c.marker) if p not in own]
 
     def kill(self) -> None:
-        """SIGKILL what is left and wait for it to end."""
+        """SIGKILL what is left (descendants included) and wait for it to end."""
         self.signal(signal.SIGKILL)
         for container in self.containers:
             if container.process is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     container.process.wait(5)
+        deadline = time.monotonic() + 5
+        while self.pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def signal(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to every process of the pod, as a runtime does to a container's cgroup."""
         for container in self.containers:
             proc = container.process
+            marked = _marked(container.marker)  # before the parent dies and they are reparented
             if proc is not None and proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, sig)  # its own session: the group id is its pid
+            for pid in marked:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
 
 
 class ProcessKubelet:
@@ -486,7 +505,7 @@ class ProcessKubelet:
         with c.log.open("ab") as out:
             c.process = subprocess.Popen(
                 c.argv,
-                env={**base, **self.env, **c.env},
+                env={**base, **self.env, **c.env, CONTAINER_ENV: c.marker},
                 cwd=c.cwd,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -883,6 +902,25 @@ class ProcessKubelet:
         if response.status_code not in ok:
             raise KubeletError(f"{method} {path}: {response.status_code} {response.text[:300]}")
         return dict(response.json())
+
+
+def _marked(marker: str) -> list[int]:
+    """Pids of the live processes whose environment carries ``CONTAINER_ENV=marker``: a
+    container's processes and all their descendants, even those in sessions of their own or
+    reparented to init (what a container's cgroup holds, and a runtime signals)."""
+    needle = f"\0{CONTAINER_ENV}={marker}\0".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                environ = b"\0" + f.read()
+        except OSError:
+            continue
+        if needle in environ:
+            found.append(int(entry.name))
+    return found
 
 
 def _field(body: Obj, path: str, ip: str) -> str:

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.cluster.conftest import node_ready
 from tests.cluster.controlplane import NODE_GRACE_S, ControlPlane, wait_until
+from tests.cluster.fixtures import node_ready
 from tests.cluster.kubelet import ProcessKubelet
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,96 +5,22 @@ job lets the real garbage collector remove its children."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from tests.cluster.conftest import SHARED_NODES
 from tests.cluster.controlplane import ControlPlane, ControlPlaneError, wait_until
+from tests.cluster.fixtures import SHARED_NODES
 from tests.cluster.kubelet import ProcessKubelet
+from tests.cluster.operating import Operator, token_kubeconfig
 
 pytestmark = pytest.mark.timeout(300)
 
 NS = "malleus-system"
-ACCOUNT = "rel-malleus-operator"
 JOB = "tiny"
 JOBS = f"/apis/malleus.io/v1alpha1/namespaces/{NS}/malleusjobs"
-
-
-class Operator:
-    """``python -m malleus.operator`` in a session of its own, logging to a file."""
-
-    def __init__(self, kubeconfig: Path, log: Path) -> None:
-        self.log = log
-        args = [
-            *("--kubeconfig", str(kubeconfig), "--namespace", NS),
-            *("--liveness", "", "--metrics-port", "0", "--ack-timeout", "60"),
-            # every pod has a loopback IP of its own; the job's DNS names do not resolve here
-            *("--endpoint-template", "https://{pod_ip}:{port}"),
-        ]
-        with log.open("wb") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "malleus.operator", *args],
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    def dead(self) -> str | None:
-        code = self.process.poll()
-        return None if code is None else f"the operator exited with {code}:\n{self.tail()}"
-
-    def tail(self, lines: int = 40) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        return ""
-
-    def stop(self) -> None:
-        for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
-            if self.process.poll() is not None:
-                return
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(wait)
-
-
-def _token_kubeconfig(cluster: ControlPlane, path: Path) -> Path:
-    """A kubeconfig with a token of the chart's ServiceAccount (TokenRequest, as admin)."""
-    response = cluster.http().post(
-        f"/api/v1/namespaces/{NS}/serviceaccounts/{ACCOUNT}/token",
-        json={"spec": {"expirationSeconds": 3600}},
-    )
-    assert response.status_code == 201, response.text
-    token = response.json()["status"]["token"]
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {
-                "name": "c",
-                "cluster": {"server": cluster.url, "certificate-authority": str(cluster.ca)},
-            }
-        ],
-        "users": [{"name": "operator", "user": {"token": token}}],
-        "contexts": [
-            {"name": "c", "context": {"cluster": "c", "user": "operator", "namespace": NS}}
-        ],
-        "current-context": "c",
-    }
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +31,8 @@ def operator(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Operator]:
     folder = tmp_path_factory.mktemp("operator")
-    kubeconfig = _token_kubeconfig(control_plane, folder / "kubeconfig")
-    op = Operator(kubeconfig, folder / "operator.log")
+    kubeconfig = token_kubeconfig(control_plane, folder / "kubeconfig", NS)
+    op = Operator(kubeconfig, NS, folder / "operator.log")
     try:
         yield op
     finally:

@@ -4,13 +4,14 @@ which run them as processes, report their status and honour deletion grace perio
 from __future__ import annotations
 
 import base64
+import os
 import signal
 import textwrap
 import time
 from typing import Any
 
-from tests.cluster.conftest import SHARED_NODES
 from tests.cluster.controlplane import ControlPlane, wait_until
+from tests.cluster.fixtures import SHARED_NODES
 from tests.cluster.kubelet import ProcessKubelet
 
 
@@ -142,6 +143,40 @@ def test_a_deleted_pod_gets_sigterm_then_goes_after_its_grace_period(
         lambda: True if _get_pod(cluster, namespace, "stubborn") is None else None, 15, "gone"
     )
     assert run.pids() == [] and run.containers[0].exit_code == 128 + signal.SIGKILL
+
+
+def test_a_deleted_pod_takes_its_containers_descendants_in_sessions_of_their_own(
+    control_plane: ControlPlane, nodes: list[ProcessKubelet], namespace: str
+) -> None:
+    """As a runtime kills a container's cgroup: torchrun starts its ranks in sessions of their
+    own, and signalling the container's process group alone left them running (orphans)."""
+    cluster, http = control_plane, control_plane.http()
+    parent = """
+        import subprocess, sys, time
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import time\\nwhile True: time.sleep(0.05)"],
+            start_new_session=True,
+        )
+        print("child", child.pid, flush=True)
+        while True: time.sleep(0.05)
+    """
+    _create(cluster, namespace, _pod("launcher", parent, terminationGracePeriodSeconds=1))
+    pod = wait_until(lambda: _phase(cluster, namespace, "launcher", "Running"), 30, "Running")
+    kubelet = next(k for k in nodes if k.name == pod["spec"]["nodeName"])
+    run = kubelet.pod(namespace, "launcher")
+    assert run is not None
+    log = run.containers[0].log
+
+    def child() -> int | None:
+        words = log.read_text().split()
+        return int(words[1]) if len(words) > 1 and words[0] == "child" else None
+
+    pid = wait_until(child, 20, "the child started")
+    assert pid in run.pids(), (pid, run.pids())  # found by its marker, not its session
+    assert http.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/launcher").is_success
+    wait_until(lambda: _get_pod(cluster, namespace, "launcher") is None or None, 20, "gone")
+    wait_until(lambda: not os.path.exists(f"/proc/{pid}") or None, 10, "the child gone")
+    assert run.pids() == []
 
 
 def test_a_held_pod_stays_terminating_until_released(

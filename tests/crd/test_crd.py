@@ -1,7 +1,7 @@
-"""crds/malleusjob.yaml against a real API server (etcd + apiextensions-apiserver).
+"""crds/malleusjob.yaml against the real kube-apiserver (`tests/cluster`).
 
-Skipped unless MALLEUS_K8S_ASSETS names the binaries (see tests/k8s/apiserver.py). One server
-per session; each test works in a namespace of its own.
+Skipped unless MALLEUS_K8S_ASSETS names the binaries (see tests/cluster/controlplane.py). One
+control plane per session; each test works in a namespace of its own.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from malleus.job import (
 from tests.job.cases import EXAMPLES, BadCase, bad_cases, base_manifest, load_yaml
 
 if TYPE_CHECKING:
-    from tests.k8s.apiserver import ApiServer
+    from tests.cluster.fixtures import AdminApi
 
-pytestmark = pytest.mark.usefixtures("malleus_crd")
+pytestmark = pytest.mark.usefixtures("cluster_crd")
 
 GROUP_VERSION = "malleus.io/v1alpha1"
 CASES = bad_cases()
@@ -34,11 +34,11 @@ def collection(namespace: str) -> str:
     return f"/apis/{GROUP_VERSION}/namespaces/{namespace}/malleusjobs"
 
 
-def create(server: ApiServer, namespace: str, manifest: dict[str, Any]) -> httpx.Response:
+def create(server: AdminApi, namespace: str, manifest: dict[str, Any]) -> httpx.Response:
     return server.client.post(collection(namespace), json=manifest)
 
 
-def created(server: ApiServer, namespace: str, manifest: dict[str, Any]) -> dict[str, Any]:
+def created(server: AdminApi, namespace: str, manifest: dict[str, Any]) -> dict[str, Any]:
     response = create(server, namespace, manifest)
     assert response.status_code == 201, response.text
     body: dict[str, Any] = response.json()
@@ -60,18 +60,18 @@ def _field(cause: dict[str, Any]) -> str:
 # -- the CRD ------------------------------------------------------------------------------------
 
 
-def test_crd_established(malleus_crd: dict[str, Any]) -> None:
-    conditions = {c["type"]: c["status"] for c in malleus_crd["status"]["conditions"]}
+def test_crd_established(cluster_crd: dict[str, Any]) -> None:
+    conditions = {c["type"]: c["status"] for c in cluster_crd["status"]["conditions"]}
     assert conditions["Established"] == "True"
     assert conditions["NamesAccepted"] == "True"
     assert conditions.get("NonStructuralSchema", "False") == "False"
-    accepted = malleus_crd["status"]["acceptedNames"]
+    accepted = cluster_crd["status"]["acceptedNames"]
     assert (accepted["kind"], accepted["plural"]) == ("MalleusJob", "malleusjobs")
     assert accepted["shortNames"] == ["mj"]
 
 
-def test_discovery(k8s_apiserver: ApiServer) -> None:
-    resources = k8s_apiserver.client.get(f"/apis/{GROUP_VERSION}").json()["resources"]
+def test_discovery(admin_api: AdminApi) -> None:
+    resources = admin_api.client.get(f"/apis/{GROUP_VERSION}").json()["resources"]
     by_name = {r["name"]: r for r in resources}
     assert by_name["malleusjobs"]["namespaced"] is True
     assert by_name["malleusjobs"]["shortNames"] == ["mj"]
@@ -83,23 +83,23 @@ def test_discovery(k8s_apiserver: ApiServer) -> None:
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_example_accepted_and_defaulted_alike(
-    k8s_apiserver: ApiServer, k8s_namespace: str, path: Any
+    admin_api: AdminApi, job_namespace: str, path: Any
 ) -> None:
     """The server accepts each example and defaults it exactly as malleus.job does."""
     manifest = load_yaml(path)
-    stored = created(k8s_apiserver, k8s_namespace, manifest)
+    stored = created(admin_api, job_namespace, manifest)
     local, faults = validate_manifest(manifest)
     assert faults == []
     assert stored["spec"] == local["spec"]
     assert load_job(stored).spec == load_job(manifest).spec
 
 
-def test_server_defaults(k8s_apiserver: ApiServer, k8s_namespace: str) -> None:
+def test_server_defaults(admin_api: AdminApi, job_namespace: str) -> None:
     manifest = base_manifest()
     for section in ("emulation", "resources"):
         del manifest["spec"][section]
     manifest["spec"]["metrics"] = {"source": "prometheus", "prometheus": {"url": "http://p:9090"}}
-    spec = created(k8s_apiserver, k8s_namespace, manifest)["spec"]
+    spec = created(admin_api, job_namespace, manifest)["spec"]
     assert spec["stragglerPolicy"] == {
         "threshold": 1.2,
         "hysteresis": 0.3,
@@ -124,13 +124,13 @@ def test_server_defaults(k8s_apiserver: ApiServer, k8s_namespace: str) -> None:
     assert spec == validate_manifest(manifest)[0]["spec"]
 
 
-def test_unknown_fields_pruned(k8s_apiserver: ApiServer, k8s_namespace: str) -> None:
+def test_unknown_fields_pruned(admin_api: AdminApi, job_namespace: str) -> None:
     manifest = base_manifest()
     manifest["spec"]["gpuPerNode"] = 8
     manifest["spec"]["model"]["dropout"] = 0.1
     manifest["spec"]["emulation"]["schedule"] = [{"step": 1, "rank": 1, "factor": 2, "x": 1}]
     manifest["extra"] = {"a": 1}
-    stored = created(k8s_apiserver, k8s_namespace, manifest)
+    stored = created(admin_api, job_namespace, manifest)
     assert "extra" not in stored
     assert "gpuPerNode" not in stored["spec"] and "dropout" not in stored["spec"]["model"]
     assert stored["spec"]["emulation"]["schedule"] == [{"step": 1, "rank": 1, "factor": 2}]
@@ -138,8 +138,8 @@ def test_unknown_fields_pruned(k8s_apiserver: ApiServer, k8s_namespace: str) -> 
     assert faults == [] and lenient["spec"] == stored["spec"]
     # kubectl's default (Strict) field validation rejects them, as malleus.job does.
     manifest["metadata"]["name"] = "strict"
-    response = k8s_apiserver.client.post(
-        collection(k8s_namespace), json=manifest, params={"fieldValidation": "Strict"}
+    response = admin_api.client.post(
+        collection(job_namespace), json=manifest, params={"fieldValidation": "Strict"}
     )
     assert response.status_code in (400, 422), response.text
     assert 'unknown field "spec.gpuPerNode"' in response.json()["message"]
@@ -151,22 +151,22 @@ def test_unknown_fields_pruned(k8s_apiserver: ApiServer, k8s_namespace: str) -> 
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_server_rejects(k8s_apiserver: ApiServer, k8s_namespace: str, case: BadCase) -> None:
+def test_server_rejects(admin_api: AdminApi, job_namespace: str, case: BadCase) -> None:
     """The server rejects each bad manifest, blaming the expected fields with a clear message."""
     name = None if "metadata.name" in case.set else "bad"
-    found = causes(create(k8s_apiserver, k8s_namespace, case.manifest(name)))
+    found = causes(create(admin_api, job_namespace, case.manifest(name)))
     assert {c["field"] for c in found} == case.fields, found
     assert any(case.message in c["message"] for c in found), found
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_local_validation_agrees_with_server(
-    k8s_apiserver: ApiServer, k8s_namespace: str, case: BadCase
+    admin_api: AdminApi, job_namespace: str, case: BadCase
 ) -> None:
     """Both reject, blaming the same fields, and local messages say what the server's say."""
     name = None if "metadata.name" in case.set else "agree"
     manifest = case.manifest(name)
-    server = causes(create(k8s_apiserver, k8s_namespace, manifest))
+    server = causes(create(admin_api, job_namespace, manifest))
     _, local = validate_manifest(manifest)
     assert {c["field"] for c in server} == {f.path for f in local}
     for fault in local:
@@ -183,14 +183,14 @@ def _words(text: str) -> set[str]:
     return {w.strip("\"',:()") for w in text.split() if len(w.strip("\"',:()")) > 3}
 
 
-def test_several_faults_reported_together(k8s_apiserver: ApiServer, k8s_namespace: str) -> None:
+def test_several_faults_reported_together(admin_api: AdminApi, job_namespace: str) -> None:
     manifest = base_manifest()
     spec = manifest["spec"]
     spec["parallelism"]["tp"] = 3
     spec["training"]["microBatchSize"] = 3
     spec["metrics"] = {"source": "prometheus"}
     spec["emulation"]["schedule"] = [{"step": 0, "rank": 8, "factor": 2.0}]
-    found = causes(create(k8s_apiserver, k8s_namespace, manifest))
+    found = causes(create(admin_api, job_namespace, manifest))
     expected = {
         "spec.parallelism.tp",
         "spec.training.microBatchSize",
@@ -201,15 +201,13 @@ def test_several_faults_reported_together(k8s_apiserver: ApiServer, k8s_namespac
     assert {f.path for f in validate_manifest(manifest)[1]} == expected
 
 
-def test_too_many_schedule_entries_block_the_rules(
-    k8s_apiserver: ApiServer, k8s_namespace: str
-) -> None:
+def test_too_many_schedule_entries_block_the_rules(admin_api: AdminApi, job_namespace: str) -> None:
     """Over maxItems, the server skips the CEL rules (their cost bound); so does jobspec."""
     manifest = base_manifest()
     manifest["spec"]["emulation"]["schedule"] = [
         {"step": i, "rank": 9, "factor": 1.5} for i in range(1025)
     ]
-    found = causes(create(k8s_apiserver, k8s_namespace, manifest))
+    found = causes(create(admin_api, job_namespace, manifest))
     assert {c["field"] for c in found} == {"spec.emulation.schedule", ""}
     assert any("must have at most 1024 items" in c["message"] for c in found)
     assert {f.path for f in validate_manifest(manifest)[1]} == {"spec.emulation.schedule", ""}
@@ -258,10 +256,10 @@ STATUS = {
 }
 
 
-def test_status_subresource(k8s_apiserver: ApiServer, k8s_namespace: str) -> None:
-    client = k8s_apiserver.client
-    job = created(k8s_apiserver, k8s_namespace, base_manifest())
-    url = f"{collection(k8s_namespace)}/{job['metadata']['name']}"
+def test_status_subresource(admin_api: AdminApi, job_namespace: str) -> None:
+    client = admin_api.client
+    job = created(admin_api, job_namespace, base_manifest())
+    url = f"{collection(job_namespace)}/{job['metadata']['name']}"
 
     # Status through /status: stored as given, spec and generation untouched.
     patch = {"status": STATUS, "spec": {"nodes": 7}}
@@ -292,14 +290,14 @@ def test_status_subresource(k8s_apiserver: ApiServer, k8s_namespace: str) -> Non
     assert {"status.phase", "status.plan.dp", "status.plan.summary"} <= fields
 
 
-def test_printer_columns(k8s_apiserver: ApiServer, k8s_namespace: str) -> None:
-    client = k8s_apiserver.client
-    job = created(k8s_apiserver, k8s_namespace, base_manifest())
-    url = f"{collection(k8s_namespace)}/{job['metadata']['name']}"
+def test_printer_columns(admin_api: AdminApi, job_namespace: str) -> None:
+    client = admin_api.client
+    job = created(admin_api, job_namespace, base_manifest())
+    url = f"{collection(job_namespace)}/{job['metadata']['name']}"
     response = client.patch(f"{url}/status", json={"status": STATUS}, headers=MERGE_PATCH)
     assert response.status_code == 200, response.text
 
-    table = client.get(collection(k8s_namespace), headers={"Accept": TABLE})
+    table = client.get(collection(job_namespace), headers={"Accept": TABLE})
     assert table.status_code == 200, table.text
     body = table.json()
     assert body["kind"] == "Table"
@@ -328,10 +326,10 @@ def test_printer_columns(k8s_apiserver: ApiServer, k8s_namespace: str) -> None:
     assert cells["Layout"] == STATUS["plan"]["summary"]  # type: ignore[index]
 
 
-def test_new_job_has_empty_columns(k8s_apiserver: ApiServer, k8s_namespace: str) -> None:
+def test_new_job_has_empty_columns(admin_api: AdminApi, job_namespace: str) -> None:
     """Before the operator writes status, the columns are blank, not an error."""
     manifest = copy.deepcopy(base_manifest())
-    created(k8s_apiserver, k8s_namespace, manifest)
-    table = k8s_apiserver.client.get(collection(k8s_namespace), headers={"Accept": TABLE})
+    created(admin_api, job_namespace, manifest)
+    table = admin_api.client.get(collection(job_namespace), headers={"Accept": TABLE})
     [row] = table.json()["rows"]
     assert row["cells"][0] == "tiny-cpu" and row["cells"][1] is None

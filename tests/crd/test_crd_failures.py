@@ -2,7 +2,7 @@
 defaulted by the server as the local loader does, and the status fields the operator writes
 across faults (``failures``, ``gpusOut``, ``lastRecovery``) stored as written, nothing pruned.
 
-Skipped unless MALLEUS_K8S_ASSETS names the binaries (see tests/k8s/apiserver.py)."""
+Skipped unless MALLEUS_K8S_ASSETS names the binaries (see tests/cluster/controlplane.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from malleus.operator import status as operator_status
 from tests.job.cases import base_manifest
 
 if TYPE_CHECKING:
-    from tests.k8s.apiserver import ApiServer
+    from tests.cluster.fixtures import AdminApi
 
-pytestmark = pytest.mark.usefixtures("malleus_crd")
+pytestmark = pytest.mark.usefixtures("cluster_crd")
 
 MERGE_PATCH = {"Content-Type": "application/merge-patch+json"}
 
@@ -28,13 +28,11 @@ def _url(namespace: str, name: str = "") -> str:
     return f"{base}/{name}" if name else base
 
 
-def test_failure_policy_defaults_on_the_server(
-    k8s_apiserver: ApiServer, k8s_namespace: str
-) -> None:
+def test_failure_policy_defaults_on_the_server(admin_api: AdminApi, job_namespace: str) -> None:
     manifest = base_manifest()
     manifest["metadata"]["name"] = "faults-defaults"
     manifest["spec"].pop("failurePolicy", None)
-    response = k8s_apiserver.client.post(_url(k8s_namespace), json=manifest)
+    response = admin_api.client.post(_url(job_namespace), json=manifest)
     assert response.status_code == 201, response.text
     spec = response.json()["spec"]
     assert spec["failurePolicy"] == {
@@ -45,11 +43,11 @@ def test_failure_policy_defaults_on_the_server(
     assert spec == validate_manifest(manifest)[0]["spec"]  # the loader defaults alike
 
 
-def test_failure_policy_bounds_on_the_server(k8s_apiserver: ApiServer, k8s_namespace: str) -> None:
+def test_failure_policy_bounds_on_the_server(admin_api: AdminApi, job_namespace: str) -> None:
     manifest = base_manifest()
     manifest["metadata"]["name"] = "faults-bounds"
     manifest["spec"]["failurePolicy"] = {"maxRestarts": -1, "gracePeriodSeconds": 0}
-    response = k8s_apiserver.client.post(_url(k8s_namespace), json=manifest)
+    response = admin_api.client.post(_url(job_namespace), json=manifest)
     assert response.status_code == 422, response.text
     fields = {c.get("field") for c in response.json()["details"]["causes"]}
     assert {"spec.failurePolicy.maxRestarts", "spec.failurePolicy.gracePeriodSeconds"} <= fields
@@ -89,24 +87,24 @@ STATUS: dict[str, Any] = {
 }
 
 
-def test_failure_status_is_stored_as_written(k8s_apiserver: ApiServer, k8s_namespace: str) -> None:
-    client = k8s_apiserver.client
+def test_failure_status_is_stored_as_written(admin_api: AdminApi, job_namespace: str) -> None:
+    client = admin_api.client
     manifest = base_manifest()
     manifest["metadata"]["name"] = "faults"
-    assert client.post(_url(k8s_namespace), json=manifest).status_code == 201
+    assert client.post(_url(job_namespace), json=manifest).status_code == 201
     # what the operator's typed models dump is what the server keeps
     typed = MalleusJobStatus.model_validate(STATUS)
     dumped = operator_status.dump(typed)
     assert dumped == STATUS
     response = client.patch(
-        f"{_url(k8s_namespace, 'faults')}/status", json={"status": dumped}, headers=MERGE_PATCH
+        f"{_url(job_namespace, 'faults')}/status", json={"status": dumped}, headers=MERGE_PATCH
     )
     assert response.status_code == 200, response.text
-    stored = client.get(_url(k8s_namespace, "faults")).json()
+    stored = client.get(_url(job_namespace, "faults")).json()
     assert stored["status"] == STATUS
     assert MalleusJob.model_validate(stored).status == typed
     bad = {"status": {"failures": [{**STATUS["failures"][0], "state": "Gone"}]}}
     response = client.patch(
-        f"{_url(k8s_namespace, 'faults')}/status", json=bad, headers=MERGE_PATCH
+        f"{_url(job_namespace, 'faults')}/status", json=bad, headers=MERGE_PATCH
     )
     assert response.status_code == 422, response.text

@@ -1,212 +1,197 @@
-"""The operator across faults, end to end: the real operator process (kopf), the real API
-server and local trainer processes (`LocalKubelet`), as in ``test_operator_e2e.py``.
+"""The operator across faults, end to end on the real control plane (``tests/cluster``).
 
-- A worker pod deleted under a running job is a recovery, not the job's end: the job stays
-  Running (``PodFailed`` event, ``Degraded`` and ``status.failures``), a replacement pod of
-  the same name appears after the backoff whose trainers ``--join`` the running job, and the
-  job succeeds.
-- The operator killed mid-run: the trainers keep training (they meet in the job's store pod,
-  which the operator does not host), and a restarted operator re-attaches: no duplicate
-  pods, the same plan generation, the job goes on.
+One 2-node job (module fixture ``job``) on three process-kubelet nodes of this module's own
+(``A``, ``B``, spare ``C``; the shared nodes are left alone, the job's pod template selects
+these), placed so that node A holds the coordinator (node 0) and the store: A comes up first,
+B once node 0 and the store are bound to A, then the spare C.
 
-Both run on one job (module fixture ``job``): starting it (pods, interpreters, torch, the
-rendezvous) is most of a test's time, and neither scenario needs a fresh one. The operator
-test runs first (it is first in the file) and leaves the job running under the restarted
-operator; the deleted-worker test then takes it to Succeeded and deletes it. Run alone, each
-test still starts the job itself through the fixture.
+- A trainer killed (SIGKILL to node 1's torchrun and its ranks, as the OOM killer would): its
+  pod fails, is recorded (``PodFailed``, ``status.failures``) and replaced by a pod of the same
+  name whose trainers ``--join`` the running job, once the survivors recovered without it.
+- A node lost: its kubelet stops renewing its Lease and its processes die (a machine gone);
+  the node lifecycle controller marks it NotReady (``unreachable`` taints), the taint manager
+  evicts its pods (the job's pod template tolerates ``unreachable`` for 2 s, not the default
+  300), and the evicted worker, Terminating forever on a node that never confirms, is
+  force-deleted by the operator (`failures.stuck_terminating`) and replaced on the spare node.
 
-Needs ``MALLEUS_K8S_ASSETS`` and kubectl, like the other end-to-end tests; skips without them.
+Needs ``MALLEUS_K8S_ASSETS`` and helm, like the other end-to-end tests; skips without them.
 """
 
 from __future__ import annotations
 
-import base64
+import signal
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+import uuid
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
-import yaml
 
-from malleus.control import ControlClient, ControlTLS
-from tests.e2e.pods import LocalKubelet, listen_port
-from tests.e2e.test_operator_e2e import Cluster, Operator, _exactly, _manifest, kubectl
+from tests.cluster.controlplane import ControlPlane, wait_until
+from tests.cluster.fixtures import apply_chart_rbac, node_ready
+from tests.cluster.kubelet import ProcessKubelet
+from tests.cluster.operating import JobWorld, Operator, token_kubeconfig
+from tests.e2e.test_operator_e2e import manifest, training
 
-if TYPE_CHECKING:
-    from tests.k8s.proxy import ClusterProxy
-
-__all__ = ["kubectl"]  # the fixture, imported for this module's tests
-
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(400)
 
 JOB = "e2e-faults"
+POOL = "malleus.io/test-pool"
 
 
-@pytest.fixture(scope="module")
-def namespace() -> str:
-    return f"e2e-f-{int(time.time() * 1000) % 10**8}"
+class Nodes:
+    """This module's kubelets, started on demand."""
 
+    def __init__(self, cluster: ControlPlane, pool: str, workdir: Any) -> None:
+        self.cluster, self.pool, self.workdir = cluster, pool, workdir
+        self.kubelets: dict[str, ProcessKubelet] = {}
 
-@pytest.fixture(scope="module")
-def kubelet(
-    k8s_cluster: ClusterProxy, namespace: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LocalKubelet]:
-    with LocalKubelet(k8s_cluster.core, namespace, tmp_path_factory.mktemp("pods")) as node:
-        yield node
+    def start(self, name: str, index: int) -> ProcessKubelet:
+        kubelet = ProcessKubelet(
+            self.cluster, f"{self.pool}-{name}", self.workdir / name, index=index,
+            gpus=2, labels={POOL: self.pool},
+        )  # fmt: skip
+        self.kubelets[name] = kubelet
+        kubelet.start()
+        wait_until(
+            lambda: node_ready(self.cluster, kubelet.name),
+            30,
+            f"node {kubelet.name} Ready",
+            alive=lambda: kubelet.check() or self.cluster.dead(),
+        )
+        return kubelet
+
+    def stop(self) -> None:
+        for kubelet in self.kubelets.values():
+            kubelet.stop()
 
 
 @pytest.fixture(scope="module")
 def world(
-    k8s_cluster: ClusterProxy,
-    malleus_crd: dict[str, Any],
-    kubelet: LocalKubelet,
-    namespace: str,
+    control_plane: ControlPlane,
+    cluster_crd: dict[str, Any],
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Cluster]:
-    k8s_cluster.core.create("namespaces", "", {"metadata": {"name": namespace}})
-    logs = tmp_path_factory.mktemp("operator")
-    op = Operator(k8s_cluster, namespace, logs / "operator-1.log")
-    world = Cluster(k8s_cluster, namespace, op, kubelet)
+) -> Iterator[JobWorld]:
+    ns = f"e2e-f-{uuid.uuid4().hex[:6]}"
+    apply_chart_rbac(control_plane, watch=(ns,))
+    folder = tmp_path_factory.mktemp("operator")
+    op = Operator(token_kubeconfig(control_plane, folder / "kubeconfig", ns), ns, folder / "op.log")
+    pool = Nodes(control_plane, ns, tmp_path_factory.mktemp("kubelets"))
+    world = JobWorld(control_plane, ns, op, [])
+    world.pool = pool  # type: ignore[attr-defined]
     try:
         yield world
     finally:
-        world.operator.stop()
+        op.stop()
+        pool.stop()
+        control_plane.http().delete(f"/api/v1/namespaces/{ns}")
 
 
-def _apply(kubectl: Callable[..., str], ns: str, tmp_path: Path, body: dict[str, Any]) -> None:
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(body))
-    kubectl("apply", "--validate=false", "-n", ns, "-f", str(path))
+def _node_of(world: JobWorld, pod: str) -> str | None:
+    got = world.http.get(f"/api/v1/namespaces/{world.ns}/pods/{pod}")
+    return got.json()["spec"].get("nodeName") if got.status_code == 200 else None
 
 
-def _uids(world: Cluster, name: str) -> dict[str, str]:
-    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in world.workers(name)}
+@pytest.fixture(scope="module")
+def job(world: JobWorld) -> str:
+    """The 2-node job on A (node 0 + store) and B (node 1), training, spare node C Ready."""
+    pool: Nodes = world.pool  # type: ignore[attr-defined]
+    world.kubelets.append(pool.start("a", 21))
+    unreachable = {"key": "node.kubernetes.io/unreachable", "operator": "Exists",
+                   "effect": "NoExecute", "tolerationSeconds": 2}  # fmt: skip
+    not_ready = {**unreachable, "key": "node.kubernetes.io/not-ready"}
+    body = manifest(
+        JOB, failurePolicy={"maxRestarts": 3, "restartBackoffSeconds": 1, "gracePeriodSeconds": 3}
+    )
+    template = body["spec"]["podTemplate"]["spec"]
+    template["nodeSelector"] = {POOL: world.ns}
+    template["tolerations"] = [unreachable, not_ready]
+    world.create(body)
+    a = pool.kubelets["a"].name
+    for pod in (f"{JOB}-node-0", f"{JOB}-store"):
+        world.wait(lambda p=pod: _node_of(world, p) == a or None, 60, f"{pod} on A", job=JOB)
+    world.kubelets.append(pool.start("b", 22))
+    world.wait(lambda: _node_of(world, f"{JOB}-node-1"), 60, "node 1 bound", job=JOB)
+    world.kubelets.append(pool.start("c", 23))
+    world.wait(training(world, JOB), 150, "Running with steps", job=JOB)
+    return JOB
 
 
-def _training(world: Cluster, name: str, past: int) -> Callable[[], dict[str, Any] | None]:
+def _replaced(world: JobWorld, before: str) -> Any:
     def probe() -> dict[str, Any] | None:
-        st = world.status(name)
-        return st if st.get("phase") == "Running" and st.get("step", 0) > past else None
+        pods = {p["metadata"]["name"]: p for p in world.workers(JOB)}
+        new = pods.get(f"{JOB}-node-1")
+        if new is None or new["metadata"]["uid"] == before:
+            return None
+        return new if (new.get("status") or {}).get("phase") == "Running" else None
 
     return probe
 
 
-@pytest.fixture(scope="module")
-def job(
-    world: Cluster, kubectl: Callable[..., str], tmp_path_factory: pytest.TempPathFactory
-) -> str:
-    """The module's one job, applied and training (two worker pods, Running past step 3)."""
-    body = _manifest(
-        JOB,
-        listen_port(),
-        # Enough steps to outlast the operator test (a few dozen steps while the operator
-        # restarts), then the recovery and the replacement's join (the `joined` wait fails
-        # if the job has already Succeeded); the timings print the steps at both (measured:
-        # 31 and 46 under load 12, 57 and 68 under load 6; the 170 leave twice that to spare).
-        training={"globalBatchSize": 4, "microBatchSize": 1, "steps": 170, "learningRate": 0.003},
-        failurePolicy={"maxRestarts": 2, "restartBackoffSeconds": 1, "gracePeriodSeconds": 5},
-    )
-    _apply(kubectl, world.ns, tmp_path_factory.mktemp("job"), body)
-    world.wait(lambda: _exactly(2, world.workers(JOB)), 60, "two worker pods", job=JOB)
-    world.wait(_training(world, JOB, 3), 150, "Running with steps", job=JOB)
-    return JOB
+def _epoch(st: dict[str, Any]) -> int:
+    return int((st.get("lastRecovery") or {}).get("epoch") or 0)
 
 
-def test_a_killed_operator_leaves_the_trainers_training_and_reattaches(
-    world: Cluster, k8s_cluster: ClusterProxy, kubelet: LocalKubelet, job: str
-) -> None:
-    name = job  # left running for the deleted-worker test
-    st = world.wait(_training(world, name, 3), 150, "Running with steps", job=name)
-    pods = _uids(world, name)
-    generation = st["plan"]["generation"]
-    secret = k8s_cluster.core.get("secrets", world.ns, f"{name}-control")
-    ca = base64.b64decode(secret["data"]["ca.crt"]).decode()
-    token = base64.b64decode(secret["data"]["token"]).decode()  # reads need it too
-    trust = ControlTLS(ca, server_name=f"{name}-node-0.{name}.{world.ns}.svc")
-    coordinator = kubelet.control_url(f"{name}-node-0").replace("http:", "https:", 1)
-
-    # The operator dies (SIGKILL: no cleanup); the trainers do not need it to train.
-    world.operator.process.kill()
-    world.operator.process.wait(10)
-    with ControlClient(coordinator, token, tls=trust) as client:
-        first = client.status().step
-        deadline = time.monotonic() + 60
-        while client.status().step < first + 3:
-            assert time.monotonic() < deadline, "the trainers stopped without the operator"
-            time.sleep(0.3)
-    assert _uids(world, name) == pods
-
-    # A new operator re-attaches: no pod re-created, the same generation, training goes on.
-    log = world.operator.log.with_name("operator-2.log")
-    world.operator = Operator(k8s_cluster, world.ns, log)
-    step = world.status(name).get("step", 0)
-    world.wait(_training(world, name, step + 3), 120, "steps after the restart", job=name)
-    assert _uids(world, name) == pods
-    assert len(world.children("pods", name)) == 3  # two workers and the store, no more
-    st = world.status(name)
-    assert st["plan"]["generation"] == generation, st["plan"]
-    with ControlClient(coordinator, token, tls=trust) as client:
-        assert client.status().generation == generation
+def _all_in(world: JobWorld, after_epoch: int = -1) -> dict[str, Any] | None:
+    """The status once the trainers recovered past ``after_epoch`` and no GPU is out."""
+    st = world.status(JOB)
+    out = [o for o in st.get("gpusOut") or [] if o.get("node") == 1]
+    ok = not out and st.get("phase") in ("Running", "Replanning") and _epoch(st) > after_epoch
+    return st if ok else None
 
 
-def test_a_deleted_worker_is_replaced_and_the_job_succeeds(
-    world: Cluster, kubectl: Callable[..., str], job: str
-) -> None:
+def test_a_killed_trainer_is_replaced_and_joins(world: JobWorld, job: str) -> None:
     t0 = time.monotonic()
-    timings: dict[str, float] = {}
-    running = world.wait(_training(world, JOB, 3), 150, "Running with steps", job=JOB)
-    timings["step at start"] = running["step"]
-    before = _uids(world, JOB)
+    before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in world.workers(job)}
+    where = _node_of(world, f"{job}-node-1")
+    kubelet = next(k for k in world.kubelets if k.name == where)
+    run = kubelet.pod(world.ns, f"{job}-node-1")
+    assert run is not None and run.pids(), kubelet.logs()
+    run.signal(signal.SIGKILL)
 
-    # One worker (node 1, not the coordinator) is deleted under the running job.
-    kubectl("delete", "pod", f"{JOB}-node-1", "-n", world.ns, "--wait=false")
+    def failed() -> dict[str, Any] | None:
+        st = world.status(job)
+        return st if st.get("failures") else None
 
-    def failed_recorded() -> dict[str, Any] | None:
-        st = world.status(JOB)
-        return st if (st.get("failures") or []) else None
-
-    st = world.wait(failed_recorded, 60, "the failure in status.failures", job=JOB)
-    assert st["phase"] in ("Running", "Replanning"), st
-    assert st["failures"][0]["node"] == 1 and st["failures"][0]["reason"] in ("Deleted", "Error")
-    world.wait(lambda: "PodFailed" in world.reasons(JOB) or None, 30, "PodFailed", job=JOB)
-
-    def replaced() -> dict[str, Any] | None:
-        pods = {p["metadata"]["name"]: p for p in world.workers(JOB)}
-        new = pods.get(f"{JOB}-node-1")
-        if new is None or new["metadata"]["uid"] == before[f"{JOB}-node-1"]:
-            return None
-        return new if (new.get("status") or {}).get("phase") == "Running" else None
-
-    new = world.wait(replaced, 90, "a replacement pod of the same name, running", job=JOB)
-    timings["replaced"] = time.monotonic() - t0
+    st = world.wait(failed, 90, "the killed trainer in status.failures", job=job)
+    assert st["failures"][0]["node"] == 1, st["failures"]
+    world.wait(lambda: "PodFailed" in world.reasons(job) or None, 30, "PodFailed", job=job)
+    new = world.wait(_replaced(world, before[f"{job}-node-1"]), 90, "a replacement", job=job)
     assert new["spec"]["containers"][0]["command"][-1] == "--join"
     assert new["metadata"]["annotations"]["malleus.io/restart"] == "1"
-    assert _uids(world, JOB)[f"{JOB}-node-0"] == before[f"{JOB}-node-0"]  # node 0 untouched
-    world.wait(lambda: "PodReplaced" in world.reasons(JOB) or None, 30, "PodReplaced", job=JOB)
-    record = world.status(JOB)["failures"][0]
-    assert (record["state"], record["restarts"]) == ("Replaced", 1), record
+    uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in world.workers(job)}
+    assert uids[f"{job}-node-0"] == before[f"{job}-node-0"]  # the coordinator untouched
+    world.wait(lambda: "PodReplaced" in world.reasons(job) or None, 30, "PodReplaced", job=job)
+    # the survivors recovered without node 1 (the trainers' word), the replacement joined
+    world.wait(lambda: "Recovered" in world.reasons(job) or None, 120, "Recovered", job=job)
+    world.wait(lambda: _all_in(world, 0), 150, "node 1's GPUs back in the job", job=job)
+    print(f"killed trainer: replaced and joined in {time.monotonic() - t0:.1f} s")
 
-    # The survivors recovered without node 1 (the trainers' word, once), and the replacement's
-    # trainers joined: no GPU of node 1 is out any more.
-    world.wait(lambda: "Recovered" in world.reasons(JOB) or None, 120, "Recovered", job=JOB)
-    timings["recovered"] = time.monotonic() - t0
 
-    def joined() -> dict[str, Any] | None:
-        st = world.status(JOB)
-        out = [o for o in st.get("gpusOut") or [] if o.get("node") == 1]
-        return st if not out and st.get("phase") in ("Running", "Replanning") else None
+def test_a_lost_nodes_worker_is_evicted_and_replaced_on_the_spare_node(
+    world: JobWorld, job: str, control_plane: ControlPlane
+) -> None:
+    t0 = time.monotonic()
+    epoch = _epoch(world.wait(lambda: _all_in(world), 150, "every GPU in the job", job=job))
+    pool: Nodes = world.pool  # type: ignore[attr-defined]
+    where = _node_of(world, f"{job}-node-1")
+    lost = next(k for k in pool.kubelets.values() if k.name == where)
+    assert lost is not pool.kubelets["a"], "node 1 shares node A with the coordinator"
+    before = next(p for p in world.workers(job) if p["metadata"]["name"] == f"{job}-node-1")
+    world.kubelets.remove(lost)  # its errors from here on are the test's doing
+    lost.lose()
+    for pod in list(lost.pods.values()):
+        pod.kill()  # the machine is gone: so are its processes
 
-    joined_status = world.wait(joined, 180, "node 1's GPUs back in the job", job=JOB)
-    timings["joined"] = time.monotonic() - t0
-    timings["step at join"] = joined_status.get("step", 0)
-    assert joined_status["lastRecovery"]["epoch"] >= 1, joined_status
+    def unreachable() -> bool | None:
+        node = world.http.get(f"/api/v1/nodes/{lost.name}").json()
+        taints = {t["key"] for t in node["spec"].get("taints") or []}
+        return True if "node.kubernetes.io/unreachable" in taints else None
 
-    # The job goes on and completes.
-    done = world.wait(lambda: world.in_phase(JOB, "Succeeded"), 240, "the job Succeeded", job=JOB)
-    timings["succeeded"] = time.monotonic() - t0
-    assert done["step"] >= running["step"], done
-    assert not any(c["type"] == "Failed" for c in done["conditions"]), done["conditions"]
-    print("timings (s from the test's start):", {k: round(v, 1) for k, v in timings.items()})
-    kubectl("delete", "mj", JOB, "-n", world.ns, "--wait=false")
-    world.wait(lambda: world.job(JOB) is None or None, 60, "deleted", job=JOB, running=False)
+    world.wait(unreachable, 60, "the lost node tainted unreachable", job=job)
+    new = world.wait(_replaced(world, before["metadata"]["uid"]), 120, "a replacement", job=job)
+    assert new["spec"]["nodeName"] not in (lost.name, pool.kubelets["a"].name), new["spec"]
+    records = {r["node"]: r for r in world.status(job)["failures"]}
+    assert records[1]["restarts"] >= 2, records
+    world.wait(lambda: _all_in(world, epoch), 150, "node 1's GPUs back in the job", job=job)
+    print(f"lost node: replaced and joined in {time.monotonic() - t0:.1f} s")

@@ -1,8 +1,8 @@
 """Never adopt what the job does not own: a planted Secret or ConfigMap is neither used nor
 touched, the job says why, and it starts once the impostor is gone.
 
-Against kmock (`tests.operator.kube`) for the handlers, and against the real API server with
-the test cluster's core API (`tests/k8s`) for `k8s.Cluster.create` and the condition's shape.
+Against kmock (`tests.operator.kube`) for the handlers, and against the real API server
+(`tests/cluster`) for `k8s.Cluster.create` and the condition's shape.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from malleus.operator.settings import Settings
 from tests.operator.kube import Kube
 
 if TYPE_CHECKING:
-    from tests.k8s.apiserver import ApiServer
+    from tests.cluster.fixtures import AdminApi
 
 KNOWN_TOKEN = base64.b64encode(b"the attacker knows this").decode()
 
@@ -169,25 +169,22 @@ def test_a_pod_labelled_as_a_worker_does_not_count_as_one(
 
 
 def test_a_planted_secret_is_refused_by_the_real_cluster_path(
-    k8s_cluster: Any,
-    k8s_apiserver: ApiServer,
-    malleus_crd: dict[str, Any],
-    k8s_namespace: str,
-    make_job: Any,
+    admin_api: AdminApi, job_namespace: str, make_job: Any
 ) -> None:
-    """Through the test cluster (the real CRD server, its core API): the handler refuses the
-    planted Secret, the NameConflict status passes the CRD's status schema, the Secret keeps
-    its known token, and nothing else is created after it."""
-    ns = k8s_namespace
-    k8s_cluster.core.create("secrets", ns, _planted_secret(ns))
+    """On the real API server: the handler refuses the planted Secret, the NameConflict status
+    passes the CRD's status schema, the Secret keeps its known token, and nothing else is
+    created after it."""
+    ns = job_namespace
+    http = admin_api.client
+    planted = http.post(f"/api/v1/namespaces/{ns}/secrets", json=_planted_secret(ns))
+    assert planted.status_code == 201, planted.text
     body = make_job(namespace=ns)
     for key in ("uid", "generation", "resourceVersion"):
         del body["metadata"][key]
     url = f"/apis/malleus.io/v1alpha1/namespaces/{ns}/malleusjobs"
-    assert k8s_apiserver.client.post(url, json=body).status_code == 201
-    cluster = Cluster.connect(str(k8s_cluster.kubeconfig))
-    # the test cluster serves no networking.k8s.io: the operator runs without NetworkPolicies
-    ctx = Context(cluster, Settings(metrics_port=0, network_policies=False), OperatorMetrics())
+    assert http.post(url, json=body).status_code == 201
+    cluster = Cluster.connect(str(admin_api.kubeconfig))
+    ctx = Context(cluster, Settings(metrics_port=0), OperatorMetrics())
     memo = kopf.Memo({"malleus": ctx})
 
     async def go() -> dict[str, Any]:
@@ -212,12 +209,17 @@ def test_a_planted_secret_is_refused_by_the_real_cluster_path(
     (cond,) = st["conditions"]
     assert (cond["reason"], cond["status"]) == ("NameConflict", "False")
     assert "Secret/demo-control" in cond["message"] and "no controller owner" in cond["message"]
-    (secret,) = k8s_cluster.core.list("secrets", ns)
+
+    def listed(plural: str) -> list[dict[str, Any]]:
+        got = http.get(f"/api/v1/namespaces/{ns}/{plural}")
+        assert got.status_code == 200, got.text
+        return list(got.json()["items"])
+
+    (secret,) = [s for s in listed("secrets") if s["metadata"]["name"] == "demo-control"]
     assert secret["data"]["token"] == KNOWN_TOKEN
-    assert k8s_cluster.core.list("pods", ns) == []
-    assert [c["metadata"]["name"] for c in k8s_cluster.core.list("configmaps", ns)] == [
-        "demo-config"
-    ]
+    assert listed("pods") == []
+    names = [c["metadata"]["name"] for c in listed("configmaps")]
+    assert [n for n in names if n != "kube-root-ca.crt"] == ["demo-config"]  # + the cluster's
 
 
 def test_a_resumed_pending_job_does_not_adopt_a_replaced_secret(

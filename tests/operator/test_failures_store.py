@@ -3,8 +3,8 @@ the job as started, once, with an event; never for a job that is not active; nev
 of that name the job does not control.
 
 Against kmock (`tests.operator.kube`) through the handlers, like the worker failures in
-`test_failures.py`; then on the test cluster (the real CRD server, its core API, `tests/k8s`),
-where uids are the server's: through the handlers, and through a real operator process whose
+`test_failures.py`; then on the real API server (`tests/cluster`), where uids are the
+server's: through the handlers, and through a real operator process whose
 pod watch sees the deletion.
 """
 
@@ -27,11 +27,11 @@ from malleus.operator.context import Context
 from malleus.operator.k8s import Cluster
 from malleus.operator.metrics import OperatorMetrics
 from malleus.operator.settings import Settings
-from tests.k8s.apiserver import ApiServerError, wait_until
+from tests.cluster.controlplane import ControlPlaneError, wait_until
 from tests.operator.kube import Kube
 
 if TYPE_CHECKING:
-    from tests.k8s.proxy import ClusterProxy
+    from tests.cluster.fixtures import AdminApi
 
 STORE = "demo-store"
 IMAGE = "ghcr.io/example/malleus-trainer:0.1.0"
@@ -261,38 +261,37 @@ def test_a_pod_of_the_stores_name_that_the_job_does_not_control_is_left_alone(
     assert _store_events(kube) == []
 
 
-# ---- on the test cluster: the real CRD server and its core API ------------------------------
+# ---- on the real API server (tests/cluster) -------------------------------------------------
 
 
-def _post_job(k8s_cluster: ClusterProxy, ns: str, make_job: Any) -> None:
+def _post_job(server: AdminApi, ns: str, make_job: Any) -> None:
     body = make_job(namespace=ns)
     body["metadata"] = {"name": "demo", "namespace": ns}
-    made = k8s_cluster.apiserver.client.post(
-        f"/apis/malleus.io/v1alpha1/namespaces/{ns}/malleusjobs", json=body
-    )
+    # no node may run its pods (the session's kubelets would): they stay Pending
+    body["spec"]["podTemplate"] = {"spec": {"nodeSelector": {"malleus.io/test": "nowhere"}}}
+    made = server.client.post(f"/apis/malleus.io/v1alpha1/namespaces/{ns}/malleusjobs", json=body)
     assert made.status_code == 201, made.text
 
 
-def _uid(k8s_cluster: ClusterProxy, ns: str) -> str | None:
-    found = [p for p in k8s_cluster.core.list("pods", ns) if p["metadata"]["name"] == STORE]
+def _uid(server: AdminApi, ns: str) -> str | None:
+    found = [p for p in server.list("pods", ns) if p["metadata"]["name"] == STORE]
     return str(found[0]["metadata"]["uid"]) if found else None
 
 
-def _reasons(k8s_cluster: ClusterProxy, ns: str) -> list[str]:
+def _reasons(server: AdminApi, ns: str) -> list[str]:
     """The job's event reasons, sorted (the core API lists by their generated names)."""
-    events = k8s_cluster.core.list("events", ns, field_selector="involvedObject.name=demo")
+    events = server.list("events", ns, field_selector="involvedObject.name=demo")
     return sorted(e["reason"] for e in events)
 
 
-def test_on_the_test_cluster_a_lost_store_pod_comes_back_with_a_new_uid(
-    k8s_cluster: ClusterProxy, malleus_crd: dict[str, Any], k8s_namespace: str, make_job: Any
+def test_on_the_real_api_server_a_lost_store_pod_comes_back_with_a_new_uid(
+    admin_api: AdminApi, namespace: str, make_job: Any
 ) -> None:
     """Deleted, then evicted: each time a new pod (the server's uid), the workers kept."""
-    ns, core = k8s_namespace, k8s_cluster.core
-    _post_job(k8s_cluster, ns, make_job)
-    cluster = Cluster.connect(str(k8s_cluster.kubeconfig))
-    # the test cluster serves neither networking.k8s.io nor policy/v1
-    settings = Settings(metrics_port=0, network_policies=False, disruption_budgets=False)
+    ns, core = namespace, admin_api
+    _post_job(admin_api, ns, make_job)
+    cluster = Cluster.connect(str(admin_api.kubeconfig))
+    settings = Settings(metrics_port=0)
     memo = kopf.Memo({"malleus": Context(cluster, settings, OperatorMetrics())})
 
     async def event(type_: str, body: dict[str, Any]) -> None:
@@ -308,16 +307,16 @@ def test_on_the_test_cluster_a_lost_store_pod_comes_back_with_a_new_uid(
         await handlers.on_create(body=stored, patch=patch, memo=memo)
         await cluster.patch_job_status(ns, "demo", patch["status"])  # Pending: active
         workers = sorted(p["metadata"]["uid"] for p in core.list("pods", ns))
-        first = _uid(k8s_cluster, ns)
+        first = _uid(core, ns)
         old = core.delete("pods", ns, STORE)
         await event("DELETED", old)
-        second = _uid(k8s_cluster, ns)
+        second = _uid(core, ns)
         assert second is not None and second != first
         evicted = core.set_pod_phase(ns, STORE, "Failed", reason="Evicted")
         await event("MODIFIED", evicted)
-        assert _uid(k8s_cluster, ns) is None  # deleted (no kubelet: at once)
+        assert _uid(core, ns) is None  # deleted (no kubelet: at once)
         await event("DELETED", evicted)
-        third = _uid(k8s_cluster, ns)
+        third = _uid(core, ns)
         assert third is not None and third not in (first, second)
         kept = sorted(p["metadata"]["uid"] for p in core.list("pods", ns))
         assert sorted(set(kept) - {third}) == sorted(set(workers) - {first})
@@ -326,7 +325,7 @@ def test_on_the_test_cluster_a_lost_store_pod_comes_back_with_a_new_uid(
         asyncio.run(go())
     finally:
         cluster.close()
-    assert _reasons(k8s_cluster, ns) == [
+    assert _reasons(core, ns) == [
         "Created",
         "StoreFailed",
         "StoreRecreated",
@@ -336,20 +335,19 @@ def test_on_the_test_cluster_a_lost_store_pod_comes_back_with_a_new_uid(
 
 @pytest.mark.timeout(180)
 def test_a_running_operator_sees_the_store_pod_deleted_and_creates_it_again(
-    k8s_cluster: ClusterProxy,
-    malleus_crd: dict[str, Any],
-    k8s_namespace: str,
+    admin_api: AdminApi,
+    namespace: str,
     make_job: Any,
     tmp_path: Path,
 ) -> None:
-    """``python -m malleus.operator`` on the test cluster: its pod watch brings the deletion."""
-    ns, core = k8s_namespace, k8s_cluster.core
-    core.create("namespaces", "", {"metadata": {"name": ns}})
+    """``python -m malleus.operator`` on the real API server: its pod watch brings the
+    deletion."""
+    ns, core = namespace, admin_api
     log = tmp_path / "operator.log"
-    env = {**k8s_cluster.env(), "PYTHONUNBUFFERED": "1", "MALLEUS_OPERATOR_DISRUPTION_BUDGETS": "0"}
+    env = {**admin_api.env(), "PYTHONUNBUFFERED": "1"}
     args = [
-        *("--kubeconfig", str(k8s_cluster.kubeconfig), "--namespace", ns),
-        *("--liveness", "", "--metrics-port", "0", "--no-network-policies"),
+        *("--kubeconfig", str(admin_api.kubeconfig), "--namespace", ns),
+        *("--liveness", "", "--metrics-port", "0"),
     ]
     with log.open("wb") as out:
         operator = subprocess.Popen(
@@ -368,19 +366,19 @@ def test_a_running_operator_sees_the_store_pod_deleted_and_creates_it_again(
 
         try:
             return wait_until(lambda: probe() or None, timeout, what, interval=0.2, alive=dead)
-        except ApiServerError as e:
+        except ControlPlaneError as e:
             pytest.fail(f"{e}\n{log.read_text(errors='replace')[-4000:]}", pytrace=False)
 
     try:
-        _post_job(k8s_cluster, ns, make_job)
+        _post_job(core, ns, make_job)
         wait(lambda: len(core.list("pods", ns)) == 3, "two workers and the store")
-        wait(lambda: "Created" in _reasons(k8s_cluster, ns), "the Created event")
-        first = _uid(k8s_cluster, ns)
+        wait(lambda: "Created" in _reasons(core, ns), "the Created event")
+        first = _uid(core, ns)
         core.delete("pods", ns, STORE)
-        wait(lambda: _uid(k8s_cluster, ns) not in (None, first), "a store pod of a new uid")
-        wait(lambda: "StoreRecreated" in _reasons(k8s_cluster, ns), "the StoreRecreated event")
+        wait(lambda: _uid(core, ns) not in (None, first), "a store pod of a new uid")
+        wait(lambda: "StoreRecreated" in _reasons(core, ns), "the StoreRecreated event")
         assert len(core.list("pods", ns)) == 3
-        assert _reasons(k8s_cluster, ns).count("StoreRecreated") == 1
+        assert _reasons(core, ns).count("StoreRecreated") == 1
     finally:
         if operator.poll() is None:
             with contextlib.suppress(ProcessLookupError):

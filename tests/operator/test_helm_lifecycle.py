@@ -1,10 +1,10 @@
 """The chart's lifecycle: names, labels, tenants' roles, pull secrets, NOTES, CRD upgrades.
 
 Rendering needs helm (``MALLEUS_HELM``, see tests/operator/test_helm.py); the CRD upgrade and
-the NOTES' first job run against a private real API server (etcd + apiextensions-apiserver from
-``MALLEUS_K8S_ASSETS``, behind the core-API proxy so that kubectl works) with kubectl from
-``MALLEUS_KUBECTL``. The server is this module's own: installing an old CRD on the session's
-server would change the CRD every other test sees.
+the NOTES' first job run against a private real control plane (`tests.cluster.controlplane`
+from ``MALLEUS_K8S_ASSETS``) with kubectl from ``MALLEUS_KUBECTL``. The control plane is this
+module's own: installing an old CRD on the session's server would change the CRD every other
+test sees.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.cluster.controlplane import ControlPlane, assets_dir, wait_until
+from tests.cluster.fixtures import AdminApi
 from tests.job.cases import base_manifest
-from tests.k8s.apiserver import ApiServer, assets_dir, wait_until
 from tests.operator.test_helm import CHART, _helm, _kind, helm, render
 
 OLD_CRD = Path(__file__).with_name("data") / "malleusjob-before-precision.yaml"
@@ -275,21 +276,21 @@ def _kubectl() -> str:
 
 
 class Cluster:
-    """A private API server behind the core-API proxy, with kubectl and helm wired to it."""
+    """A private control plane, with kubectl and helm wired to it."""
 
-    def __init__(self, server: ApiServer, proxy: Any) -> None:
-        self.server = server
-        self.proxy = proxy
+    def __init__(self, control_plane: ControlPlane) -> None:
+        self.control_plane = control_plane
+        self.server = AdminApi(control_plane)
 
     def shell(self, script: str) -> str:
         """Run a bash pipeline (``kubectl`` and ``helm`` on PATH) against this cluster."""
-        bindir = Path(self.proxy.workdir) / "bin"
+        bindir = Path(self.control_plane.workdir) / "bin"
         bindir.mkdir(exist_ok=True)
         for name, path in (("kubectl", _kubectl()), ("helm", _helm())):
             link = bindir / name
             if not link.exists():
                 link.symlink_to(path)
-        env = {**self.proxy.env(), "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
+        env = {**self.server.env(), "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
         done = subprocess.run(
             ["bash", "-o", "pipefail", "-c", script],
             env=env,
@@ -316,18 +317,15 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    assets = assets_dir()
+    assets, reason = assets_dir()
     if assets is None:
-        pytest.skip("MALLEUS_K8S_ASSETS is unset (scripts/k8s-assets.sh DEST fills one)")
+        pytest.skip(reason)
     _kubectl()
     _helm()
-    from tests.k8s.proxy import ClusterProxy
-
-    with (
-        ApiServer(assets, tmp_path_factory.mktemp("apiserver")) as server,
-        ClusterProxy(server, tmp_path_factory.mktemp("proxy")) as proxy,
-    ):
-        yield Cluster(server, proxy)
+    with ControlPlane(assets, tmp_path_factory.mktemp("helm-control-plane")) as control_plane:
+        for ns in ("tenant-a", "first"):
+            control_plane.create_namespace(ns)
+        yield Cluster(control_plane)
 
 
 def _training_schema(crd: dict[str, Any]) -> dict[str, Any]:
@@ -401,7 +399,7 @@ def test_the_first_job_of_the_notes_is_accepted(cluster: Cluster, tmp_path: Path
     def created() -> bool | None:
         done = subprocess.run(
             [_kubectl(), "-n", "first", "create", "--validate=false", "-f", str(path)],
-            env=cluster.proxy.env(),
+            env=cluster.server.env(),
             capture_output=True,
             text=True,
             timeout=30,

@@ -1,5 +1,5 @@
-"""`k8s.Cluster` against the real API server: every status the operator writes passes the CRD
-schema, and the job's children go through the test cluster's front proxy.
+"""`k8s.Cluster` against the real API server (``tests/cluster``): every status the operator
+writes passes the CRD schema, and the job's children are created, read, patched and deleted.
 
 The pure status functions are unit-tested elsewhere; here their output goes through the real
 ``/status`` subresource (validation, pruning, CEL) and is read back unchanged, so a field the
@@ -17,19 +17,22 @@ import pytest
 
 from malleus.errors import Fault
 from malleus.job import LastReplan, MalleusJobStatus, Phase, StragglerPolicy
-from malleus.operator import jobs, lifecycle, resources, status, workers
+from malleus.operator import children, jobs, lifecycle, resources, status, workers
+from malleus.operator.context import Context
 from malleus.operator.k8s import Cluster
+from malleus.operator.metrics import OperatorMetrics
 from malleus.operator.resources import JobRef
+from malleus.operator.settings import Settings
 from malleus.planner.plan import Estimate
 
 if TYPE_CHECKING:
-    from tests.k8s.apiserver import ApiServer
+    from tests.cluster.fixtures import AdminApi
 
 
 @pytest.fixture
-def real_k8s(k8s_apiserver: ApiServer, malleus_crd: dict[str, Any]) -> Iterator[Cluster]:
-    """A `Cluster` on the test API server."""
-    cluster = Cluster.connect(str(k8s_apiserver.kubeconfig))
+def real_k8s(admin_api: AdminApi) -> Iterator[Cluster]:
+    """A `Cluster` on the test API server (as admin)."""
+    cluster = Cluster.connect(str(admin_api.kubeconfig))
     yield cluster
     cluster.close()
 
@@ -48,14 +51,14 @@ def _round_trip(
 
 
 def test_every_status_shape_is_accepted_and_kept(
-    real_k8s: Cluster, k8s_apiserver: ApiServer, k8s_namespace: str, make_job: Any
+    real_k8s: Cluster, admin_api: AdminApi, job_namespace: str, make_job: Any
 ) -> None:
-    body = make_job(namespace=k8s_namespace)
+    body = make_job(namespace=job_namespace)
     for key in ("uid", "generation", "resourceVersion"):
         del body["metadata"][key]
-    url = f"/apis/malleus.io/v1alpha1/namespaces/{k8s_namespace}/malleusjobs"
-    assert k8s_apiserver.client.post(url, json=body).status_code == 201
-    stored = asyncio.run(real_k8s.get_job(k8s_namespace, "demo"))
+    url = f"/apis/malleus.io/v1alpha1/namespaces/{job_namespace}/malleusjobs"
+    assert admin_api.client.post(url, json=body).status_code == 201
+    stored = asyncio.run(real_k8s.get_job(job_namespace, "demo"))
     assert stored is not None
     ref = JobRef.from_body(stored)
     plan, _ = asyncio.run(jobs.initial_plan(jobs.resolve(stored)))
@@ -97,37 +100,30 @@ def test_every_status_shape_is_accepted_and_kept(
         ),
     ]
     for patch in map(status.dump, typed):
-        got = _round_trip(real_k8s, k8s_namespace, "demo", patch)
+        got = _round_trip(real_k8s, job_namespace, "demo", patch)
         for key, value in patch.items():
             assert got.get(key) == value, f"{key}: sent {value!r}, stored {got.get(key)!r}"
 
 
 def test_a_missing_job_reads_as_none_and_its_status_patch_is_ignored(
-    real_k8s: Cluster, k8s_namespace: str
+    real_k8s: Cluster, job_namespace: str
 ) -> None:
     async def go() -> None:
-        assert await real_k8s.get_job(k8s_namespace, "absent") is None
-        await real_k8s.patch_job_status(k8s_namespace, "absent", {"phase": "Running"})  # ignored
+        assert await real_k8s.get_job(job_namespace, "absent") is None
+        await real_k8s.patch_job_status(job_namespace, "absent", {"phase": "Running"})  # ignored
 
     asyncio.run(go())
 
 
-def test_core_objects_through_the_cluster_proxy(
-    k8s_cluster: Any,
-    k8s_apiserver: ApiServer,
-    malleus_crd: dict[str, Any],
-    k8s_namespace: str,
-    make_job: Any,
-) -> None:
-    """The children of a job, created, found, patched and deleted through a `Cluster` (the real
-    server for the job, the test cluster's emulated core API for the rest)."""
-    k8s = Cluster.connect(str(k8s_cluster.kubeconfig))
-    ns = k8s_namespace
+def test_core_objects_through_a_cluster(admin_api: AdminApi, namespace: str, make_job: Any) -> None:
+    """The children of a job, created, found, patched and deleted through a `Cluster`."""
+    k8s = Cluster.connect(str(admin_api.kubeconfig))
+    ns = namespace
     body = make_job(namespace=ns)
     job = jobs.resolve(body)
-    # The job exists on the server, so the proxy's garbage collector keeps its children.
+    # The job exists on the server, so the garbage collector keeps its children.
     body["metadata"] = {"name": "demo", "namespace": ns}
-    stored = k8s_apiserver.client.post(
+    stored = admin_api.client.post(
         f"/apis/malleus.io/v1alpha1/namespaces/{ns}/malleusjobs", json=body
     )
     assert stored.status_code == 201, stored.text
@@ -135,9 +131,10 @@ def test_core_objects_through_the_cluster_proxy(
 
     async def go() -> None:
         plan, _ = await jobs.initial_plan(job)
-        # The test cluster serves no policy/v1: no PodDisruptionBudget.
-        children = workers.build_children(job, ref, plan, "tok-1", disruption_budget=False)
+        children = workers.build_children(job, ref, plan, "tok-1")
         for obj in children:
+            if obj["kind"] == "Pod":  # no node may run them (the session's kubelets would)
+                obj["spec"]["nodeSelector"] = {"malleus.io/test": "nowhere"}
             _, created = await k8s.create(obj)
             assert created
         again, created = await k8s.create(resources.build_secret(ref, "tok-2"))
@@ -159,5 +156,61 @@ def test_core_objects_through_the_cluster_proxy(
         asyncio.run(go())
     finally:
         k8s.close()
-    events = k8s_cluster.core.list("events", ns)
-    assert [(e["reason"], e["involvedObject"]["name"]) for e in events] == [("PodFailed", "demo")]
+    events = admin_api.client.get(
+        f"/api/v1/namespaces/{ns}/events", params={"fieldSelector": "involvedObject.name=demo"}
+    ).json()["items"]
+    assert [(e["reason"], e["involvedObject"]["kind"]) for e in events] == [
+        ("PodFailed", "MalleusJob")
+    ]
+
+
+def test_two_pod_events_at_once_make_one_transition_and_one_event(
+    admin_api: AdminApi, namespace: str, make_job: Any
+) -> None:
+    """kopf handles the events of two pods at once: both read the job Pending and both would
+    move it to Running (the real control plane showed two ``Running`` events); the status is
+    written only onto the version read (`k8s.StaleRead`), so the second computes again."""
+    ns = namespace
+    body = make_job(namespace=ns)
+    body["metadata"] = {"name": "demo", "namespace": ns}
+    made = admin_api.client.post(
+        f"/apis/malleus.io/v1alpha1/namespaces/{ns}/malleusjobs", json=body
+    )
+    assert made.status_code == 201, made.text
+    uid = made.json()["metadata"]["uid"]
+    owner = {"apiVersion": "malleus.io/v1alpha1", "kind": "MalleusJob", "name": "demo",
+             "uid": uid, "controller": True}  # fmt: skip
+    for i in range(2):
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": f"demo-node-{i}",
+                "labels": {**resources.job_labels("demo"), "app.kubernetes.io/component": "worker"},
+                "ownerReferences": [owner],
+            },
+            "spec": {
+                "nodeSelector": {"malleus.io/test": "nowhere"},  # no kubelet runs it
+                "containers": [{"name": "trainer", "image": "malleus:test"}],
+            },
+        }
+        got = admin_api.client.post(f"/api/v1/namespaces/{ns}/pods", json=pod)
+        assert got.status_code == 201, got.text
+        admin_api.set_pod_phase(ns, f"demo-node-{i}", "Running")
+    k8s = Cluster.connect(str(admin_api.kubeconfig))
+    ctx = Context(k8s, Settings(metrics_port=0), OperatorMetrics())
+
+    async def go() -> None:
+        await k8s.patch_job_status(ns, "demo", {"phase": "Pending"})
+        await asyncio.gather(*(children.sync_pods(ctx, ns, "demo") for _ in range(3)))
+
+    try:
+        asyncio.run(go())
+    finally:
+        k8s.close()
+    job = admin_api.client.get(f"/apis/malleus.io/v1alpha1/namespaces/{ns}/malleusjobs/demo")
+    assert job.json()["status"]["phase"] == "Running"
+    reasons = [
+        e["reason"] for e in admin_api.list("events", ns, field_selector="involvedObject.name=demo")
+    ]
+    assert reasons.count("Running") == 1, reasons

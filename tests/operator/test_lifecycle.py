@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from malleus.operator import lifecycle, status
+from malleus.operator import lifecycle, readiness, status
 
 T0 = dt.datetime(2025, 5, 1, 12, 0, 0, tzinfo=dt.UTC)
 PODS = ["demo-node-0", "demo-node-1"]
@@ -63,7 +63,9 @@ def test_all_running_moves_pending_to_running() -> None:
     st = {"phase": "Pending", "conditions": []}
     t = lifecycle.pods_transition(st, [pod(n) for n in PODS], PODS, 1, T0)
     assert shown(t)["phase"] == "Running"
-    assert shown(t)["conditions"][0]["status"] == "True"
+    # pods running is not the job ready: that is the trainers' word (`readiness`)
+    ready = shown(t)["conditions"][0]
+    assert (ready["status"], ready["reason"]) == ("False", readiness.STARTING), ready
     assert [e.reason for e in t.events] == ["Running"]
     # once Running, the same pods change nothing
     assert not lifecycle.pods_transition({"phase": "Running"}, [pod(n) for n in PODS], PODS, 1, T0)

@@ -29,12 +29,12 @@ from malleus.operator import __main__ as cli
 from malleus.operator import handlers
 from malleus.operator.context import MEMO_KEY, Context
 from malleus.operator.settings import Settings
-from tests.k8s.apiserver import ApiServerError, wait_until
+from tests.cluster.controlplane import ControlPlaneError, wait_until
 from tests.operator.kube import Kube
 from tests.operator.test_helm import CHART, _kind, _rules, helm, render
 
 if TYPE_CHECKING:
-    from tests.k8s.proxy import ClusterProxy
+    from tests.cluster.fixtures import AdminApi
 
 
 def test_standalone_unless_a_peering_name_is_given() -> None:
@@ -188,17 +188,12 @@ LIFETIME = 10
 class _Replica:
     """``python -m malleus.operator --peering`` in a process (and session) of its own."""
 
-    def __init__(self, cluster: ClusterProxy, namespace: str, priority: int, log: Path) -> None:
+    def __init__(self, cluster: AdminApi, namespace: str, priority: int, log: Path) -> None:
         self.log, self.priority = log, priority
-        env = {
-            **cluster.env(),
-            "PYTHONUNBUFFERED": "1",
-            # The test cluster serves neither policy/v1 nor networking.k8s.io.
-            "MALLEUS_OPERATOR_DISRUPTION_BUDGETS": "0",
-        }
+        env = {**cluster.env(), "PYTHONUNBUFFERED": "1"}
         args = [
             *("--kubeconfig", str(cluster.kubeconfig), "--namespace", namespace),
-            *("--liveness", "", "--metrics-port", "0", "--no-network-policies"),
+            *("--liveness", "", "--metrics-port", "0"),
             *("--peering", "malleus-operator", "--priority", str(priority)),
             *("--peering-lifetime", str(LIFETIME)),
         ]
@@ -235,16 +230,15 @@ def _wait(probe: Callable[[], Any], timeout: float, what: str, *replicas: _Repli
 
     try:
         return wait_until(lambda: probe() or None, timeout, what, interval=0.2, alive=dead)
-    except ApiServerError as e:
+    except ControlPlaneError as e:
         logs = "\n".join(f"--- replica {r.priority}\n{r.text()[-4000:]}" for r in replicas)
         pytest.fail(f"{e}\n{logs}", pytrace=False)
 
 
 @pytest.mark.timeout(240)
 def test_two_live_replicas_one_works_and_the_other_takes_over_when_it_is_killed(
-    k8s_cluster: ClusterProxy,
-    malleus_crd: dict[str, Any],
-    k8s_namespace: str,
+    admin_api: AdminApi,
+    namespace: str,
     make_job: Any,
     tmp_path: Path,
 ) -> None:
@@ -252,14 +246,13 @@ def test_two_live_replicas_one_works_and_the_other_takes_over_when_it_is_killed(
     the higher priority handles the job alone; SIGKILLed, the standby takes over after the
     peering lifetime, re-creates the one pod deleted while nobody worked (once), and goes on
     reconciling (suspending the job deletes its pods)."""
-    ns, server, store = k8s_namespace, k8s_cluster.apiserver, k8s_cluster.core
+    ns, server = namespace, admin_api
     docs = render("replicaCount=2", f"watchNamespaces={{{ns}}}", include_crds=True)
     (crd,) = [d for d in docs if d["metadata"]["name"] == "kopfpeerings.kopf.dev"]
     server.apply_crd(crd)
     (peering,) = [d for d in _kind(docs, "KopfPeering") if d["metadata"]["namespace"] == ns]
     got = server.client.post(f"/apis/kopf.dev/v1/namespaces/{ns}/kopfpeerings", json=peering)
     assert got.status_code == 201, got.text
-    store.create("namespaces", "", {"metadata": {"name": ns}})
 
     def peers() -> dict[str, Any]:
         url = f"/apis/kopf.dev/v1/namespaces/{ns}/kopfpeerings/malleus-operator"
@@ -267,21 +260,30 @@ def test_two_live_replicas_one_works_and_the_other_takes_over_when_it_is_killed(
 
     def pods() -> list[dict[str, Any]]:
         """The job's worker pods (not its rendezvous store's)."""
-        found = store.list("pods", ns, label_selector="malleus.io/job=demo")
+        found = server.client.get(
+            f"/api/v1/namespaces/{ns}/pods", params={"labelSelector": "malleus.io/job=demo"}
+        ).json()["items"]
         return sorted(
-            (p for p in found if p["metadata"]["name"].startswith("demo-node-")),
+            (
+                p
+                for p in found
+                if p["metadata"]["name"].startswith("demo-node-")
+                and not p["metadata"].get("deletionTimestamp")
+            ),
             key=lambda p: p["metadata"]["name"],
         )
 
     def reasons() -> list[str]:
-        events = store.list("events", ns, field_selector="involvedObject.name=demo")
+        events = server.client.get(
+            f"/api/v1/namespaces/{ns}/events", params={"fieldSelector": "involvedObject.name=demo"}
+        ).json()["items"]
         return [e["reason"] for e in events]
 
-    active = _Replica(k8s_cluster, ns, 200, tmp_path / "active.log")
+    active = _Replica(server, ns, 200, tmp_path / "active.log")
     standby: _Replica | None = None
     try:
         _wait(lambda: any(p["priority"] == 200 for p in peers().values()), 60, "200 heartbeats")
-        standby = _Replica(k8s_cluster, ns, 100, tmp_path / "standby.log")
+        standby = _Replica(server, ns, 100, tmp_path / "standby.log")
         both = (active, standby)
         _wait(lambda: len(peers()) == 2, 60, "both replicas in the peering object", *both)
         # kopf starts every watch paused and resumes it (and says so) only where no live peer
@@ -290,6 +292,8 @@ def test_two_live_replicas_one_works_and_the_other_takes_over_when_it_is_killed(
 
         body = make_job(namespace=ns)
         body["metadata"] = {"name": "demo", "namespace": ns}
+        # no node may run its pods (the session's kubelets would): they stay Pending
+        body["spec"]["podTemplate"] = {"spec": {"nodeSelector": {"malleus.io/test": "nowhere"}}}
         made = server.client.post(
             f"/apis/malleus.io/v1alpha1/namespaces/{ns}/malleusjobs", json=body
         )
@@ -312,7 +316,8 @@ def test_two_live_replicas_one_works_and_the_other_takes_over_when_it_is_killed(
 
         active.kill()
         killed = time.monotonic()
-        store.delete("pods", ns, "demo-node-1")  # while nobody works: the standby must see it
+        # while nobody works: the standby must see it
+        assert server.client.delete(f"/api/v1/namespaces/{ns}/pods/demo-node-1").is_success
         assert [p["metadata"]["name"] for p in pods()] == ["demo-node-0"]
         _wait(
             lambda: "Resuming operations" in standby.text(), 3 * LIFETIME + 30, "takeover", standby

@@ -20,7 +20,7 @@ from malleus.operator.resources import JobRef
 from tests.job.cases import REPO, load_yaml
 
 if TYPE_CHECKING:
-    from tests.k8s.apiserver import ApiServer
+    from tests.cluster.fixtures import AdminApi
 
 REF = JobRef(namespace="ml", name="gpu-cluster", uid="uid-1", generation=1)
 EXAMPLE = REPO / "examples" / "gpu-cluster.yaml"
@@ -176,18 +176,18 @@ def _assert_hardened(pod: dict[str, Any]) -> None:
     }
 
 
-@pytest.mark.usefixtures("malleus_crd")
+@pytest.mark.usefixtures("cluster_crd")
 def test_the_api_server_accepts_the_example_and_prunes_a_hostile_template(
-    k8s_apiserver: ApiServer, k8s_namespace: str
+    admin_api: AdminApi, job_namespace: str
 ) -> None:
-    url = f"/apis/malleus.io/v1alpha1/namespaces/{k8s_namespace}/malleusjobs"
-    good = k8s_apiserver.client.post(url, json=load_yaml(EXAMPLE))
+    url = f"/apis/malleus.io/v1alpha1/namespaces/{job_namespace}/malleusjobs"
+    good = admin_api.client.post(url, json=load_yaml(EXAMPLE))
     assert good.status_code == 201, good.text
     stored = good.json()
     assert stored["spec"]["podTemplate"] == validate_manifest(_example())[0]["spec"]["podTemplate"]
     manifest = _hostile()
-    manifest["metadata"].update(name="hostile", namespace=k8s_namespace)
-    response = k8s_apiserver.client.post(url, json=manifest)
+    manifest["metadata"].update(name="hostile", namespace=job_namespace)
+    response = admin_api.client.post(url, json=manifest)
     assert response.status_code == 201, response.text
     kept = response.json()["spec"]["podTemplate"]["spec"]
     assert not set(HOSTILE) & set(kept)

@@ -29,8 +29,7 @@ from malleus.operator.settings import Settings
 from tests.operator.test_helm import _kind, _rules, render
 
 if TYPE_CHECKING:
-    from tests.k8s.apiserver import ApiServer
-    from tests.k8s.proxy import ClusterProxy
+    from tests.cluster.fixtures import AdminApi
 
 CRDS = {
     d["spec"]["group"]: d
@@ -88,17 +87,19 @@ def test_the_chart_grants_pod_groups_only_when_asked() -> None:
 
 
 @pytest.fixture
-def cluster_ctx(k8s_cluster: ClusterProxy, malleus_crd: dict[str, Any]) -> Iterator[Context]:
-    """A `Context` on the test cluster (no policy/v1 nor networking.k8s.io there)."""
-    cluster = Cluster.connect(str(k8s_cluster.kubeconfig))
-    settings = Settings(metrics_port=0, network_policies=False, disruption_budgets=False)
+def cluster_ctx(admin_api: AdminApi) -> Iterator[Context]:
+    """A `Context` on the real API server, as admin."""
+    cluster = Cluster.connect(str(admin_api.kubeconfig))
+    settings = Settings(metrics_port=0)
     yield Context(cluster=cluster, settings=settings, metrics=OperatorMetrics())
     cluster.close()
 
 
-def _create_job(server: ApiServer, make_job: Any, ns: str, **pod_group: Any) -> dict[str, Any]:
+def _create_job(server: AdminApi, make_job: Any, ns: str, **pod_group: Any) -> dict[str, Any]:
     body = make_job(namespace=ns, scheduling={"podGroup": {"name": "demo-gang", **pod_group}})
     body["metadata"] = {"name": "demo", "namespace": ns}
+    # no node may run its pods (the session's kubelets would): they stay Pending
+    body["spec"]["podTemplate"] = {"spec": {"nodeSelector": {"malleus.io/test": "nowhere"}}}
     made = server.client.post(f"/apis/malleus.io/v1alpha1/namespaces/{ns}/malleusjobs", json=body)
     assert made.status_code == 201, made.text
     stored: dict[str, Any] = made.json()
@@ -121,14 +122,24 @@ def _condition(job: dict[str, Any]) -> dict[str, Any]:
     return conds[admission.POD_GROUP_CREATED]
 
 
-def _events(cluster: ClusterProxy, ns: str) -> list[tuple[str, str]]:
-    return [(e["type"], e["reason"]) for e in cluster.core.list("events", ns)]
+def _events(server: AdminApi, ns: str) -> list[tuple[str, str]]:
+    """The events on the job (not those the scheduler posts on its pods)."""
+    got = server.client.get(
+        f"/api/v1/namespaces/{ns}/events",
+        params={"fieldSelector": "involvedObject.kind=MalleusJob"},
+    )
+    return [(e["type"], e["reason"]) for e in got.json()["items"]]
+
+
+def _pods(server: AdminApi, ns: str, selector: str) -> list[dict[str, Any]]:
+    got = server.client.get(f"/api/v1/namespaces/{ns}/pods", params={"labelSelector": selector})
+    return list(got.json()["items"])
 
 
 def test_on_create_makes_the_pod_group_before_the_pods(
-    k8s_cluster: ClusterProxy, cluster_ctx: Context, k8s_namespace: str, make_job: Any
+    admin_api: AdminApi, cluster_ctx: Context, namespace: str, make_job: Any
 ) -> None:
-    server, ns = k8s_cluster.apiserver, k8s_namespace
+    server, ns = admin_api, namespace
     server.apply_crd(CRDS["scheduling.x-k8s.io"])
     body = _create_job(server, make_job, ns, create="scheduler-plugins")
     job = _on_create(cluster_ctx, body)
@@ -142,11 +153,9 @@ def test_on_create_makes_the_pod_group_before_the_pods(
     assert (cond["status"], cond["reason"]) == ("True", "Created"), cond
     assert "minMember 2" in cond["message"]
     assert job["status"]["phase"] == "Pending"
-    pods = k8s_cluster.core.list(
-        "pods", ns, label_selector=f"{scheduling.POD_GROUP_LABEL}=demo-gang"
-    )
+    pods = _pods(server, ns, f"{scheduling.POD_GROUP_LABEL}=demo-gang")
     assert sorted(p["metadata"]["name"] for p in pods) == ["demo-node-0", "demo-node-1"]
-    assert ("Normal", "PodGroupCreated") in _events(k8s_cluster, ns)
+    assert ("Normal", "PodGroupCreated") in _events(server, ns)
 
     # kopf's retry, or a second replica after a takeover: the same PodGroup, no new event.
     again = asyncio.run(
@@ -155,14 +164,14 @@ def test_on_create_makes_the_pod_group_before_the_pods(
             job["status"]["conditions"], status.now(),
         )
     )  # fmt: skip
-    assert again is not None and _events(k8s_cluster, ns).count(("Normal", "PodGroupCreated")) == 1
+    assert again is not None and _events(server, ns).count(("Normal", "PodGroupCreated")) == 1
     assert server.client.get(url).json()["metadata"]["uid"] == pg["metadata"]["uid"]
 
 
 def test_without_the_crd_the_job_says_so_and_the_timer_makes_it_later(
-    k8s_cluster: ClusterProxy, cluster_ctx: Context, k8s_namespace: str, make_job: Any
+    admin_api: AdminApi, cluster_ctx: Context, namespace: str, make_job: Any
 ) -> None:
-    server, ns = k8s_cluster.apiserver, k8s_namespace
+    server, ns = admin_api, namespace
     crd_url = (
         "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/podgroups.scheduling.volcano.sh"
     )
@@ -174,13 +183,13 @@ def test_without_the_crd_the_job_says_so_and_the_timer_makes_it_later(
     assert (cond["status"], cond["reason"]) == ("False", "CRDMissing"), cond
     assert "podgroups.scheduling.volcano.sh/v1beta1 is not served" in cond["message"]
     assert "install Volcano" in cond["message"]
-    pods = k8s_cluster.core.list("pods", ns, label_selector="malleus.io/job=demo")
+    pods = _pods(server, ns, "malleus.io/job=demo")
     assert {"demo-node-0", "demo-node-1"} <= {p["metadata"]["name"] for p in pods}  # not held
-    assert _events(k8s_cluster, ns).count(("Warning", "PodGroupFailed")) == 1
+    assert _events(server, ns).count(("Warning", "PodGroupFailed")) == 1
 
     # The timer retries while the job is Pending: one warning per reason, not one per tick.
     asyncio.run(admission.tick(cluster_ctx, job, status.now()))
-    assert _events(k8s_cluster, ns).count(("Warning", "PodGroupFailed")) == 1
+    assert _events(server, ns).count(("Warning", "PodGroupFailed")) == 1
     server.apply_crd(CRDS["scheduling.volcano.sh"])
     asyncio.run(admission.tick(cluster_ctx, job, status.now()))
     job = asyncio.run(cluster_ctx.cluster.get_job(ns, "demo"))
@@ -189,7 +198,7 @@ def test_without_the_crd_the_job_says_so_and_the_timer_makes_it_later(
     assert (cond["status"], cond["reason"]) == ("True", "Created"), cond
     url = f"/apis/scheduling.volcano.sh/v1beta1/namespaces/{ns}/podgroups/demo-gang"
     assert server.client.get(url).json()["spec"] == {"minMember": 2, "queue": "research"}
-    assert ("Normal", "PodGroupCreated") in _events(k8s_cluster, ns)
+    assert ("Normal", "PodGroupCreated") in _events(server, ns)
 
 
 @pytest.mark.parametrize(
@@ -201,26 +210,25 @@ def test_without_the_crd_the_job_says_so_and_the_timer_makes_it_later(
     ],
 )
 def test_the_crd_refuses_what_the_operator_cannot_make(
-    k8s_apiserver: ApiServer,
-    malleus_crd: dict[str, Any],
-    k8s_namespace: str,
+    admin_api: AdminApi,
+    job_namespace: str,
     make_job: Any,
     pod_group: dict[str, Any],
     message: str,
 ) -> None:
-    body = make_job(namespace=k8s_namespace, scheduling={"podGroup": {"name": "g", **pod_group}})
-    body["metadata"] = {"name": "demo", "namespace": k8s_namespace}
-    url = f"/apis/malleus.io/v1alpha1/namespaces/{k8s_namespace}/malleusjobs"
-    got = k8s_apiserver.client.post(url, json=body)
+    body = make_job(namespace=job_namespace, scheduling={"podGroup": {"name": "g", **pod_group}})
+    body["metadata"] = {"name": "demo", "namespace": job_namespace}
+    url = f"/apis/malleus.io/v1alpha1/namespaces/{job_namespace}/malleusjobs"
+    got = admin_api.client.post(url, json=body)
     assert got.status_code == 422 and message in got.text, got.text
 
 
 def test_a_planted_pod_group_is_left_alone_and_named(
-    k8s_cluster: ClusterProxy, cluster_ctx: Context, k8s_namespace: str, make_job: Any
+    admin_api: AdminApi, cluster_ctx: Context, namespace: str, make_job: Any
 ) -> None:
     """A PodGroup of the job's group name that the job does not control is neither used nor
     changed (its minMember could hold the gang back, or admit half of it)."""
-    server, ns = k8s_cluster.apiserver, k8s_namespace
+    server, ns = admin_api, namespace
     server.apply_crd(CRDS["scheduling.x-k8s.io"])
     planted = {
         "apiVersion": "scheduling.x-k8s.io/v1alpha1",
@@ -241,4 +249,4 @@ def test_a_planted_pod_group_is_left_alone_and_named(
     assert (cond["status"], cond["reason"]) == ("False", "NameConflict"), cond
     assert "no controller owner" in cond["message"]
     assert server.client.get(f"{url}/demo-gang").json()["spec"] == {"minMember": 1}
-    assert ("Warning", "PodGroupFailed") in _events(k8s_cluster, ns)
+    assert ("Warning", "PodGroupFailed") in _events(server, ns)

@@ -108,11 +108,11 @@ def test_the_schema_takes_one_ca_source() -> None:
         job({"url": URL, "bearerTokenSecret": {"name": "prom-token"}})
 
 
-@pytest.mark.usefixtures("malleus_crd")
+@pytest.mark.usefixtures("cluster_crd")
 def test_the_real_api_server_keeps_the_auth_fields_and_refuses_two_ca_sources(
-    k8s_apiserver: Any, k8s_namespace: str
+    admin_api: Any, job_namespace: str
 ) -> None:
-    url = f"/apis/malleus.io/v1alpha1/namespaces/{k8s_namespace}/malleusjobs"
+    url = f"/apis/malleus.io/v1alpha1/namespaces/{job_namespace}/malleusjobs"
     manifest = copy.deepcopy(BASE)
     del manifest["metadata"]["namespace"]
     prom = {
@@ -121,12 +121,12 @@ def test_the_real_api_server_keeps_the_auth_fields_and_refuses_two_ca_sources(
         "tls": {"caSecret": {"name": "prom-ca", "key": "ca.crt"}},
     }
     manifest["spec"]["metrics"] = {"source": "prometheus", "prometheus": prom}
-    response = k8s_apiserver.client.post(url, json=manifest)
+    response = admin_api.client.post(url, json=manifest)
     assert response.status_code == 201, response.text
     kept = response.json()["spec"]["metrics"]["prometheus"]
     assert (kept["bearerTokenSecret"], kept["tls"]) == (prom["bearerTokenSecret"], prom["tls"])
     manifest["metadata"]["name"] = "mj-two-cas"
     prom["tls"] = {"caSecret": {"name": "a", "key": "k"}, "caConfigMap": {"name": "b", "key": "k"}}
-    response = k8s_apiserver.client.post(url, json=manifest)
+    response = admin_api.client.post(url, json=manifest)
     assert response.status_code == 422, response.text
     assert "spec.metrics.prometheus.tls" in response.text

@@ -94,15 +94,88 @@ def namespace(control_plane: ControlPlane) -> Iterator[str]:
     control_plane.http().delete(f"/api/v1/namespaces/{name}")
 
 
+@pytest.fixture
+def job_namespace(control_plane: ControlPlane) -> Iterator[str]:
+    """A fresh namespace for MalleusJobs alone (no pods: its ServiceAccount is not waited for),
+    deleted afterwards."""
+    name = f"j-{uuid.uuid4().hex[:8]}"
+    made = control_plane.http().post("/api/v1/namespaces", json={"metadata": {"name": name}})
+    assert made.status_code == 201, made.text
+    yield name
+    control_plane.http().delete(f"/api/v1/namespaces/{name}")
+
+
 @pytest.fixture(scope="session")
 def cluster_crd(control_plane: ControlPlane) -> dict[str, Any]:
-    """crds/malleusjob.yaml applied and Established on the real API server."""
-    crd = yaml.safe_load(CRD_FILE.read_text())
-    control_plane.apply([crd])
-    control_plane.kubectl(
-        "wait", "--for=condition=Established", "--timeout=30s", f"crd/{crd['metadata']['name']}"
-    )
-    return crd
+    """crds/malleusjob.yaml applied and Established on the real API server; the CRD as the
+    server stored it (with its status)."""
+    return AdminApi(control_plane).apply_crd(yaml.safe_load(CRD_FILE.read_text()))
+
+
+class AdminApi:
+    """The real API server as admin (``system:masters``), with what the CRD-level tests read:
+    ``client`` (an ``httpx.Client``), ``url``, ``kubeconfig``, ``env()`` and `apply_crd`."""
+
+    def __init__(self, cluster: ControlPlane) -> None:
+        self.cluster = cluster
+        self.client = cluster.http()
+        self.url = cluster.url
+        self.kubeconfig = cluster.admin
+
+    def env(self) -> dict[str, str]:
+        return self.cluster.env()
+
+    def list(
+        self,
+        plural: str,
+        namespace: str,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """A core (``/api/v1``) collection of ``namespace``, optionally selected."""
+        params = {"labelSelector": label_selector, "fieldSelector": field_selector}
+        got = self.client.get(
+            f"/api/v1/namespaces/{namespace}/{plural}",
+            params={k: v for k, v in params.items() if v},
+        )
+        assert got.status_code == 200, got.text
+        return list(got.json()["items"])
+
+    def delete(self, plural: str, namespace: str, name: str) -> dict[str, Any]:
+        """Delete a core object; its last body (a pod bound to no node goes at once)."""
+        got = self.client.delete(f"/api/v1/namespaces/{namespace}/{plural}/{name}")
+        assert got.status_code in (200, 202), got.text
+        return dict(got.json())
+
+    def set_pod_phase(
+        self, namespace: str, name: str, phase: str, reason: str | None = None
+    ) -> dict[str, Any]:
+        """Write a pod's phase (and reason) as its kubelet would; its new body."""
+        status: dict[str, Any] = {"phase": phase, **({"reason": reason} if reason else {})}
+        got = self.client.patch(
+            f"/api/v1/namespaces/{namespace}/pods/{name}/status",
+            json={"status": status},
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
+        assert got.status_code == 200, got.text
+        return dict(got.json())
+
+    def apply_crd(self, crd: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+        """Apply ``crd`` (server side) and wait until it is Established; the stored CRD."""
+        name = crd["metadata"]["name"]
+        self.cluster.apply([crd])
+        self.cluster.kubectl(
+            "wait", "--for=condition=Established", f"--timeout={int(timeout)}s", f"crd/{name}"
+        )
+        got = self.client.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+        assert got.status_code == 200, got.text
+        return dict(got.json())
+
+
+@pytest.fixture(scope="session")
+def admin_api(control_plane: ControlPlane, cluster_crd: dict[str, Any]) -> AdminApi:
+    """The real API server, as admin, with the MalleusJob CRD applied (`AdminApi`)."""
+    return AdminApi(control_plane)
 
 
 def _helm() -> str | None:
@@ -113,21 +186,31 @@ def _helm() -> str | None:
     )
 
 
-@pytest.fixture(scope="session")
-def chart_rbac(control_plane: ControlPlane, cluster_crd: dict[str, Any]) -> list[dict[str, Any]]:
-    """The chart's ServiceAccount, ClusterRoles, Roles and bindings, applied for real."""
+def apply_chart_rbac(
+    control_plane: ControlPlane, watch: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
+    """The chart's ServiceAccount, ClusterRoles, Roles and bindings (``helm template`` of release
+    ``rel`` in ``malleus-system``, watching ``watch`` too), applied for real; skips without helm."""
     helm = _helm()
     if helm is None:
         pytest.skip("helm not found: run `scripts/helm-bin.sh .cache/bin` or set MALLEUS_HELM")
-    out = subprocess.run(
-        [helm, "template", "rel", str(CHART), "--namespace", "malleus-system"],
-        capture_output=True, text=True, check=True, timeout=120,
-    ).stdout  # fmt: skip
+    args = [helm, "template", "rel", str(CHART), "--namespace", "malleus-system"]
+    if watch:
+        args += ["--set", "watchNamespaces={" + ",".join(watch) + "}"]
+    out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=120).stdout
     kinds = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
     docs = [d for d in yaml.safe_load_all(out) if d and d["kind"] in kinds]
     control_plane.create_namespace("malleus-system")
+    for ns in watch:
+        control_plane.create_namespace(ns)
     control_plane.apply(docs)
     return docs
+
+
+@pytest.fixture(scope="session")
+def chart_rbac(control_plane: ControlPlane, cluster_crd: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chart's ServiceAccount, ClusterRoles, Roles and bindings, applied for real."""
+    return apply_chart_rbac(control_plane)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
