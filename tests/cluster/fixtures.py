@@ -9,9 +9,6 @@ the binaries.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,12 +17,12 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.chart import render
 from tests.cluster.controlplane import ControlPlane, assets_dir, wait_until
 from tests.cluster.kubelet import ProcessKubelet
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / "malleusjob.yaml"
-CHART = ROOT / "helm" / "malleus-operator"
 SHARED_NODES = ("node-1", "node-2")
 _TIMINGS: dict[str, float] = {}
 
@@ -178,28 +175,14 @@ def admin_api(control_plane: ControlPlane, cluster_crd: dict[str, Any]) -> Admin
     return AdminApi(control_plane)
 
 
-def _helm() -> str | None:
-    return (
-        os.environ.get("MALLEUS_HELM")
-        or shutil.which("helm")
-        or (str(ROOT / ".cache/bin/helm") if (ROOT / ".cache/bin/helm").exists() else None)
-    )
-
-
 def apply_chart_rbac(
     control_plane: ControlPlane, watch: tuple[str, ...] = ()
 ) -> list[dict[str, Any]]:
     """The chart's ServiceAccount, ClusterRoles, Roles and bindings (``helm template`` of release
     ``rel`` in ``malleus-system``, watching ``watch`` too), applied for real; skips without helm."""
-    helm = _helm()
-    if helm is None:
-        pytest.skip("helm not found: run `scripts/helm-bin.sh .cache/bin` or set MALLEUS_HELM")
-    args = [helm, "template", "rel", str(CHART), "--namespace", "malleus-system"]
-    if watch:
-        args += ["--set", "watchNamespaces={" + ",".join(watch) + "}"]
-    out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=120).stdout
+    sets = ["watchNamespaces={" + ",".join(watch) + "}"] if watch else []
     kinds = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
-    docs = [d for d in yaml.safe_load_all(out) if d and d["kind"] in kinds]
+    docs = [d for d in render(*sets) if d["kind"] in kinds]
     control_plane.create_namespace("malleus-system")
     for ns in watch:
         control_plane.create_namespace(ns)

@@ -12,11 +12,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import yaml
 
+from tests.chart import render
 from tests.security.pod_policy_cases import ATTACKS, check_admission_policy, job_manifest
 
-from .conftest import CHART, _helm
 from .controlplane import ControlPlane
 
 RELEASE_NAMESPACE = "policy-system"
@@ -28,15 +27,11 @@ jobs are judged by this policy)."""
 def admission_policy(
     control_plane: ControlPlane, cluster_crd: dict[str, Any]
 ) -> Iterator[list[dict[str, Any]]]:
-    helm = _helm()
-    if helm is None:
-        pytest.skip("helm not found: run `scripts/helm-bin.sh .cache/bin` or set MALLEUS_HELM")
-    rendered = subprocess.run(
-        [helm, "template", "malleus", str(CHART), "--namespace", RELEASE_NAMESPACE,
-         "--show-only", "templates/admission-policy.yaml"],
-        capture_output=True, text=True, check=True, timeout=120,
-    ).stdout  # fmt: skip
-    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    docs = render(
+        release="malleus",
+        namespace=RELEASE_NAMESPACE,
+        show_only="templates/admission-policy.yaml",
+    )
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == [
         "ConfigMap",

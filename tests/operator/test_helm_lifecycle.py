@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.chart import CHART, helm, helm_binary, of_kind, render
 from tests.cluster.controlplane import ControlPlane, assets_dir, wait_until
 from tests.cluster.fixtures import AdminApi
 from tests.job.cases import base_manifest
-from tests.operator.test_helm import CHART, _helm, _kind, helm, render
 
 OLD_CRD = Path(__file__).with_name("data") / "malleusjob-before-precision.yaml"
 CRD_NAME = "malleusjobs.malleus.io"
@@ -58,13 +58,13 @@ def _user_roles(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The aggregated ClusterRoles, by name."""
     return {
         d["metadata"]["name"]: d
-        for d in _kind(docs, "ClusterRole")
+        for d in of_kind(docs, "ClusterRole")
         if any(k.startswith(AGGREGATE) for k in d["metadata"].get("labels", {}))
     }
 
 
 def _pod(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    (dep,) = _kind(docs, "Deployment")
+    (dep,) = of_kind(docs, "Deployment")
     pod: dict[str, Any] = dep["spec"]["template"]
     return pod
 
@@ -96,15 +96,15 @@ def test_names_follow_name_and_fullname_overrides(
             )
         assert meta["labels"]["app.kubernetes.io/name"] == name, (doc["kind"], meta["name"])
     pod = _pod(docs)
-    (dep,) = _kind(docs, "Deployment")
+    (dep,) = of_kind(docs, "Deployment")
     selector = dep["spec"]["selector"]["matchLabels"]
     assert selector == {"app.kubernetes.io/name": name, "app.kubernetes.io/instance": "rel"}
     assert selector.items() <= pod["metadata"]["labels"].items()
-    (service,) = _kind(docs, "Service")
+    (service,) = of_kind(docs, "Service")
     assert service["spec"]["selector"] == selector
-    (sa,) = _kind(docs, "ServiceAccount")
+    (sa,) = of_kind(docs, "ServiceAccount")
     assert pod["spec"]["serviceAccountName"] == sa["metadata"]["name"] == prefix
-    for binding in _kind(docs, "RoleBinding") + _kind(docs, "ClusterRoleBinding"):
+    for binding in of_kind(docs, "RoleBinding") + of_kind(docs, "ClusterRoleBinding"):
         assert binding["roleRef"]["name"] == prefix
         assert binding["subjects"][0]["name"] == prefix
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
@@ -286,7 +286,7 @@ class Cluster:
         """Run a bash pipeline (``kubectl`` and ``helm`` on PATH) against this cluster."""
         bindir = Path(self.control_plane.workdir) / "bin"
         bindir.mkdir(exist_ok=True)
-        for name, path in (("kubectl", _kubectl()), ("helm", _helm())):
+        for name, path in (("kubectl", _kubectl()), ("helm", helm_binary())):
             link = bindir / name
             if not link.exists():
                 link.symlink_to(path)
@@ -321,7 +321,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if assets is None:
         pytest.skip(reason)
     _kubectl()
-    _helm()
+    helm_binary()
     with ControlPlane(assets, tmp_path_factory.mktemp("helm-control-plane")) as control_plane:
         for ns in ("tenant-a", "first"):
             control_plane.create_namespace(ns)

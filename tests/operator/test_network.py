@@ -18,8 +18,8 @@ import pytest
 from malleus.operator import children, handlers, jobs, resources, workers
 from malleus.operator.resources import JobRef
 from malleus.operator.settings import Settings
+from tests.chart import render
 from tests.operator.kube import KINDS, Kube
-from tests.operator.test_helm import render
 
 REF = JobRef(namespace="ml", name="demo", uid="uid-1234", generation=1)
 PROMETHEUS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}

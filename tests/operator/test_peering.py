@@ -29,9 +29,9 @@ from malleus.operator import __main__ as cli
 from malleus.operator import handlers
 from malleus.operator.context import MEMO_KEY, Context
 from malleus.operator.settings import Settings
+from tests.chart import CHART, helm, of_kind, operator_rules, render
 from tests.cluster.controlplane import ControlPlaneError, wait_until
 from tests.operator.kube import Kube
-from tests.operator.test_helm import CHART, _kind, _rules, helm, render
 
 if TYPE_CHECKING:
     from tests.cluster.fixtures import AdminApi
@@ -85,17 +85,17 @@ def test_the_startup_handler_does_not_undo_the_peering(ctx: Context) -> None:
 def test_two_replicas_render_peering_crds_objects_and_rbac() -> None:
     kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
     docs = render("replicaCount=2", "watchNamespaces={ml}", include_crds=True)
-    (dep,) = _kind(docs, "Deployment")
+    (dep,) = of_kind(docs, "Deployment")
     assert dep["spec"]["replicas"] == 2 and "strategy" not in dep["spec"]  # rolling
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     assert "--peering=malleus-operator" in container["args"]
-    crds = {d["metadata"]["name"] for d in _kind(docs, "CustomResourceDefinition")}
+    crds = {d["metadata"]["name"] for d in of_kind(docs, "CustomResourceDefinition")}
     assert {"kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"} <= crds
-    peerings = _kind(docs, "KopfPeering")
+    peerings = of_kind(docs, "KopfPeering")
     assert sorted(p["metadata"]["namespace"] for p in peerings) == ["malleus-system", "ml"]
     for p in peerings:  # after the CRD exists: Helm maps ordinary manifests before installing
         assert p["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade"
-    granted = [r for r in _rules(docs) if r[1] == "kopf.dev"]
+    granted = [r for r in operator_rules(docs) if r[1] == "kopf.dev"]
     assert {(kind, resource) for kind, _, resource, _ in granted} == {("Role", "kopfpeerings")}
     assert all(verbs == {"get", "list", "watch", "patch"} for *_, verbs in granted)
     for doc in docs:
@@ -105,17 +105,19 @@ def test_two_replicas_render_peering_crds_objects_and_rbac() -> None:
 
 def test_cluster_wide_peering_is_one_cluster_object() -> None:
     docs = render("replicaCount=2", "rbac.clusterWide=true")
-    assert [d["metadata"]["name"] for d in _kind(docs, "ClusterKopfPeering")] == [
+    assert [d["metadata"]["name"] for d in of_kind(docs, "ClusterKopfPeering")] == [
         "malleus-operator"
     ]
-    assert _kind(docs, "KopfPeering") == []
-    granted = {(kind, resource) for kind, group, resource, _ in _rules(docs) if group == "kopf.dev"}
+    assert of_kind(docs, "KopfPeering") == []
+    granted = {
+        (kind, resource) for kind, group, resource, _ in operator_rules(docs) if group == "kopf.dev"
+    }
     assert granted == {("ClusterRole", "clusterkopfpeerings")}
 
 
 def test_one_replica_is_standalone_and_two_without_peering_are_refused() -> None:
     docs = render()
-    (dep,) = _kind(docs, "Deployment")
+    (dep,) = of_kind(docs, "Deployment")
     assert dep["spec"]["strategy"] == {"type": "Recreate"}
     assert not any(d["kind"].endswith("KopfPeering") for d in docs)
     assert not any("kopf.dev" in str(d.get("spec", {}).get("group")) for d in docs)
@@ -140,7 +142,7 @@ def test_the_lifetime_reaches_kopf_and_the_chart_passes_it() -> None:
     assert settings.peering.lifetime == 12
     assert cli.build_parser().parse_args(["--peering-lifetime", "15"]).peering_lifetime == 15
     docs = render("replicaCount=2", "peering.lifetimeSeconds=20")
-    (dep,) = _kind(docs, "Deployment")
+    (dep,) = of_kind(docs, "Deployment")
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     assert "--peering-lifetime=20" in container["args"]
 
@@ -250,7 +252,7 @@ def test_two_live_replicas_one_works_and_the_other_takes_over_when_it_is_killed(
     docs = render("replicaCount=2", f"watchNamespaces={{{ns}}}", include_crds=True)
     (crd,) = [d for d in docs if d["metadata"]["name"] == "kopfpeerings.kopf.dev"]
     server.apply_crd(crd)
-    (peering,) = [d for d in _kind(docs, "KopfPeering") if d["metadata"]["namespace"] == ns]
+    (peering,) = [d for d in of_kind(docs, "KopfPeering") if d["metadata"]["namespace"] == ns]
     got = server.client.post(f"/apis/kopf.dev/v1/namespaces/{ns}/kopfpeerings", json=peering)
     assert got.status_code == 201, got.text
 

@@ -21,8 +21,8 @@ from malleus.operator.context import MEMO_KEY, Context
 from malleus.operator.metrics import OperatorMetrics
 from malleus.operator.settings import Settings
 from malleus.planner.plan import Plan
+from tests.chart import helm, render
 from tests.operator.kube import Kube
-from tests.operator.test_helm import render
 
 
 def run(coro: Any) -> Any:
@@ -103,8 +103,6 @@ def test_the_chart_hands_its_limits_to_the_operator() -> None:
 
 
 def test_the_schema_refuses_a_limit_out_of_range() -> None:
-    from tests.operator.test_helm import helm
-
     done = helm(
         "template", "x", "helm/malleus-operator", "--set", "planningLimits.maxPlanningSeconds=0",
         check=False,

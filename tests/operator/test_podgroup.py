@@ -26,7 +26,7 @@ from malleus.operator.k8s import Cluster
 from malleus.operator.metrics import OperatorMetrics
 from malleus.operator.resources import JobRef
 from malleus.operator.settings import Settings
-from tests.operator.test_helm import _kind, _rules, render
+from tests.chart import of_kind, operator_rules, render
 
 if TYPE_CHECKING:
     from tests.cluster.fixtures import AdminApi
@@ -71,16 +71,16 @@ def test_volcano_pod_group_takes_the_queue(make_job: Any) -> None:
 
 
 def test_the_chart_grants_pod_groups_only_when_asked() -> None:
-    assert not [r for r in _rules(render()) if "podgroups" in r[2]]
+    assert not [r for r in operator_rules(render()) if "podgroups" in r[2]]
     docs = render("rbac.podGroups.schedulerPlugins=true", "rbac.podGroups.volcano=true")
-    granted = {(kind, group, res): verbs for kind, group, res, verbs in _rules(docs)}
+    granted = {(kind, group, res): verbs for kind, group, res, verbs in operator_rules(docs)}
     for group in ("scheduling.x-k8s.io", "scheduling.volcano.sh"):
         assert granted[("Role", group, "podgroups")] == {"create", "get"}
     wide = render("rbac.clusterWide=true", "rbac.podGroups.volcano=true")
-    assert {(k, g) for k, g, r, _ in _rules(wide) if r == "podgroups"} == {
+    assert {(k, g) for k, g, r, _ in operator_rules(wide) if r == "podgroups"} == {
         ("ClusterRole", "scheduling.volcano.sh")
     }
-    assert _kind(docs, "Deployment")
+    assert of_kind(docs, "Deployment")
 
 
 # ---- the real API server ----------------------------------------------------------------------

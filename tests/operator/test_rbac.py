@@ -25,9 +25,9 @@ from malleus.operator.k8s import Cluster
 from malleus.operator.metrics import OperatorMetrics
 from malleus.operator.resources import JobRef
 from malleus.operator.settings import Settings
+from tests.chart import of_kind, render
 from tests.cluster.controlplane import ControlPlane, wait_until
 from tests.cluster.fixtures import AdminApi, apply_chart_rbac
-from tests.operator.test_helm import _kind, render
 
 CRDS = {
     d["spec"]["group"]: d
@@ -153,7 +153,7 @@ def test_view_may_read_jobs_and_nothing_more(tenancy: Tenancy, make_job: Any) ->
 def _operator_rules(*sets: str) -> list[dict[str, Any]]:
     """The rules of the operator's Role in the release namespace, as the chart renders them."""
     docs = render(*sets)
-    (role,) = [d for d in _kind(docs, "Role") if d["metadata"]["namespace"] == "malleus-system"]
+    (role,) = [d for d in of_kind(docs, "Role") if d["metadata"]["namespace"] == "malleus-system"]
     rules: list[dict[str, Any]] = role["rules"]
     return rules
 

@@ -27,7 +27,7 @@ from malleus.job.podpolicy import (
 )
 from malleus.job.spec import PodTemplate
 from malleus.operator.settings import Settings
-from tests.operator.test_helm import render
+from tests.chart import render
 from tests.security.pod_policy_cases import (
     ATTACKS,
     COMPLIANT_TEMPLATE,
