@@ -5,6 +5,9 @@ name that the job does not control may have been planted (a ``<job>-control`` Se
 token someone knows, a ``<job>-config`` ConfigMap with a plan of their choosing), so it is
 neither used (`k8s.NameConflict` stops the creation) nor deleted.
 
+`renew_certificates` renews the job's TLS certificates in its Secret before they expire
+(`tls.renewed`): the job's controller calls it while the job is active.
+
 `replace_failed` acts on `failures`: it replaces the worker pods whose backoff is over;
 `follow_out` keeps the PodDisruptionBudget at the nodes still in the job.
 
@@ -18,6 +21,7 @@ Warning event per occurrence).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime as dt
 import json
@@ -46,6 +50,7 @@ __all__ = [
     "follow_out",
     "network_policy",
     "pod_policy_faults",
+    "renew_certificates",
     "replace_failed",
     "report_policy_violation",
     "started_job",
@@ -148,7 +153,9 @@ async def ensure_children(
         check_pod_policy(ctx.settings, job)
     created: list[str] = []
     token = secrets.token_urlsafe(32)
-    certificates = tls.issue(tls.worker_names(ref, job.nodes), dt.datetime.now(dt.UTC))
+    certificates = tls.issue_for_job(
+        ref, job.nodes, dt.datetime.now(dt.UTC), ctx.settings.certificate_validity()
+    )
     policy = network_policy(ctx.settings, job, ref)
     built = workers.build_children(
         job, ref, plan, token, policy, certificates, ctx.settings.disruption_budgets
@@ -176,6 +183,39 @@ def _names(ref: resources.JobRef, nodes: int) -> dict[str, list[str]]:
         "NetworkPolicy": [resources.network_policy_name(ref.name)],
         "PodDisruptionBudget": [resources.disruption_budget_name(ref.name)],
     }
+
+
+async def renew_certificates(
+    ctx: Context, ref: resources.JobRef, nodes: int, now: dt.datetime | None = None
+) -> bool:
+    """New TLS certificates in the job's Secret when the current ones are due (`tls.renewed`),
+    the old CA kept trusted beside the new one until it expires. True when renewed: whoever
+    holds the job's CA must read it again (the pods' endpoints switch to the new certificates
+    when the kubelet updates their files). A Secret the job does not control is left alone."""
+    name = resources.secret_name(ref.name)
+    secret = await ctx.cluster.read("Secret", ref.namespace, name)
+    if secret is None or not resources.owned_by(secret, ref.uid):
+        return False
+    data = {
+        k: base64.b64decode(v).decode("utf-8", "replace")
+        for k, v in (secret.get("data") or {}).items()
+        if k == tls.CA_KEY or k.startswith("tls-")
+    }
+    when = now or dt.datetime.now(dt.UTC)
+    fresh = tls.renewed(data, ref, nodes, when, ctx.settings.certificate_validity())
+    if fresh is None:
+        return False
+    encoded = {k: base64.b64encode(v.encode()).decode() for k, v in fresh.items()}
+    await ctx.cluster.patch("Secret", ref.namespace, name, {"data": encoded})
+    _, until = tls.expiry(fresh[tls.worker_cert_key(0)])
+    log.info("%s/%s: TLS certificates renewed, valid until %s", ref.namespace, ref.name, until)
+    await ctx.cluster.post_event(
+        ref,
+        "Normal",
+        "CertificatesRenewed",
+        f"TLS certificates renewed, valid until {until:%Y-%m-%d %H:%M} UTC",
+    )
+    return True
 
 
 async def delete_children(

@@ -16,7 +16,10 @@ the old generation), then runs the Controller with
   Secret token, wrapped to keep the plan ConfigMap current (`planstore`): every plan the
   controller adopts, acknowledged or caught up with, is recorded there;
 
-and hands every observation and decision event to a `reporter.JobReporter`. The status is
+and hands every observation and decision event to a `reporter.JobReporter`. It also renews
+the job's TLS certificates when they are due (`children.renew_certificates`: at its start,
+which covers a job that queued for long, and every `renewal_check_seconds` while it runs), and
+then ends with `CERTIFICATES_RENEWED` so that its restart trusts the new CA. The status is
 written through the cluster (kopf applies a daemon's ``patch`` only when it exits). The daemon
 writes ``phase`` only while the job is Running or Replanning, so it never overrides a Failed or
 Succeeded set by the pod watcher.
@@ -42,13 +45,14 @@ from malleus.errors import BadInput
 from malleus.job import MalleusJobStatus, Phase, ResolvedJob
 from malleus.planner.plan import Plan
 
-from . import jobs, planstore, resources, sources, status, tls
+from . import children, jobs, planstore, resources, sources, status, tls
 from .context import Context
 from .k8s import ApiError
 from .reporter import JobReporter
 from .trainers import Coordinator, Endpoints, fetch_plan
 
 __all__ = [
+    "CERTIFICATES_RENEWED",
     "COORDINATOR_MOVED",
     "SPEC_CHANGED",
     "StopFlag",
@@ -63,6 +67,9 @@ SPEC_CHANGED = "spec-changed"
 """`run_job`'s result when the spec changed under it: the caller restarts it on the new spec."""
 COORDINATOR_MOVED = "coordinator-moved"
 """`run_job`'s result when another rank became the coordinator: the caller restarts it."""
+CERTIFICATES_RENEWED = "certificates-renewed"
+"""`run_job`'s result when it renewed the job's certificates: the caller restarts it, and the
+restart reads the new CA bundle."""
 MISSES_BEFORE_MOVING = 2
 """Unanswered ``/status`` polls of the coordinator before another rank is looked for."""
 
@@ -262,6 +269,12 @@ async def _follow(
     return False
 
 
+def renewal_check_seconds(validity_seconds: float) -> float:
+    """How often a running job's certificates are checked for renewal: a fiftieth of their
+    lifetime (at most hourly), so one check at least falls well inside the last third."""
+    return max(1.0, min(3600.0, validity_seconds / 50))
+
+
 async def _token(ctx: Context, ref: resources.JobRef) -> tuple[str | None, str | None]:
     """The job Secret's token and CA (the coordinator is verified for its own stable DNS
     name, whatever address the endpoint template reaches it at)."""
@@ -298,6 +311,7 @@ async def run_job(
         log.warning("%s/%s: not running the controller: %s", ref.namespace, ref.name, e)
         return None
     settings = ctx.settings
+    await children.renew_certificates(ctx, ref, job.nodes)  # before the CA is read
     token, ca = await _token(ctx, ref)
     endpoints = Endpoints(
         ctx.cluster,
@@ -391,12 +405,35 @@ async def run_job(
         )
         stop.set()
 
+    renewed = False
+
+    async def renew() -> None:
+        nonlocal renewed
+        every = renewal_check_seconds(settings.certificate_validity_seconds)
+        while not ended():
+            await stopped.wait(every)
+            if ended():
+                return
+            try:
+                renewed = await children.renew_certificates(ctx, ref, job.nodes)
+            except ApiError as e:  # tried again at the next check, long before expiry
+                log.warning(
+                    "%s/%s: renewing TLS certificates failed: %s", ref.namespace, ref.name, e
+                )
+            if renewed:
+                stop.set()
+                return
+
     watcher = asyncio.ensure_future(watch())
+    renewer = asyncio.ensure_future(renew())
     try:
         await controller.run(stop)
     finally:
         watcher.cancel()
+        renewer.cancel()
         controller.close()
+    if renewed and not stopped:
+        return CERTIFICATES_RENEWED
     if moved and not stopped:
         return COORDINATOR_MOVED
     return SPEC_CHANGED if _generation(body) != start_generation and not stopped else None

@@ -259,6 +259,8 @@ async def job_daemon(
     )
     if result == daemon.SPEC_CHANGED:
         raise kopf.TemporaryError("spec changed; restarting the controller with it", delay=1)
+    if result == daemon.CERTIFICATES_RENEWED:
+        raise kopf.TemporaryError("TLS certificates renewed; restarting with the new CA", delay=1)
     if result == daemon.COORDINATOR_MOVED:
         raise kopf.TemporaryError("the coordinator moved; restarting the controller there", delay=1)
 

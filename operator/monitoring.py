@@ -55,12 +55,12 @@ def build_pod_monitor(
     labels: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The PodMonitor of the job's workers: HTTPS verified against the job's CA for the
-    workers' stable name, ``honorLabels: false``, the pod's node as ``node``. `labels`: extra
+    job's metrics name every worker's certificate carries (`tls.metrics_name`),
+    ``honorLabels: false``, the pod's node as ``node``. `labels`: extra
     labels a Prometheus selects its monitors by (``release: ...``)."""
     del job  # one port name and one certificate for every node, whatever the layout
     meta = metadata(ref, pod_monitor_name(ref.name))
     meta["labels"] = {**meta.get("labels", {}), **(labels or {})}
-    (first,) = tls.worker_names(ref, 1)
     return {
         "apiVersion": API_VERSION,
         "kind": "PodMonitor",
@@ -83,7 +83,7 @@ def build_pod_monitor(
                     "honorLabels": False,
                     "tlsConfig": {
                         "ca": {"secret": {"name": secret_name(ref.name), "key": tls.CA_KEY}},
-                        "serverName": first,
+                        "serverName": tls.metrics_name(ref),
                         "insecureSkipVerify": False,
                     },
                     "relabelings": [

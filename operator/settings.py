@@ -9,6 +9,7 @@ comma-separated and a flag is ``true``/``false``.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import urllib.parse
@@ -174,6 +175,9 @@ class Settings:
     """What one job may ask of the planner (`malleus.job.limits.PlanningLimits`: maxGpus,
     maxPlanningSeconds, minCooldownSeconds), a JSON object with the chart's ``planningLimits``
     keys; empty: the defaults. Checked at startup (`limits`)."""
+    certificate_validity_seconds: int = 30 * 86400
+    """How long a job's TLS certificates are valid (`tls`); they are renewed while the job runs
+    once a third of that is left, so a job may run for any time. Short values are for tests."""
     planner_processes: int = 4
     """Planner processes the jobs share (`malleus.controller.processes`): at most this many
     plans run at once, each job at most one; 0: plan in threads of the operator's process
@@ -192,6 +196,11 @@ class Settings:
         settings.control_port_peer_list()  # a malformed list fails at startup, not per job
         settings.template_policy()  # and so does a malformed policy
         settings.limits()  # and malformed planning limits
+        if settings.certificate_validity_seconds < 60:
+            raise ValueError(
+                f"{_PREFIX}CERTIFICATE_VALIDITY_SECONDS={settings.certificate_validity_seconds}: "
+                "need 60 or more (a certificate is renewed a third of its lifetime early)"
+            )
         if settings.planner_processes < 0:
             raise ValueError(
                 f"{_PREFIX}PLANNER_PROCESSES={settings.planner_processes}: need 0 or more"
@@ -228,6 +237,9 @@ class Settings:
     def template_policy(self) -> PodTemplatePolicy:
         """`pod_template_policy` parsed; pydantic's ValidationError when malformed."""
         return PodTemplatePolicy.from_json_text(self.pod_template_policy)
+
+    def certificate_validity(self) -> dt.timedelta:
+        return dt.timedelta(seconds=self.certificate_validity_seconds)
 
     def limits(self) -> PlanningLimits:
         """`planning_limits` parsed; ValueError naming the setting when malformed."""

@@ -147,7 +147,9 @@ def _resources(job: ResolvedJob) -> dict[str, Any]:
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
-def _volumes(job: ResolvedJob, ref: JobRef) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(
+    job: ResolvedJob, ref: JobRef, index: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     ckpt = job.spec.checkpoint
     checkpoint_volume: dict[str, Any] = (
         {"name": "checkpoints", "persistentVolumeClaim": {"claimName": ckpt.claim_name}}
@@ -160,9 +162,12 @@ def _volumes(job: ResolvedJob, ref: JobRef) -> tuple[list[dict[str, Any]], list[
             "name": "control-tls",
             "secret": {
                 "secretName": secret_name(ref.name),
+                # This worker's own certificate and key only: no pod can answer as another.
                 "items": [
-                    {"key": k, "path": k}
-                    for k in (tls.CERT_KEY, tls.KEY_KEY, tls.CA_KEY, TOKEN_KEY)
+                    {"key": tls.worker_cert_key(index), "path": tls.CERT_KEY},
+                    {"key": tls.worker_key_key(index), "path": tls.KEY_KEY},
+                    {"key": tls.CA_KEY, "path": tls.CA_KEY},
+                    {"key": TOKEN_KEY, "path": TOKEN_KEY},
                 ],
                 "defaultMode": 0o440,  # owner root, group fsGroup (the trainer's)
             },
@@ -195,7 +200,7 @@ def build_pod(
     anti-affinity keeps one worker per node (the plan's node = the pod index).
     ``spec.podTemplate`` is merged in last, the operator's fields winning (`overrides`).
     """
-    volumes, mounts = _volumes(job, ref)
+    volumes, mounts = _volumes(job, ref, index)
     port = job.spec.control_port
     name = pod_name(ref.name, index)
     gang_labels, gang_annotations = gang_metadata(job.spec, job.job.metadata.labels, ref.name)
@@ -296,7 +301,7 @@ def build_children(
     ConfigMap, Secret, PodDisruptionBudget (unless ``disruption_budget`` is false), the
     rendezvous store's Service and Pod (`store`), then the worker pods.
 
-    ``certificates`` (`tls.issue`) go into the Secret, which the pods mount: a job that runs
+    ``certificates`` (`tls.issue_for_job`) go into the Secret, which the pods mount: a job that runs
     needs them; None only for manifests that are inspected, never run.
 
     The policy comes first so that no pod ever runs unprotected (the store has no

@@ -19,7 +19,7 @@ ALLOWED_VERBS: dict[tuple[str, str], set[str]] = {
     ("malleus.io", "malleusjobs/status"): {"get", "patch"},
     ("", "pods"): {"create", "get", "list", "watch", "delete"},
     ("", "services"): {"create", "get", "delete"},
-    ("", "secrets"): {"create", "get", "delete"},
+    ("", "secrets"): {"create", "get", "patch", "delete"},  # patch: certificate renewal
     ("", "configmaps"): {"create", "get", "patch", "delete"},
     ("", "events"): {"create"},
     ("networking.k8s.io", "networkpolicies"): {"create", "get", "delete"},

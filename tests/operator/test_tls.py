@@ -11,7 +11,6 @@ import asyncio
 import base64
 import datetime as dt
 import socket
-import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,9 +32,9 @@ from malleus.operator.resources import JobRef, coordinator_host
 from malleus.trainer.endpoint.credentials import (
     TLS_CERT_ENV,
     TLS_KEY_ENV,
+    ServingTLS,
     control_host,
     load_tls,
-    server_context,
 )
 from malleus.trainer.endpoint.server import ControlServer
 from malleus.trainer.measure.emulation import InjectionQueue
@@ -54,8 +53,8 @@ def status() -> ControlStatus:
 def write(certs: tls.JobCertificates, folder: Path) -> tuple[Path, Path]:
     """The Secret's server files as the pod mounts them."""
     cert, key = folder / tls.CERT_KEY, folder / tls.KEY_KEY
-    cert.write_text(certs.cert)
-    key.write_text(certs.key)
+    cert.write_text(certs.servers[0].cert)
+    key.write_text(certs.servers[0].key)
     return cert, key
 
 
@@ -66,7 +65,7 @@ class Served:
         self.injections = InjectionQueue()
         self.server = ControlServer("127.0.0.1", 0, TOKEN, status=status, inbox=None,
                                     metrics=None, inject=self.injections.put,
-                                    tls=server_context(*write(certs, folder)))  # fmt: skip
+                                    tls=ServingTLS(*write(certs, folder)))  # fmt: skip
 
     def url(self, host: str = "localhost") -> str:
         return f"https://{host}:{self.server.port}"
@@ -74,7 +73,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def certs() -> tls.JobCertificates:
-    return tls.issue(["localhost"], dt.datetime.now(dt.UTC))
+    return tls.issue([["localhost"]], dt.datetime.now(dt.UTC))
 
 
 @pytest.fixture
@@ -84,29 +83,73 @@ def served(certs: tls.JobCertificates, tmp_path: Path) -> Iterator[Served]:
         yield s
 
 
-def test_certificates_name_the_workers_and_only_the_ca_signs() -> None:
+def test_each_worker_has_a_certificate_of_its_own_signed_by_a_constrained_ca() -> None:
     ref = JobRef("ml", "tiny")
     names = tls.worker_names(ref, 2)
-    assert names == ["tiny-node-0.tiny.ml.svc", "tiny-node-1.tiny.ml.svc"]
-    certs = tls.issue(names, NOW)
-    assert set(certs.secret_data()) == {"ca.crt", "tls.crt", "tls.key"}
+    assert names == [
+        ["tiny-node-0.tiny.ml.svc", "tiny.ml.svc"],
+        ["tiny-node-1.tiny.ml.svc", "tiny.ml.svc"],
+    ]
+    certs = tls.issue_for_job(ref, 2, NOW)
+    assert set(certs.secret_data()) == {
+        "ca.crt",
+        "tls-0.crt",
+        "tls-0.key",
+        "tls-1.crt",
+        "tls-1.key",
+    }
     ca = x509.load_pem_x509_certificate(certs.ca.encode())
-    cert = x509.load_pem_x509_certificate(certs.cert.encode())
-    cert.verify_directly_issued_by(ca)
     assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
     assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.path_length == 0
-    assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
-    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert sans.get_values_for_type(x509.DNSName) == names
-    usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
-    assert list(usage) == [ExtendedKeyUsageOID.SERVER_AUTH]
-    assert cert.not_valid_after_utc == NOW + tls.VALIDITY
-    assert NOW - dt.timedelta(minutes=10) < cert.not_valid_before_utc < NOW
-    assert "PRIVATE KEY" in certs.key and "PRIVATE KEY" not in certs.ca + certs.cert
-    other = x509.load_pem_x509_certificate(tls.issue(names, NOW).ca.encode())
+    constraints = ca.extensions.get_extension_for_class(x509.NameConstraints)
+    assert constraints.critical
+    assert constraints.value.permitted_subtrees == [
+        x509.DNSName("tiny-node-0.tiny.ml.svc"),
+        x509.DNSName("tiny.ml.svc"),
+        x509.DNSName("tiny-node-1.tiny.ml.svc"),
+    ]
+    keys = set()
+    for server, wanted in zip(certs.servers, names, strict=True):
+        cert = x509.load_pem_x509_certificate(server.cert.encode())
+        cert.verify_directly_issued_by(ca)
+        assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert sans.get_values_for_type(x509.DNSName) == wanted
+        usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        assert list(usage) == [ExtendedKeyUsageOID.SERVER_AUTH]
+        assert cert.not_valid_after_utc == NOW + tls.VALIDITY
+        assert NOW - dt.timedelta(minutes=10) < cert.not_valid_before_utc < NOW
+        assert "PRIVATE KEY" in server.key and "PRIVATE KEY" not in certs.ca + server.cert
+        keys.add(server.key)
+    assert len(keys) == 2  # one key per worker
+    other = x509.load_pem_x509_certificate(tls.issue_for_job(ref, 2, NOW).ca.encode())
     assert other.public_key() != ca.public_key()  # every job (every issue) has a CA of its own
+    assert other.subject != ca.subject  # and a subject of its own (chains are built by subject)
     with pytest.raises(ValueError, match="at least one name"):
         tls.issue([], NOW)
+    with pytest.raises(ValueError, match="at least one name"):
+        tls.issue([["a"], []], NOW)
+
+
+def test_a_worker_cannot_answer_as_another(tmp_path: Path) -> None:
+    """The attack: worker 1 (compromised) serves with its own certificate and key where the
+    operator expects the coordinator, worker 0. The operator verifies worker 0's name and
+    refuses before the token leaves it."""
+    ref = JobRef("ml", "tiny")
+    certs = tls.issue_for_job(ref, 2, dt.datetime.now(dt.UTC))
+    impostor = tls.JobCertificates(ca=certs.ca, servers=(certs.servers[1],))
+    s = Served(impostor, tmp_path)
+    as_coordinator = ControlTLS(certs.ca, server_name=coordinator_host(ref))
+    as_itself = ControlTLS(certs.ca, server_name=tls.worker_names(ref, 2)[1][0])
+    with s.server:
+        with ControlClient(s.url("127.0.0.1"), TOKEN, tls=as_itself) as client:
+            assert client.status().step == 3  # its own name: fine
+        with (
+            ControlClient(s.url("127.0.0.1"), TOKEN, timeout=2.0, tls=as_coordinator) as client,
+            pytest.raises(ControlError, match="CERTIFICATE_VERIFY_FAILED"),
+        ):
+            client.inject(0, 2.0)
+    assert s.injections.drain() == {}
 
 
 def test_a_client_trusting_the_job_ca_works_and_the_token_still_counts(
@@ -134,7 +177,7 @@ def test_a_client_that_cannot_verify_the_server_is_refused(
 ) -> None:
     given = {
         "none": None,  # the system's CAs: they never signed a job's certificate
-        "another job's CA": ControlTLS(tls.issue(["localhost"], NOW).ca),
+        "another job's CA": ControlTLS(tls.issue([["localhost"]], NOW).ca),
         "wrong name": ControlTLS(certs.ca, server_name="tiny-node-0.tiny.ml.svc"),
     }[trust]
     with ControlClient(served.url(), TOKEN, timeout=2.0, tls=given) as client:
@@ -147,8 +190,8 @@ def test_a_client_that_cannot_verify_the_server_is_refused(
 
 def test_a_certificate_for_another_name_or_expired_is_refused(tmp_path: Path) -> None:
     for bad in (
-        tls.issue(["tiny-node-0.tiny.ml.svc"], NOW),
-        tls.issue(["localhost"], NOW - 2 * tls.VALIDITY),
+        tls.issue([["tiny-node-0.tiny.ml.svc"]], NOW),
+        tls.issue([["localhost"]], NOW - 2 * tls.VALIDITY),
     ):
         s = Served(bad, tmp_path)
         with (
@@ -177,7 +220,7 @@ def test_the_trainer_finds_its_certificate_and_address_in_the_environment(
 ) -> None:
     cert, key = write(certs, tmp_path)
     assert load_tls({}) is None  # local runs: plain HTTP on loopback
-    assert isinstance(load_tls({TLS_CERT_ENV: str(cert), TLS_KEY_ENV: str(key)}), ssl.SSLContext)
+    assert isinstance(load_tls({TLS_CERT_ENV: str(cert), TLS_KEY_ENV: str(key)}), ServingTLS)
     with pytest.raises(RuntimeError, match=TLS_KEY_ENV):
         load_tls({TLS_CERT_ENV: str(cert)})
     with pytest.raises(RuntimeError, match="cannot load"):
@@ -193,7 +236,7 @@ def test_the_pods_serve_what_the_secret_holds_and_the_operator_trusts(
     stable name with the Secret's CA, as the daemon does (here reached by IP)."""
     job = jobs.resolve(make_job())
     ref = JobRef("ml", "demo", uid="u-1")
-    certs = tls.issue(tls.worker_names(ref, job.nodes), dt.datetime.now(dt.UTC))
+    certs = tls.issue_for_job(ref, job.nodes, dt.datetime.now(dt.UTC))
     kids = workers.build_children(job, ref, job.initial_plan(), "tok", certificates=certs)
     secret = next(c for c in kids if c["kind"] == "Secret")
     files = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
@@ -203,8 +246,15 @@ def test_the_pods_serve_what_the_secret_holds_and_the_operator_trusts(
     mount = next(m for m in container["volumeMounts"] if m["mountPath"] == workers.TLS_MOUNT)
     volume = next(v for v in pod["spec"]["volumes"] if v["name"] == mount["name"])
     assert volume["secret"]["secretName"] == secret["metadata"]["name"]
-    for item in volume["secret"]["items"]:  # the kubelet's copy of the mounted keys
-        (tmp_path / item["path"]).write_text(files[item["key"]])
+    items = {item["key"]: item["path"] for item in volume["secret"]["items"]}
+    assert items == {
+        "tls-0.crt": "tls.crt",
+        "tls-0.key": "tls.key",
+        "ca.crt": "ca.crt",
+        "token": "token",
+    }  # fmt: skip  (no other worker's key in this pod)
+    for key, path in items.items():  # the kubelet's copy of the mounted keys
+        (tmp_path / path).write_text(files[key])
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert next(e["valueFrom"] for e in container["env"] if e["name"] == "POD_IP") == {
         "fieldRef": {"fieldPath": "status.podIP"}

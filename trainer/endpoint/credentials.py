@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import ssl
+import threading
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 # The token's names live with the store's seal, whose key is derived from the same token.
 from malleus.trainer.world.sealed import TOKEN_ENV, TOKEN_FILE_ENV
@@ -26,6 +29,7 @@ __all__ = [
     "TLS_KEY_ENV",
     "TOKEN_ENV",
     "TOKEN_FILE_ENV",
+    "ServingTLS",
     "control_host",
     "load_tls",
     "load_token",
@@ -72,8 +76,53 @@ def server_context(cert: str | os.PathLike[str], key: str | os.PathLike[str]) ->
     return ctx
 
 
-def load_tls(environ: Mapping[str, str] | None = None) -> ssl.SSLContext | None:
-    """The server context from `$MALLEUS_CONTROL_TLS_CERT` and `$MALLEUS_CONTROL_TLS_KEY`.
+class ServingTLS:
+    """The endpoint's TLS identity, read again from its files when they change.
+
+    The operator renews a job's certificates while it runs and the kubelet swaps the Secret
+    volume's files (atomically: a symlink to a new folder); each new connection looks at the
+    files (two ``stat`` calls) and a changed pair is loaded into a new context, used from that
+    connection on. A pair that does not load (half written, a key that does not match) is
+    logged and the previous identity kept until the files change again.
+    """
+
+    def __init__(self, cert: str | os.PathLike[str], key: str | os.PathLike[str]) -> None:
+        self.cert, self.key = Path(cert), Path(key)
+        self._lock = threading.Lock()
+        self._seen = self._signature()
+        self._context = server_context(self.cert, self.key)  # raises: the first must load
+
+    def _signature(self) -> tuple[tuple[int, int, int], ...] | None:
+        try:
+            return tuple(
+                (st.st_ino, st.st_mtime_ns, st.st_size)
+                for st in (self.cert.stat(), self.key.stat())
+            )
+        except OSError:
+            return None
+
+    def context(self) -> ssl.SSLContext:
+        """The context for the next connection: the files' current pair when it loads."""
+        seen = self._signature()
+        with self._lock:
+            if seen is not None and seen != self._seen:
+                try:
+                    self._context = server_context(self.cert, self.key)
+                except (OSError, ssl.SSLError) as e:
+                    log.warning("control TLS: %s with %s does not load (%s); keeping the "
+                                "previous certificate", self.cert, self.key, e)  # fmt: skip
+                else:
+                    log.info("control TLS: certificate %s reloaded", self.cert)
+                self._seen = seen
+            return self._context
+
+    def wrap_socket(self, sock: socket.socket, **kwargs: Any) -> ssl.SSLSocket:
+        """`ssl.SSLContext.wrap_socket` with `context`."""
+        return self.context().wrap_socket(sock, **kwargs)
+
+
+def load_tls(environ: Mapping[str, str] | None = None) -> ServingTLS | None:
+    """The endpoint's identity from `$MALLEUS_CONTROL_TLS_CERT` and `$MALLEUS_CONTROL_TLS_KEY`.
 
     None when neither is set (local runs: plain HTTP on loopback). Only one of them, or files
     that do not load, is a RuntimeError: a pod meant to serve TLS must not fall back to clear.
@@ -86,7 +135,7 @@ def load_tls(environ: Mapping[str, str] | None = None) -> ssl.SSLContext | None:
         missing = TLS_CERT_ENV if not cert else TLS_KEY_ENV
         raise RuntimeError(f"control TLS: {missing} is not set (both or neither)")
     try:
-        return server_context(cert, key)
+        return ServingTLS(cert, key)
     except (OSError, ssl.SSLError) as e:
         raise RuntimeError(f"control TLS: cannot load {cert} with {key}: {e}") from e
 

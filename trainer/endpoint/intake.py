@@ -33,6 +33,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .credentials import ServingTLS
+
 __all__ = ["Connection", "Intake", "Limits", "RefusalLog"]
 
 log = logging.getLogger(__name__)
@@ -185,7 +187,7 @@ class Intake:
         listener: socket.socket,
         handle: Handle,
         *,
-        tls: ssl.SSLContext | None = None,
+        tls: ServingTLS | None = None,
         limits: Limits | None = None,
         refusals: RefusalLog | None = None,
     ) -> None:

@@ -32,7 +32,6 @@ import io
 import json
 import logging
 import socket
-import ssl
 import threading
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler
@@ -43,6 +42,7 @@ from malleus.control import ControlStatus
 from malleus.trainer.switching.plan_inbox import PlanInbox
 
 from .body import MAX_DEPTH, MAX_FACTOR, Refused, parse_body, parse_injection
+from .credentials import ServingTLS
 from .intake import Connection, Intake, Limits, RefusalLog
 from .metrics import CONTENT_TYPE, TrainerMetrics
 
@@ -278,7 +278,7 @@ class ControlServer:
         inject: Callable[[int, float], None] | None,
         stop: Callable[[dict[str, Any]], tuple[int, dict[str, Any]]] | None = None,
         max_body: int = _MAX_BODY,
-        tls: ssl.SSLContext | None = None,
+        tls: ServingTLS | None = None,
         plan: Callable[[], dict[str, Any] | None] | None = None,
         limits: Limits | None = None,
     ) -> None:

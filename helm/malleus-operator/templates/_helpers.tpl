@@ -75,11 +75,16 @@ Least privilege: exactly the verbs malleus.operator (kopf + k8s.py) uses.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["create", "get", "list", "watch", "delete"]
-# The headless Service and the control-token Secret: created, read by name (never listed:
-# listing Secrets would reveal every Secret's contents), deleted with the job.
+# The headless Service: created, read by name, deleted with the job.
 - apiGroups: [""]
-  resources: ["services", "secrets"]
+  resources: ["services"]
   verbs: ["create", "get", "delete"]
+# The job's Secret (its token and TLS certificates): created, read by name (never listed:
+# listing Secrets would reveal every Secret's contents), patched when the certificates are
+# renewed, deleted with the job.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create", "get", "patch", "delete"]
 # The plan ConfigMap: rewritten at every re-plan.
 - apiGroups: [""]
   resources: ["configmaps"]
