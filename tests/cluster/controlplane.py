@@ -29,7 +29,6 @@ import contextlib
 import hashlib
 import os
 import shutil
-import socket
 import ssl
 import subprocess
 import time
@@ -40,6 +39,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 import yaml
+
+from tests.ports import free_port
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
@@ -52,7 +53,6 @@ __all__ = [
     "ControlPlaneError",
     "Identity",
     "assets_dir",
-    "free_port",
     "wait_until",
 ]
 
@@ -89,13 +89,6 @@ def assets_dir(binaries: Sequence[str] = BINARIES) -> tuple[Path | None, str]:
             f"(run scripts/k8s-assets.sh {value} to unpack them)"
         )
     return folder, ""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the caller retries on a clash)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_until(
@@ -218,21 +211,19 @@ class ControlPlane:
     ) -> None:
         self.stop()
 
-    def start(self, attempts: int = 2) -> None:
-        """Make the certificates, start every component and wait until the cluster serves."""
+    def start(self) -> None:
+        """Make the certificates, start every component and wait until the cluster serves
+        (each component's ports from `tests.ports`, where no outgoing connection takes them
+        between their pick and the component's bind)."""
         began = self._began = time.monotonic()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._make_pki()
         self._mark("certificates")
-        for attempt in range(1, attempts + 1):
-            try:
-                self._start_once(attempt)
-            except ControlPlaneError:
-                self.stop()
-                if attempt == attempts:
-                    raise
-            else:
-                break
+        try:
+            self._start()
+        except ControlPlaneError:
+            self.stop()
+            raise
         self.start_seconds = time.monotonic() - began
 
     def stop(self) -> None:
@@ -254,7 +245,7 @@ class ControlPlane:
                 return text
         return None
 
-    def _start_once(self, attempt: int) -> None:
+    def _start(self) -> None:
         etcd_port, peer_port = free_port(), free_port()
         self.port = free_port()
         self.url = f"https://127.0.0.1:{self.port}"
@@ -263,7 +254,7 @@ class ControlPlane:
         etcd_url = f"http://127.0.0.1:{etcd_port}"
         # fmt: off
         etcd = self._spawn("etcd", [
-            "--data-dir", str(self.workdir / f"etcd-{attempt}"),
+            "--data-dir", str(self.workdir / "etcd"),
             "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
             "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",

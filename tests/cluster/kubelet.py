@@ -65,7 +65,8 @@ from typing import Any
 
 import httpx
 
-from tests.cluster.controlplane import ControlPlane, free_port
+from tests.cluster.controlplane import ControlPlane
+from tests.ports import free_port
 
 __all__ = ["CONTAINER_ENV", "LEASE_RENEW_S", "KubeletError", "PodProcesses", "ProcessKubelet"]
 

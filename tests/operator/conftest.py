@@ -16,6 +16,7 @@ import pytest
 from malleus.operator.context import MEMO_KEY, Context
 from malleus.operator.metrics import OperatorMetrics
 from malleus.operator.settings import Settings
+from tests.jobs import job_body
 from tests.operator.kube import Kube
 
 
@@ -38,47 +39,6 @@ def ctx(kube: Kube) -> Context:
 def memo(ctx: Context) -> kopf.Memo:
     """kopf's memo as the startup handler leaves it."""
     return kopf.Memo({MEMO_KEY: ctx})
-
-
-def job_body(
-    name: str = "demo",
-    namespace: str = "ml",
-    *,
-    uid: str = "uid-1234",
-    generation: int = 1,
-    status: dict[str, Any] | None = None,
-    **spec: Any,
-) -> dict[str, Any]:
-    """A MalleusJob as kopf hands it over: 2 nodes x 4 GPUs, tp 2, the tiny preset."""
-    base: dict[str, Any] = {
-        "image": "ghcr.io/example/malleus-trainer:0.1.0",
-        "nodes": 2,
-        "gpusPerNode": 4,
-        "model": {"preset": "tiny"},
-        "training": {
-            "globalBatchSize": 16,
-            "microBatchSize": 2,
-            "steps": 100,
-            "learningRate": 0.001,
-        },
-        "parallelism": {"tp": 2},
-    }
-    base.update(spec)
-    body: dict[str, Any] = {
-        "apiVersion": "malleus.io/v1alpha1",
-        "kind": "MalleusJob",
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "uid": uid,
-            "generation": generation,
-            "resourceVersion": "1",
-        },
-        "spec": base,
-    }
-    if status is not None:
-        body["status"] = status
-    return body
 
 
 @pytest.fixture

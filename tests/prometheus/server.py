@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import ssl
 import subprocess
 import threading
@@ -25,7 +24,9 @@ from typing import Any
 import pytest
 import yaml
 
-__all__ = ["Prometheus", "binary", "free_port", "serve_text"]
+from tests.ports import free_port
+
+__all__ = ["Prometheus", "binary", "serve_text"]
 
 
 def binary(var: str) -> str:
@@ -38,12 +39,6 @@ def binary(var: str) -> str:
     if not os.access(path, os.X_OK):
         pytest.fail(f"{var}={path} is not an executable")
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

@@ -102,7 +102,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus
         ).encode(),
         "/decoy": lambda: dcgm_page(PODS[1], "other-team", {3: 300}, {3: 0x8}).encode(),
     }
-    certs = tls.issue(["localhost"], dt.datetime.now(dt.UTC))
+    certs = tls.issue([["localhost"]], dt.datetime.now(dt.UTC))
     for t in trainers:
         t.server.start()
     with serve_text(pages) as dcgm:
@@ -134,7 +134,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus
             exe,
             tmp_path_factory.mktemp("prom"),
             scrape,
-            tls=(certs.cert, certs.key),
+            tls=(certs.servers[0].cert, certs.servers[0].key),
             ca_pem=certs.ca,
         )
         try:

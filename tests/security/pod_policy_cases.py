@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tests.jobs import job_body, manifest
+
 __all__ = [
     "ATTACKS",
     "OPERATOR_SA",
@@ -34,28 +36,11 @@ OPERATOR_SA = "malleus-malleus-operator"
 
 
 def job_manifest(name: str, namespace: str, pod_template: dict[str, Any]) -> dict[str, Any]:
-    """A MalleusJob the CRD accepts (2 nodes x 4 emulated GPUs, the tiny preset) with
+    """A MalleusJob the CRD accepts (`tests.jobs.job_body` with emulated GPUs) with
     ``pod_template`` as its ``spec.podTemplate``."""
-    return {
-        "apiVersion": "malleus.io/v1alpha1",
-        "kind": "MalleusJob",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "image": "ghcr.io/example/malleus-trainer:0.1.0",
-            "nodes": 2,
-            "gpusPerNode": 4,
-            "model": {"preset": "tiny"},
-            "training": {
-                "globalBatchSize": 16,
-                "microBatchSize": 2,
-                "steps": 100,
-                "learningRate": 0.001,
-            },
-            "parallelism": {"tp": 2},
-            "emulation": {"enabled": True},
-            "podTemplate": copy.deepcopy(pod_template),
-        },
-    }
+    return manifest(
+        job_body(name, namespace, emulation={"enabled": True}, podTemplate=pod_template)
+    )
 
 
 def _trainer(*env: dict[str, Any]) -> dict[str, Any]:

@@ -28,11 +28,11 @@ import pytest
 from malleus.control import ControlClient, ControlError, ControlTLS
 from malleus.operator import jobs, tls, workers
 from malleus.operator.resources import JobRef
-from malleus.trainer.endpoint.credentials import load_token, server_context
+from malleus.trainer.endpoint.credentials import ServingTLS, load_token
 from malleus.trainer.endpoint.intake import Limits
 from malleus.trainer.endpoint.server import PRE_AUTH_DRAIN, ControlServer
 from malleus.trainer.engine.services import Services, WorkerState
-from tests.security.operator_cases import job_body
+from tests.jobs import job_body
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -50,7 +50,7 @@ class _Plans:
         return 202, {"generation": 2}
 
 
-def _server(limits: Limits = LIMITS, tls_context: ssl.SSLContext | None = None) -> ControlServer:
+def _server(limits: Limits = LIMITS, tls_context: ServingTLS | None = None) -> ControlServer:
     services = Services(WorkerState("demo", world=4, steps=10))
     services.state.update(generation=1, step=7)
     return ControlServer(
@@ -148,10 +148,10 @@ def _closed(s: socket.socket, within: float) -> bool:
         return True
 
 
-def _server_context(certs: tls.JobCertificates, folder: Path) -> ssl.SSLContext:
-    (folder / "tls.crt").write_text(certs.cert)
-    (folder / "tls.key").write_text(certs.key)
-    return server_context(folder / "tls.crt", folder / "tls.key")
+def _server_context(certs: tls.JobCertificates, folder: Path) -> ServingTLS:
+    (folder / "tls.crt").write_text(certs.servers[0].cert)
+    (folder / "tls.key").write_text(certs.servers[0].key)
+    return ServingTLS(folder / "tls.crt", folder / "tls.key")
 
 
 def _tls_slow_connections(server: ControlServer, n: int, stack: ExitStack) -> list[socket.socket]:
@@ -174,7 +174,7 @@ def test_slow_clients_hold_no_thread_and_a_real_request_is_answered(
     """150 slowloris connections (over TLS: 75 that finished their handshake and 75 that never
     start it): the thread count stays where it was, a client with the token is answered at
     once, and every slow connection is cut once the head's deadline passes."""
-    certs = tls.issue(["localhost"], dt.datetime.now(dt.UTC)) if secure else None
+    certs = tls.issue([["localhost"]], dt.datetime.now(dt.UTC)) if secure else None
     context = _server_context(certs, tmp_path) if certs is not None else None
     trust = ControlTLS(certs.ca, server_name="localhost") if certs is not None else None
     limits = Limits(max_connections=256, handlers=4, head_seconds=1.5, request_seconds=3.0)

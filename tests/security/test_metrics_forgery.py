@@ -43,7 +43,7 @@ from malleus.operator.resources import JobRef
 from malleus.operator.settings import Settings
 from malleus.operator.sources import rate_source
 from malleus.planner import uniform_plan
-from tests.security.operator_cases import job_body
+from tests.jobs import job_body
 
 JOB, NS, GPN = "train", "ml", 4
 REF = JobRef(NS, JOB, "uid-1234")
@@ -74,7 +74,7 @@ def test_the_jobs_pod_monitor_verifies_the_jobs_ca_and_honors_no_labels() -> Non
     assert endpoint["honorLabels"] is False and endpoint["scheme"] == "https"
     assert endpoint["tlsConfig"] == {
         "ca": {"secret": {"name": f"{JOB}-control", "key": "ca.crt"}},
-        "serverName": f"{JOB}-node-0.{JOB}.{NS}.svc",
+        "serverName": f"{JOB}.{NS}.svc",  # the metrics name every worker's certificate carries
         "insecureSkipVerify": False,
     }
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NS]}
@@ -119,17 +119,17 @@ def test_a_real_prometheus_scrapes_the_job_but_not_an_impostor(tmp_path: Path) -
     exe = os.environ.get("MALLEUS_PROMETHEUS")
     if not exe:
         pytest.skip("MALLEUS_PROMETHEUS is not set (scripts/prometheus-bin.sh provides it)")
-    from malleus.trainer.endpoint.credentials import server_context
+    from malleus.trainer.endpoint.credentials import ServingTLS
     from malleus.trainer.endpoint.metrics import TrainerMetrics
     from malleus.trainer.endpoint.server import ControlServer
     from tests.prometheus.server import Prometheus
 
-    names = tls.worker_names(REF, 2)
     now = dt.datetime.now(dt.UTC)
     servers = []
-    for who, certs in (("job", tls.issue(names, now)), ("impostor", tls.issue(names, now))):
-        (tmp_path / f"{who}.crt").write_text(certs.cert)
-        (tmp_path / f"{who}.key").write_text(certs.key)
+    for who in ("job", "impostor"):  # the same names, each under a CA of its own
+        certs = tls.issue_for_job(REF, 2, now)
+        (tmp_path / f"{who}.crt").write_text(certs.servers[0].cert)
+        (tmp_path / f"{who}.key").write_text(certs.servers[0].key)
         (tmp_path / f"{who}-ca.crt").write_text(certs.ca)
         metrics = TrainerMetrics(JOB, rank=0, node=0)
         metrics.observe_step(41 if who == "job" else 10**9, 1.0, 1.0, 1.0, 1.0)
@@ -142,7 +142,7 @@ def test_a_real_prometheus_scrapes_the_job_but_not_an_impostor(tmp_path: Path) -
                 inbox=None,
                 metrics=metrics,
                 inject=None,
-                tls=server_context(tmp_path / f"{who}.crt", tmp_path / f"{who}.key"),
+                tls=ServingTLS(tmp_path / f"{who}.crt", tmp_path / f"{who}.key"),
             ).start()
         )
     (endpoint,) = monitoring.build_pod_monitor(_job(), REF)["spec"]["podMetricsEndpoints"]

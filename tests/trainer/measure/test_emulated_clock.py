@@ -25,7 +25,6 @@ model) and subtracted from both, the ratio must then match the model within 10%.
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import threading
 import time
@@ -40,6 +39,7 @@ from malleus.job import ResolvedJob
 from malleus.planner import plan_step_time, uniform_plan
 from malleus.trainer import cli
 from malleus.trainer.endpoint.metrics import parse_rates
+from tests.ports import free_port
 
 TOKEN = "clock-token"
 FORWARD_MS, BACKWARD_MS = 60.0, 120.0
@@ -80,12 +80,6 @@ def _manifest() -> dict[str, Any]:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _poll(url: str, done: threading.Event, seen: dict[int, dict[str, Any]]) -> None:
     """Record, per completed step, the first /status and /metrics seen after it."""
     client = ControlClient(url, TOKEN, timeout=2.0)
@@ -124,7 +118,7 @@ def test_slow_rank_reports_its_rate_and_the_step_time_follows_the_cost_model(
     plan_file = tmp_path / "uniform.json"
     plan_file.write_text(uniform.to_json())
 
-    port = _free_port()
+    port = free_port()
     seen: dict[int, dict[str, Any]] = {}
     done = threading.Event()
     poller = threading.Thread(target=_poll, args=(f"http://127.0.0.1:{port}", done, seen))

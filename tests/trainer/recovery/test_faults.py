@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import importlib
 import json
-import socket
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from tests.ports import free_ports
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 tc = importlib.import_module("trainer_cases")
@@ -122,22 +123,12 @@ def test_the_leader_killed_before_deciding_the_others_go_on_at_the_next_epoch(
     print(f"leader {leader} killed: {rec}, run {seconds:.1f}s")
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def test_rank_0_killed_the_coordinator_and_its_endpoint_move(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("MALLEUS_CONTROL_TOKEN", "fault-token")  # the ranks' endpoints want one
     job = fc.fault_job([(2, 0, "kill")])
-    ports = _free_ports(4)
+    ports = free_ports(4)
     codes, results, full, _ = _train(tmp_path, job, REPLICAS, ports=ports)
     assert codes == [-9, 0, 0, 0]
     rec = _one_recovery(results, [1, 2, 3])

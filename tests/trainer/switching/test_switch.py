@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import socket
 import sys
 import threading
 import time
@@ -29,6 +28,8 @@ from typing import Any
 import pytest
 import torch
 import yaml
+
+from tests.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 tc = importlib.import_module("trainer_cases")
@@ -116,12 +117,6 @@ TIED_B = sc.plan_dict((8, [([3, 2], 0, 3), ([1], 3, 4)]), excluded=[0])  # 0 han
 TIED_C = sc.plan_dict((4, [([0], 0, 4)]), (4, [([2, 3], 0, 1), ([1], 1, 4)]))  # 0 re-admitted
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _until(
     client: ControlClient, ok: Callable[[ControlStatus], bool], limit: float = 120
 ) -> ControlStatus:
@@ -177,7 +172,7 @@ def test_live_switches_over_http_then_stop_with_a_checkpoint(
     job.write_text(yaml.safe_dump(sc.manifest(2, 2, tied=True, steps=60, emulation=emulation)))
     for name, data in (("a", TIED_A), ("b", TIED_B)):
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
-    port, ckpt = _free_port(), tmp_path / "ckpt"
+    port, ckpt = free_port(), tmp_path / "ckpt"
     seen: dict[str, Any] = {}
     operator = threading.Thread(target=_operate, args=(f"http://127.0.0.1:{port}", seen))
     operator.start()
