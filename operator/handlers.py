@@ -70,6 +70,7 @@ from .context import MEMO_KEY, Context
 from .k8s import Cluster
 from .metrics import OperatorMetrics
 from .settings import Settings
+from .sources import PrometheusAuthError
 
 __all__ = [
     "FINALIZER",
@@ -241,7 +242,9 @@ async def job_daemon(
 
     Not while the live spec names a Prometheus off the allowlist (``metrics`` changes apply
     live, so on.create's check is not enough): a Warning event says so and the loop starts
-    once the URL is fixed (the trainers keep training on the plan in force meanwhile).
+    once the URL is fixed (the trainers keep training on the plan in force meanwhile). Nor
+    while the Secret it names for Prometheus is missing or not marked for the operator
+    (`sources.CREDENTIALS_LABEL`): a Warning event, and another try later.
     """
     ctx = Context.of(memo)
     ref = resources.JobRef.from_body(body)
@@ -254,9 +257,13 @@ async def job_daemon(
         await stopped.wait(METRICS_URL_POLL_SECONDS)
         if stopped:
             return
-    result = await daemon.run_job(
-        ctx, body, stopped, resync=lambda: sync_pods(ctx, ref.namespace, ref.name)
-    )
+    try:
+        result = await daemon.run_job(
+            ctx, body, stopped, resync=lambda: sync_pods(ctx, ref.namespace, ref.name)
+        )
+    except PrometheusAuthError as e:  # the user's to fix: said once, tried again later
+        await ctx.cluster.post_event(ref, "Warning", "InvalidSpec", f"decision loop paused: {e}")
+        raise kopf.TemporaryError(str(e), delay=METRICS_URL_POLL_SECONDS) from None
     if result == daemon.SPEC_CHANGED:
         raise kopf.TemporaryError("spec changed; restarting the controller with it", delay=1)
     if result == daemon.CERTIFICATES_RENEWED:

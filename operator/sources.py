@@ -27,11 +27,26 @@ from malleus.job import ResolvedJob
 
 from . import resources
 
-__all__ = ["PrometheusAuthError", "TrackingSource", "prometheus_credentials", "rate_source"]
+__all__ = [
+    "CREDENTIALS_LABEL",
+    "PrometheusAuthError",
+    "TrackingSource",
+    "prometheus_credentials",
+    "rate_source",
+]
+
+
+CREDENTIALS_LABEL = "malleus.io/prometheus-credentials"
+"""The label (value ``"true"``) a Secret must carry before the operator reads it for a job's
+``spec.metrics.prometheus``. The operator can read every Secret of a watched namespace, a job
+author need not be able to (the chart's ``malleus-edit`` cannot): without the Secret owner's
+consent, a job naming any Secret would have the operator read it on the author's behalf and
+send it as a bearer token (a confused deputy)."""
 
 
 class PrometheusAuthError(RuntimeError):
-    """A Secret or ConfigMap key that spec.metrics.prometheus names is missing."""
+    """A Secret or ConfigMap that spec.metrics.prometheus names is missing, lacks the key, or
+    (a Secret) does not carry `CREDENTIALS_LABEL`."""
 
 
 class _Reader(Protocol):
@@ -50,12 +65,16 @@ async def prometheus_credentials(
         return None, None
     token = ca = None
     if (ref := prom.bearer_token_secret) is not None:
+        await _check_consent(
+            cluster, namespace, ref.name, "spec.metrics.prometheus.bearerTokenSecret"
+        )
         token = await cluster.read_secret_value(namespace, ref.name, ref.key)
         if not token:
             raise PrometheusAuthError(f"Secret {namespace}/{ref.name} has no key {ref.key!r}")
         token = token.strip()
     tls_spec = prom.tls
     if tls_spec is not None and (ref := tls_spec.ca_secret) is not None:
+        await _check_consent(cluster, namespace, ref.name, "spec.metrics.prometheus.tls.caSecret")
         ca = await cluster.read_secret_value(namespace, ref.name, ref.key)
         if not ca:
             raise PrometheusAuthError(f"Secret {namespace}/{ref.name} has no key {ref.key!r}")
@@ -65,6 +84,20 @@ async def prometheus_credentials(
         if not ca:
             raise PrometheusAuthError(f"ConfigMap {namespace}/{ref.name} has no key {ref.key!r}")
     return token, ca
+
+
+async def _check_consent(cluster: _Reader, namespace: str, name: str, field: str) -> None:
+    """PrometheusAuthError unless Secret ``name`` exists and carries `CREDENTIALS_LABEL`."""
+    secret = await cluster.read("Secret", namespace, name)
+    if secret is None:
+        raise PrometheusAuthError(f"{field}: Secret {namespace}/{name} does not exist")
+    labels = (secret.get("metadata") or {}).get("labels") or {}
+    if labels.get(CREDENTIALS_LABEL) != "true":
+        raise PrometheusAuthError(
+            f"{field}: Secret {namespace}/{name} is not labelled {CREDENTIALS_LABEL}=true; "
+            "the operator reads only Secrets their owners mark for it (kubectl -n "
+            f"{namespace} label secret {name} {CREDENTIALS_LABEL}=true)"
+        )
 
 
 class TrackingSource:

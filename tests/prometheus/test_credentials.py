@@ -13,7 +13,12 @@ from malleus.controller.prometheus import PrometheusSource
 from malleus.errors import BadInput
 from malleus.job import ResolvedJob, load_job
 from malleus.operator import resources
-from malleus.operator.sources import PrometheusAuthError, prometheus_credentials, rate_source
+from malleus.operator.sources import (
+    CREDENTIALS_LABEL,
+    PrometheusAuthError,
+    prometheus_credentials,
+    rate_source,
+)
 
 BASE: dict[str, Any] = {
     "apiVersion": "malleus.io/v1alpha1",
@@ -58,10 +63,13 @@ class Cluster:
 
 
 CA = "-----BEGIN CERTIFICATE-----\n...\n-----END CERTIFICATE-----\n"
+MARKED = {"labels": {CREDENTIALS_LABEL: "true"}}
+"""A Secret its owner marked for the operator's Prometheus client."""
 CLUSTER = {
-    ("Secret", "ml", "prom-token"): {"stringData": {"token": "abc\n"}},
+    ("Secret", "ml", "prom-token"): {"metadata": MARKED, "stringData": {"token": "abc\n"}},
     ("ConfigMap", "ml", "prom-ca"): {"data": {"ca.crt": CA}},
-    ("Secret", "ml", "prom-ca"): {"stringData": {"bundle.pem": CA}},
+    ("Secret", "ml", "prom-ca"): {"metadata": MARKED, "stringData": {"bundle.pem": CA}},
+    ("Secret", "ml", "db-password"): {"stringData": {"password": "hunter2"}},
 }
 URL = "https://thanos.monitoring:10902"
 
@@ -76,7 +84,11 @@ def test_token_and_ca_are_read_from_the_jobs_namespace_by_name() -> None:
     resolved = job(spec)
     token, ca = asyncio.run(prometheus_credentials(cluster, "ml", resolved))
     assert (token, ca) == ("abc", CA)
-    assert cluster.reads == [("Secret", "ml", "prom-token"), ("ConfigMap", "ml", "prom-ca")]
+    assert cluster.reads == [  # the Secret's label, then its value; the ConfigMap
+        ("Secret", "ml", "prom-token"),
+        ("Secret", "ml", "prom-token"),
+        ("ConfigMap", "ml", "prom-ca"),
+    ]
     secret_ca = {**spec, "tls": {"caSecret": {"name": "prom-ca", "key": "bundle.pem"}}}
     assert asyncio.run(prometheus_credentials(cluster, "ml", job(secret_ca)))[1] == CA
     source = rate_source(
@@ -130,3 +142,20 @@ def test_the_real_api_server_keeps_the_auth_fields_and_refuses_two_ca_sources(
     response = admin_api.client.post(url, json=manifest)
     assert response.status_code == 422, response.text
     assert "spec.metrics.prometheus.tls" in response.text
+
+
+@pytest.mark.parametrize("field", ["bearerTokenSecret", "caSecret"])
+def test_a_job_cannot_make_the_operator_read_a_secret_its_owner_did_not_mark(field: str) -> None:
+    """The confused deputy: a job author who may not read Secrets names the namespace's
+    database password as the Prometheus token (or CA). The operator refuses before reading the
+    value, naming the label that would allow it; nothing reaches a Prometheus client."""
+    ref = {"name": "db-password", "key": "password"}
+    spec: dict[str, Any] = {"url": URL}
+    if field == "bearerTokenSecret":
+        spec["bearerTokenSecret"] = ref
+    else:
+        spec["tls"] = {"caSecret": ref}
+    cluster = Cluster(CLUSTER)
+    with pytest.raises(PrometheusAuthError, match=f"not labelled {CREDENTIALS_LABEL}=true"):
+        asyncio.run(prometheus_credentials(cluster, "ml", job(spec)))
+    assert cluster.reads == [("Secret", "ml", "db-password")]  # the label looked at, no value read
