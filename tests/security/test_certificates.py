@@ -1,4 +1,8 @@
-"""A job's certificates renewed while it runs, without the operator losing control of it.
+"""One certificate per worker, renewed while the job runs, without the operator losing control.
+
+Findings: every worker served one shared certificate and key, so a compromised worker could
+answer as the coordinator; certificates expired 30 days after the job's creation with no
+renewal, so a long job lost control. The first test performs the impersonation.
 
 The pieces are the product's: `tls.renewed` (what the operator writes into the Secret),
 `ServingTLS` (the trainer's endpoint reading its files again when they change) and the
@@ -19,7 +23,7 @@ import socket
 import ssl
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 from cryptography import x509
@@ -35,6 +39,7 @@ from malleus.trainer.endpoint.credentials import ServingTLS
 from malleus.trainer.endpoint.server import ControlServer
 from tests.cluster.fixtures import apply_chart_rbac
 from tests.cluster.operating import token_kubeconfig
+from tests.jobs import job_body, manifest
 
 if TYPE_CHECKING:
     from tests.cluster.controlplane import ControlPlane
@@ -88,6 +93,37 @@ def served_serial(port: int, ca: str) -> int:
 
 def serial(pem: str) -> int:
     return x509.load_pem_x509_certificate(pem.encode()).serial_number
+
+
+def test_a_worker_cannot_answer_as_another(tmp_path: Path) -> None:
+    """Worker 1 (compromised) serves with its own certificate and key where the operator
+    expects the coordinator, worker 0: the operator verifies worker 0's name and refuses
+    before the token leaves it. Worker 1's pod holds no other worker's key to do better."""
+    data = tls.issue_for_job(REF, 2, dt.datetime.now(dt.UTC)).secret_data()
+    mount = Mount(tmp_path)
+    mount.publish({**data, tls.worker_cert_key(0): data[tls.worker_cert_key(1)],
+                   tls.worker_key_key(0): data[tls.worker_key_key(1)]})  # fmt: skip
+    seen: list[str] = []
+
+    def status_seen() -> ControlStatus:
+        seen.append("status")
+        return status()
+
+    server = ControlServer("127.0.0.1", 0, TOKEN, status=status_seen, inbox=None, metrics=None,
+                           inject=None,
+                           tls=ServingTLS(tmp_path / tls.CERT_KEY, tmp_path / tls.KEY_KEY))  # fmt: skip
+    as_itself = ControlTLS(data[tls.CA_KEY], server_name=tls.worker_names(REF, 2)[1][0])
+    as_coordinator = ControlTLS(data[tls.CA_KEY], server_name=coordinator_host(REF))
+    with server:
+        with ControlClient(server.url, TOKEN, tls=as_itself) as client:
+            assert client.status().step == 3  # under its own name it is who it says
+        seen.clear()
+        with (
+            ControlClient(server.url, TOKEN, timeout=5.0, tls=as_coordinator) as client,
+            pytest.raises(ControlError, match="CERTIFICATE_VERIFY_FAILED"),
+        ):
+            client.status()
+    assert seen == []  # the request, and its token, never reached the impostor
 
 
 def test_a_renewal_crosses_the_old_certificates_expiry_without_losing_control(
@@ -169,7 +205,6 @@ def test_the_operator_renews_a_jobs_secret_with_the_charts_rights(
     control_plane: ControlPlane,
     admin_api: AdminApi,
     job_namespace: str,
-    make_job: Any,
     tmp_path: Path,
 ) -> None:
     """On the real API server, as the chart's ServiceAccount: the job's children created, then
@@ -177,9 +212,7 @@ def test_the_operator_renews_a_jobs_secret_with_the_charts_rights(
     Secret (new certificates, both CAs, the token untouched) and posts an event; a Secret the
     job does not control is never touched."""
     apply_chart_rbac(control_plane, watch=(job_namespace,))
-    body = make_job(namespace=job_namespace)
-    for key in ("uid", "generation", "resourceVersion"):
-        del body["metadata"][key]
+    body = manifest(job_body(namespace=job_namespace))
     url = f"/apis/malleus.io/v1alpha1/namespaces/{job_namespace}/malleusjobs"
     assert admin_api.client.post(url, json=body).status_code == 201
     cluster = Cluster.connect(str(token_kubeconfig(control_plane, tmp_path / "operator.yaml")))
