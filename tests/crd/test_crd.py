@@ -275,11 +275,11 @@ def test_status_subresource(admin_api: AdminApi, job_namespace: str) -> None:
     assert typed.status.plan.generation == 3
 
     # Spec through the main resource: status ignored, generation bumped.
-    patch = {"spec": {"training": {"steps": 60}}, "status": {"phase": "Failed"}}
+    patch = {"spec": {"stragglerPolicy": {"windowSteps": 7}}, "status": {"phase": "Failed"}}
     response = client.patch(url, json=patch, headers=MERGE_PATCH)
     assert response.status_code == 200, response.text
     later = response.json()
-    assert later["spec"]["training"]["steps"] == 60
+    assert later["spec"]["stragglerPolicy"]["windowSteps"] == 7
     assert later["status"] == STATUS
     assert later["metadata"]["generation"] == job["metadata"]["generation"] + 1
 
@@ -333,3 +333,43 @@ def test_new_job_has_empty_columns(admin_api: AdminApi, job_namespace: str) -> N
     table = admin_api.client.get(collection(job_namespace), headers={"Accept": TABLE})
     [row] = table.json()["rows"]
     assert row["cells"][0] == "tiny-cpu" and row["cells"][1] is None
+
+
+IMMUTABLE_EDITS: list[tuple[str, dict[str, Any]]] = [
+    ("image", {"image": "ghcr.io/example/other:9"}),
+    ("nodes", {"nodes": 4}),
+    ("gpusPerNode", {"gpusPerNode": 8}),
+    ("model", {"model": {"preset": "small"}}),
+    ("training", {"training": {"steps": 60}}),
+    ("parallelism", {"parallelism": {"tp": 1}}),
+    ("failurePolicy", {"failurePolicy": {"maxRestarts": 9}}),
+    ("resources", {"resources": {"cpu": "3"}}),
+    ("controlPort", {"controlPort": 9000}),
+    ("emulation", {"emulation": {"layerForwardMs": 77}}),
+    ("podTemplate added", {"podTemplate": {"metadata": {"labels": {"team": "x"}}}}),
+    ("podGroup added", {"scheduling": {"podGroup": {"name": "gang"}}}),
+]
+LIVE_EDITS: list[tuple[str, dict[str, Any]]] = [
+    ("suspend", {"suspend": True}),
+    ("stragglerPolicy", {"stragglerPolicy": {"windowSteps": 7}}),
+    ("metrics", {"metrics": {"scrapeIntervalSeconds": 30}}),
+    ("scheduleTimeoutSeconds", {"scheduling": {"scheduleTimeoutSeconds": 600}}),
+]
+
+
+def test_what_the_pods_are_made_from_cannot_change(admin_api: AdminApi, job_namespace: str) -> None:
+    """A transition rule: the API server refuses, on update, a change to any field the pods are
+    made from (the operator would only say it ignored it), and lets the live ones through."""
+    job = created(admin_api, job_namespace, base_manifest())
+    url = f"{collection(job_namespace)}/{job['metadata']['name']}"
+    refused = []
+    for what, spec in IMMUTABLE_EDITS:
+        response = admin_api.client.patch(url, json={"spec": spec}, headers=MERGE_PATCH)
+        if response.status_code != 422 or "delete and re-create the job" not in response.text:
+            refused.append((what, response.status_code, response.text[:300]))
+    assert refused == [], refused
+    for what, spec in LIVE_EDITS:
+        response = admin_api.client.patch(url, json={"spec": spec}, headers=MERGE_PATCH)
+        assert response.status_code == 200, (what, response.text)
+    after = admin_api.client.get(url).json()["spec"]
+    assert after["image"] == job["spec"]["image"] and after["suspend"] is True
