@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from malleus.job import API_VERSION, KIND, ResolvedJob, dump_job
+from malleus.job.spec import GPU_RESOURCE
 from malleus.planner.plan import Plan
 
 from .identity import (
@@ -106,8 +107,6 @@ __all__ = [
     "worker_selector",
 ]
 
-GPU_RESOURCE = "nvidia.com/gpu"
-"""The extended resource a GPU node offers (NVIDIA's device plugin)."""
 GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
 """The taint GPU nodes commonly carry to keep other pods off them: the job's pods tolerate it
 (the store too, which may have to sit on a GPU node)."""

@@ -22,14 +22,20 @@ from pydantic.alias_generators import to_camel
 from .presets import GPU_PROFILES, GpuProfile, Preset
 from .spec_base import StrictModel
 from .spec_cluster import (
+    GPU_RESOURCE,
+    Capabilities,
     ContainerOverride,
+    ContainerResources,
+    ContainerSecurity,
     EnvVar,
+    ExtraContainer,
     LocalObjectReference,
     PodGroupApi,
     PodGroupSpec,
     PodSpecOverride,
     PodTemplate,
     PodTemplateMetadata,
+    ResourceClaimRef,
     ResourceOverride,
     RunPolicy,
     SchedulingSpec,
@@ -37,14 +43,19 @@ from .spec_cluster import (
 )
 
 __all__ = [
+    "GPU_RESOURCE",
+    "Capabilities",
     "CheckpointSpec",
     "ContainerOverride",
+    "ContainerResources",
+    "ContainerSecurity",
     "DataFormat",
     "DataSpec",
     "Dataset",
     "DcgmSpec",
     "EmulationSpec",
     "EnvVar",
+    "ExtraContainer",
     "FailKind",
     "FailurePolicy",
     "JobMetadata",
@@ -61,6 +72,7 @@ __all__ = [
     "PodTemplateMetadata",
     "Precision",
     "PrometheusSpec",
+    "ResourceClaimRef",
     "ResourceOverride",
     "ResourcesSpec",
     "RunPolicy",
