@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from malleus.job import job_schema, validate_manifest
+from malleus.job.podpolicy import PodTemplatePolicy, policy_faults
 from malleus.job.spec import ContainerOverride, EnvVar, PodSpecOverride, PodTemplate, VolumeMount
 from malleus.operator import jobs, resources, workers
 from malleus.operator.overrides import OPERATOR_RESOURCES, apply_pod_template
@@ -78,6 +79,110 @@ def test_every_override_reaches_the_pod() -> None:
     for kind in ("requests", "limits"):
         amounts = trainer["resources"][kind]
         assert amounts == {"cpu": "64", "memory": "900Gi", "nvidia.com/gpu": "8", "rdma/hca": "1"}
+
+
+def test_the_gpu_cluster_fields_reach_the_pod_hardened() -> None:
+    """runtimeClassName, topology spread, DNS options, an init container and IPC_LOCK reach
+    the pod; the init container is hardened like the trainer, whose hardening stays whole."""
+    pod = _pod(_example())
+    spec, trainer = pod["spec"], _trainer(pod)
+    assert spec["runtimeClassName"] == "nvidia"
+    (spread,) = spec["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "network.example.com/block"
+    assert spec["dnsConfig"] == {"options": [{"name": "ndots", "value": "2"}]}
+    assert "dnsPolicy" not in spec  # the cluster's DNS, with the job's options added
+    assert trainer["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+    }
+    (init,) = spec["initContainers"]
+    assert init["name"] == "fabric-check" and init["command"] == ["ib-check", "--ports-active"]
+    assert init["resources"]["limits"] == {"cpu": "100m", "memory": "64Mi"}
+    assert init["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert spec["securityContext"]["runAsUser"] == 1000  # the pod's: init containers' too
+
+
+def test_sidecars_claims_and_the_trainers_name(make_job: Any) -> None:
+    """A native sidecar keeps ``restartPolicy: Always``; resource claims reach the pod and
+    the trainer; an init container may never take the trainer's name nor its GPUs (the model
+    refuses both; the operator drops them even from a template built around the model)."""
+    plain = workers.build_pod(jobs.resolve(make_job()), REF, 0)
+    claim = {"name": "nic", "resourceClaimTemplateName": "rdma-nic"}
+    template = PodTemplate.model_validate(
+        {
+            "spec": {
+                "resourceClaims": [claim],
+                "initContainers": [
+                    {
+                        "name": "shipper",
+                        "image": "fluent-bit:3",
+                        "restartPolicy": "Always",
+                        "securityContext": {"capabilities": {"add": ["NET_BIND_SERVICE"]}},
+                        "resources": {"claims": [{"name": "nic"}]},
+                    }
+                ],
+                "containers": [{"name": "trainer", "resources": {"claims": [{"name": "nic"}]}}],
+            }
+        }
+    )
+    pod = apply_pod_template(plain, template)
+    assert pod["spec"]["resourceClaims"] == [claim]
+    assert _trainer(pod)["resources"]["claims"] == [{"name": "nic"}]
+    (sidecar,) = pod["spec"]["initContainers"]
+    assert sidecar["restartPolicy"] == "Always"
+    assert sidecar["securityContext"]["capabilities"] == {
+        "drop": ["ALL"],
+        "add": ["NET_BIND_SERVICE"],
+    }
+    assert sidecar["resources"] == {"claims": [{"name": "nic"}]}
+    for bad in (
+        {"name": "trainer", "image": "evil"},
+        {"name": "x", "image": "y", "resources": {"limits": {"nvidia.com/gpu": 8}}},
+    ):
+        with pytest.raises(ValueError, match="init container"):
+            PodTemplate.model_validate({"spec": {"initContainers": [bad]}})
+    sneaky = template.model_copy(deep=True)
+    sneaky.spec.init_containers[0].name = "trainer"  # no validation on assignment
+    sneaky.spec.init_containers[0].resources.limits["nvidia.com/gpu"] = 8
+    pod = apply_pod_template(plain, sneaky)
+    assert "initContainers" not in pod["spec"]
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["trainer"]
+
+
+def test_a_hostile_init_container_is_hardened_even_unpruned() -> None:
+    """privileged, root, privilege escalation in an init container: the schema has no field
+    for them, the operator reads the body as the API server prunes it, and its hardening is
+    the container's security context whatever the body said."""
+    manifest = _example()
+    (init,) = manifest["spec"]["podTemplate"]["spec"]["initContainers"]
+    init["securityContext"] = {
+        "privileged": True,
+        "runAsUser": 0,
+        "allowPrivilegeEscalation": True,
+        "capabilities": {"add": ["SYS_ADMIN"], "drop": []},
+    }
+    strict = {f.path for f in validate_manifest(manifest)[1]}
+    assert "spec.podTemplate.spec.initContainers[0].securityContext.privileged" in strict
+    (built,) = _pod(manifest)["spec"]["initContainers"]
+    security = built["securityContext"]
+    assert "privileged" not in security and "runAsUser" not in security
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    # SYS_ADMIN got through the model (it is a capability name), never through the policy:
+    faults = policy_faults(
+        jobs.resolve(manifest).spec.pod_template,
+        PodTemplatePolicy(allowed_capabilities=("IPC_LOCK",)),
+        operator_service_account=None,
+    )
+    paths = [f.path for f in faults]
+    assert "spec.podTemplate.spec.initContainers[0].securityContext.capabilities.add[0]" in paths
 
 
 def test_service_account_scheduler_and_no_token() -> None:
