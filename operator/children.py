@@ -387,7 +387,7 @@ async def replace_failed(ctx: Context, body: Mapping[str, Any], at: dt.datetime)
     current = MalleusJobStatus.model_validate({"failures": lst.get("failures") or []}).failures
     ours = {r.node: r for r in done}
     new = [
-        failures.replaced(r)
+        failures.replaced(r, at)
         if r.node in ours and r.state == "Waiting" and r.pod_uid == ours[r.node].pod_uid
         else r
         for r in current or []

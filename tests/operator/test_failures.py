@@ -83,7 +83,7 @@ def test_a_pod_is_counted_once_and_a_node_past_max_restarts_stays_out() -> None:
     assert changed == []
     # replacements fail too: the third failure (maxRestarts 2) leaves the node out
     for n, uid in ((2, "u2"), (3, "u3")):
-        records = [failures.replaced(r) for r in records]
+        records = [failures.replaced(r, T0) for r in records]
         seen = [failures.pod_failure(failed_pod(1, uid), "demo")]
         records, changed = failures.record_failures(records, seen, POLICY, T0)  # type: ignore[arg-type]
         assert changed[0].failures == n
@@ -155,7 +155,7 @@ def test_gpus_out_and_the_degraded_condition() -> None:
     assert "0 (hung)" in cond.message and "replacement due 12:00:10Z" in cond.message
     trainers_only = failures.degraded_condition([], [GpuOut(gpu=3, reason="hung")], 1, T0)
     assert trainers_only.reason == "GpusOut"
-    ok = failures.degraded_condition([failures.replaced(records[0])], [], 1, T0)
+    ok = failures.degraded_condition([failures.replaced(records[0], T0)], [], 1, T0)
     assert (ok.status, ok.reason) == ("False", "AllGpusIn")
 
 
@@ -163,10 +163,10 @@ def test_a_replacement_made_before_a_restart_is_recognised() -> None:
     seen = [failures.pod_failure(failed_pod(1, "u1"), "demo")]
     records, _ = failures.record_failures(None, seen, POLICY, T0)  # type: ignore[arg-type]
     new_pod = {"metadata": {"name": "demo-node-1", "uid": "u1b"}, "status": {"phase": "Pending"}}
-    (fixed,) = failures.reconcile_replaced(records, {"demo-node-1": new_pod})
+    (fixed,) = failures.reconcile_replaced(records, {"demo-node-1": new_pod}, T0)
     assert (fixed.state, fixed.restarts) == ("Replaced", 1)
     # the failed pod itself is no replacement
-    assert failures.reconcile_replaced(records, {"demo-node-1": failed_pod(1, "u1")}) == []
+    assert failures.reconcile_replaced(records, {"demo-node-1": failed_pod(1, "u1")}, T0) == []
 
 
 # ---- builders -------------------------------------------------------------------------------
@@ -464,7 +464,7 @@ def test_a_replacement_still_pending_when_the_others_completed_does_not_hold_the
     )  # type: ignore[list-item]
     stored = {
         "phase": "Running",
-        "failures": [failures.replaced(records[0]).model_dump(mode="json", by_alias=True)],
+        "failures": [failures.replaced(records[0], T0).model_dump(mode="json", by_alias=True)],
     }
     pods = [
         {"metadata": {"name": "demo-node-0", "uid": "u0"}, "status": {"phase": "Succeeded"}},
