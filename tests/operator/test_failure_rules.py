@@ -1,0 +1,191 @@
+"""``spec.failurePolicy`` by cause: what a failed worker pod's cause is (`failures.failure_cause`),
+which rule decides it, what it counts, and when a node's counters start again (pure).
+
+The pods are shaped as Kubernetes and Kueue leave them: the ``DisruptionTarget`` condition the
+API server, the scheduler, the taint manager and the pod GC set before they delete a pod, Kueue's
+``TerminationTarget`` on the pods of a workload it stops, the kubelet's ``Evicted``, an
+``OOMKilled`` container.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import pytest
+
+from malleus.job import FailurePolicy
+from malleus.job.spec import FailureRule
+from malleus.job.status import NodeFailure
+from malleus.operator import failures, lifecycle
+
+T0 = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
+
+
+def pod(
+    uid: str,
+    *,
+    node: int = 1,
+    code: int | None = None,
+    reason: str = "Error",
+    condition: tuple[str, str] | None = None,
+    phase: str = "Failed",
+    status_reason: str | None = None,
+    deleting: bool = False,
+) -> dict[str, Any]:
+    status: dict[str, Any] = {"phase": phase}
+    if code is not None:
+        term = {"exitCode": code, "reason": reason}
+        status["containerStatuses"] = [{"name": "trainer", "state": {"terminated": term}}]
+    if condition is not None:
+        status["conditions"] = [
+            {"type": condition[0], "status": "True", "reason": condition[1]},
+            {"type": "Ready", "status": "False"},
+        ]
+    if status_reason:
+        status["reason"] = status_reason
+    meta: dict[str, Any] = {"name": f"demo-node-{node}", "uid": uid}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T12:00:00Z"
+    return {"metadata": meta, "status": status}
+
+
+@pytest.mark.parametrize(
+    ("body", "cause"),
+    [
+        # Kueue stopped the workload (preempted by a higher priority one, or evicted)
+        (pod("a", code=143, condition=("TerminationTarget", "StoppedByKueue")), "Preempted"),
+        (
+            pod("b", deleting=True, condition=("DisruptionTarget", "PreemptionByScheduler")),
+            "Preempted",
+        ),
+        # kubectl drain: the Eviction API; its SIGTERM'd containers exit 143, still an eviction
+        (pod("c", code=143, condition=("DisruptionTarget", "EvictionByEvictionAPI")), "Evicted"),
+        (pod("d", status_reason="Evicted"), "Evicted"),  # the kubelet, under node pressure
+        (
+            pod("e", deleting=True, condition=("DisruptionTarget", "DeletionByTaintManager")),
+            "NodeLost",
+        ),
+        (pod("f", condition=("DisruptionTarget", "DeletionByPodGC")), "NodeLost"),
+        (pod("g", code=137, reason="OOMKilled"), "OOMKilled"),
+        (pod("h", code=1), "Error"),
+        (pod("i", phase="Running", deleting=True), "Deleted"),
+        (pod("j", status_reason="UnexpectedAdmissionError"), "Failed"),
+    ],
+)
+def test_the_cause_of_a_failure(body: dict[str, Any], cause: str) -> None:
+    found = failures.pod_failure(body, "demo")
+    assert found is not None and found.cause == cause
+
+
+def _fail(records: Any, body: dict[str, Any], policy: FailurePolicy, at: dt.datetime) -> Any:
+    found = failures.pod_failure(body, "demo")
+    assert found is not None
+    return failures.record_failures(records, [found], policy, at)
+
+
+def test_preemption_and_drains_never_burn_max_restarts() -> None:
+    """Five preemptions and evictions of a node with maxRestarts 1: each replaced, none counted;
+    then one real error is counted (1 of 1) and the next puts it out."""
+    policy = FailurePolicy(max_restarts=1, restart_backoff_seconds=10)
+    records: Any = None
+    disruptions = [
+        ("TerminationTarget", "StoppedByKueue"),
+        ("DisruptionTarget", "EvictionByEvictionAPI"),
+        ("DisruptionTarget", "PreemptionByScheduler"),
+        ("DisruptionTarget", "EvictionByEvictionAPI"),
+        ("TerminationTarget", "WorkloadEvicted"),
+    ]
+    for i, cond in enumerate(disruptions):
+        records, (r,) = _fail(records, pod(f"p{i}", code=143, condition=cond), policy, T0)
+        assert (r.state, r.action, r.counted) == ("Waiting", "Ignore", 0), r
+        assert r.rule in ("preemption", "eviction")
+        assert r.replace_at == T0 + dt.timedelta(seconds=10)  # no doubling either
+        records = [failures.replaced(x, T0) for x in records]
+    assert records[0].failures == 5 and records[0].causes == {"Preempted": 3, "Evicted": 2}
+    records, (r,) = _fail(records, pod("e1", code=1), policy, T0)
+    assert (r.state, r.action, r.counted, r.rule) == ("Waiting", "RestartWorker", 1, None)
+    records = [failures.replaced(x, T0) for x in records]
+    records, (r,) = _fail(records, pod("e2", code=1), policy, T0)
+    assert (r.state, r.counted) == ("Out", 2)
+
+
+def test_the_event_says_what_was_counted() -> None:
+    """One ``PodFailed`` event per failure, naming its cause, its rule and whether it counted."""
+    policy = FailurePolicy(max_restarts=1)
+    drained = pod("d", code=143, condition=("DisruptionTarget", "EvictionByEvictionAPI"))
+    expected = ["demo-node-0", "demo-node-1"]
+    running = {"metadata": {"name": "demo-node-0", "uid": "r0"}, "status": {"phase": "Running"}}
+    t = lifecycle.pods_transition(
+        {"phase": "Running"}, [running, drained], expected, 1, T0, policy=policy
+    )
+    (event,) = t.events
+    assert event.reason == "PodFailed"
+    assert "cause Evicted, rule 'eviction': not counted" in event.message
+    assert t.status is not None and t.status.phase is None  # still Running: a replacement comes
+    (record,) = t.status.failures or []
+    stored = {"phase": "Running", "failures": [record.model_dump(mode="json", by_alias=True)]}
+    again = pod("e", code=1)
+    t = lifecycle.pods_transition(stored, [running, again], expected, 1, T0, policy=policy)
+    (event,) = t.events
+    assert "cause Error: counted 1 of maxRestarts 1" in event.message
+
+
+def test_rules_first_match_wins_with_their_own_budgets_and_fail_job() -> None:
+    policy = FailurePolicy(
+        max_restarts=10,
+        rules=[
+            FailureRule(name="bad-code", action="FailJob", on_exit_codes={"values": [3]}),
+            FailureRule(
+                name="oom", action="RestartWorker", on_causes=["OOMKilled"], max_restarts=1
+            ),
+            FailureRule(name="drains-count", action="RestartWorker", on_causes=["Evicted"]),
+            FailureRule(name="lost", action="Ignore", on_causes=["NodeLost"]),
+        ],
+    )
+    evicted = pod("v", code=143, condition=("DisruptionTarget", "EvictionByEvictionAPI"))
+    records, (r,) = _fail(None, evicted, policy, T0)
+    assert (r.rule, r.action, r.counted) == ("drains-count", "RestartWorker", 1)  # before built-in
+    lost = pod("l", deleting=True, condition=("DisruptionTarget", "DeletionByTaintManager"))
+    records, (r,) = _fail([failures.replaced(x, T0) for x in records], lost, policy, T0)
+    assert (r.rule, r.action, r.counted) == ("lost", "Ignore", 1)
+    for i, state in enumerate(("Waiting", "Out")):  # the rule's budget: 1 OOM, not maxRestarts
+        replaced = [failures.replaced(x, T0) for x in records]
+        records, (r,) = _fail(replaced, pod(f"o{i}", code=137, reason="OOMKilled"), policy, T0)
+        assert (r.rule, r.state, r.rule_counts["oom"]) == ("oom", state, i + 1)
+    assert failures.terminal_reason(records, 2) is None
+    other = [failures.replaced(x, T0) for x in records]
+    found = failures.pod_failure(pod("x", node=0, code=3), "demo")
+    assert found is not None
+    records, (r,) = failures.record_failures(other, [found], policy, T0)
+    assert (r.node, r.action, r.state) == (0, "FailJob", "Out")
+    reason, message = failures.terminal_reason(records, 4) or ("", "")
+    assert reason == failures.FAILED_BY_RULE and "'bad-code'" in message
+    # the CRD's rule for maxRestarts, in the model too
+    with pytest.raises(ValueError, match="RestartWorker only"):
+        FailureRule(name="x", action="Ignore", max_restarts=1)
+
+
+def test_counters_start_again_after_a_healthy_period() -> None:
+    policy = FailurePolicy(max_restarts=1, reset_after_seconds=600)
+    records, (r,) = _fail(None, pod("a", code=1), policy, T0)
+    records = [failures.replaced(x, T0 + dt.timedelta(seconds=10)) for x in records]
+    # failed again 10 minutes after its replacement started: a fresh start, counted 1 of 1
+    later = T0 + dt.timedelta(seconds=10 + 600)
+    records, (r,) = _fail(records, pod("b", code=1), policy, later)
+    assert (r.state, r.counted, r.failures, r.causes) == ("Waiting", 1, 2, {"Error": 1})
+    records = [failures.replaced(x, later) for x in records]
+    # and again 9 minutes after that: counted 2 of 1, out
+    records, (r,) = _fail(records, pod("c", code=1), policy, later + dt.timedelta(seconds=540))
+    assert (r.state, r.counted) == ("Out", 2)
+    never = FailurePolicy(max_restarts=1, reset_after_seconds=None)
+    records, _ = _fail(None, pod("a", code=1), never, T0)
+    records = [failures.replaced(x, T0) for x in records]
+    _, (r,) = _fail(records, pod("b", code=1), never, T0 + dt.timedelta(days=30))
+    assert (r.state, r.counted) == ("Out", 2)
+
+
+def test_a_record_from_before_the_rules_keeps_its_count() -> None:
+    old = {"node": 1, "pod": "demo-node-1", "failures": 3, "state": "Replaced",
+           "reason": "Error", "time": "2026-01-01T11:00:00Z"}  # fmt: skip
+    assert NodeFailure.model_validate(old).counted == 3
