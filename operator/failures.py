@@ -57,6 +57,8 @@ __all__ = [
     "NO_VALID_PLAN",
     "NO_WORKERS_LEFT",
     "REPLACE_POLL_SECONDS",
+    "STUCK_TERMINATING",
+    "STUCK_TERMINATING_SECONDS",
     "PodFailure",
     "backoff_seconds",
     "degraded_condition",
@@ -64,11 +66,13 @@ __all__ = [
     "failure_cause",
     "gpus_out",
     "live_nodes",
+    "nothing_to_wait_for",
     "pod_failure",
     "reconcile_replaced",
     "record_failures",
     "replaced",
     "stored_out",
+    "stuck_terminating",
     "terminal_reason",
 ]
 
@@ -82,6 +86,9 @@ FAILED_BY_RULE = "FailedByRule"
 """The job's ``Failed`` reason when a ``spec.failurePolicy.rules`` entry with action
 ``FailJob`` matched a worker's failure."""
 MAX_BACKOFF_SECONDS = 300
+STUCK_TERMINATING = "PodStuckTerminating"
+"""Warning event and ``Ready=False`` reason: a failed worker's pod still Terminating past its
+grace period (`stuck_terminating`), force-deleted for its replacement."""
 STUCK_TERMINATING_SECONDS = 15
 """How long past the end of its grace period (its ``deletionTimestamp``) a pod may stay
 Terminating before the operator force-deletes it (`stuck_terminating`)."""
@@ -467,3 +474,17 @@ def stuck_terminating(pod: Mapping[str, Any], at: dt.datetime) -> bool:
     except ValueError:
         return False
     return (at - ends).total_seconds() >= STUCK_TERMINATING_SECONDS
+
+
+def nothing_to_wait_for(pod: Mapping[str, Any], cause: str | None) -> bool:
+    """Whether a failed worker's pod may be deleted with no grace period, its name freed for
+    the replacement at once: every container of it has ended (a failed or completed pod: no
+    process left to stop), or its node is lost (``NodeLost``: the kubelet that would confirm
+    is gone, and the job's survivors re-formed without its ranks already)."""
+    if cause == "NodeLost":
+        return True
+    st = pod.get("status") or {}
+    if st.get("phase") in ("Failed", "Succeeded"):
+        return True
+    statuses = st.get("containerStatuses") or []
+    return bool(statuses) and all((c.get("state") or {}).get("terminated") for c in statuses)
