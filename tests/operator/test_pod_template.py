@@ -7,7 +7,10 @@ or a security context), and the built pods through kubernetes-validate.
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import json
+import uuid
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -15,9 +18,13 @@ import pytest
 from malleus.job import job_schema, validate_manifest
 from malleus.job.podpolicy import PodTemplatePolicy, policy_faults
 from malleus.job.spec import ContainerOverride, EnvVar, PodSpecOverride, PodTemplate, VolumeMount
-from malleus.operator import jobs, resources, workers
+from malleus.operator import children, jobs, resources, workers
+from malleus.operator.context import Context
+from malleus.operator.k8s import Cluster
+from malleus.operator.metrics import OperatorMetrics
 from malleus.operator.overrides import OPERATOR_RESOURCES, apply_pod_template
 from malleus.operator.resources import JobRef
+from malleus.operator.settings import Settings
 from tests.job.cases import REPO, load_yaml
 
 if TYPE_CHECKING:
@@ -344,3 +351,112 @@ def test_the_crds_reserved_names_are_the_operators(make_job: Any) -> None:
         (rule,) = container["resources"]["properties"][kind]["x-kubernetes-validations"]
         assert all(f"'{r}'" in rule["rule"] for r in OPERATOR_RESOURCES)
     assert resources.GPU_RESOURCE in OPERATOR_RESOURCES
+
+
+def _gpu_manifest(namespace: str, suffix: str) -> dict[str, Any]:
+    """The example with a native sidecar and a DRA claim besides its init container, on a
+    runtime class and priority class of this test's own; no node matches its selector, so its
+    pods stay Pending."""
+    manifest = _example()
+    manifest["metadata"]["namespace"] = namespace
+    spec = manifest["spec"]["podTemplate"]["spec"]
+    spec["runtimeClassName"] = f"nvidia-{suffix}"
+    spec["priorityClassName"] = f"training-{suffix}"
+    spec["initContainers"].append(
+        {"name": "log-shipper", "image": "fluent-bit:3", "restartPolicy": "Always"}
+    )
+    spec["resourceClaims"] = [{"name": "nic", "resourceClaimTemplateName": "rdma-nic"}]
+    spec["containers"][0]["resources"]["claims"] = [{"name": "nic"}]
+    return manifest
+
+
+def test_a_gpu_cluster_job_reaches_the_api_servers_pods_within_the_policy(
+    admin_api: AdminApi, cluster_crd: dict[str, Any]
+) -> None:
+    """On the real control plane: the job with every GPU-cluster field is refused by the
+    default policy (IPC_LOCK, a Secret's env: no pod created), and under a policy that allows
+    them its worker pods are created with them (a native sidecar, the capability beside the
+    operator's hardening, the runtime class, spread, DNS options, the DRA claim) and its store
+    pod with the job's placement and its small footprint. Pod Security then says why
+    ``allowedCapabilities`` is empty by default: ``restricted`` refuses the IPC_LOCK pod and
+    admits the same pod without it, init and sidecar containers included."""
+    del cluster_crd
+    cluster = admin_api.cluster
+    suffix = uuid.uuid4().hex[:8]
+    namespace = cluster.create_namespace(f"gpu-{suffix}")
+    strict = cluster.create_namespace(
+        f"gpu-r-{suffix}", labels={"pod-security.kubernetes.io/enforce": "restricted"}
+    )
+    runtime_class, priority_class = f"nvidia-{suffix}", f"training-{suffix}"
+    classes = {
+        "/apis/node.k8s.io/v1/runtimeclasses": {"handler": "nvidia"},
+        "/apis/scheduling.k8s.io/v1/priorityclasses": {"value": 1000},
+    }
+    for (url, fields), name in zip(classes.items(), (runtime_class, priority_class), strict=True):
+        made = admin_api.client.post(url, json={"metadata": {"name": name}, **fields})
+        assert made.status_code == 201, made.text
+    real = Cluster.connect(str(admin_api.kubeconfig))
+    try:
+        url = f"/apis/malleus.io/v1alpha1/namespaces/{namespace}/malleusjobs"
+        stored = admin_api.client.post(url, json=_gpu_manifest(namespace, suffix))
+        assert stored.status_code == 201, stored.text
+        body = stored.json()
+        job, ref = jobs.resolve(body), JobRef.from_body(body)
+        plan, _ = asyncio.run(jobs.initial_plan(job))
+
+        def ctx(policy: dict[str, Any] | None) -> Context:
+            settings = Settings(metrics_port=0, pod_template_policy=json.dumps(policy or {}))
+            return Context(cluster=real, settings=settings, metrics=OperatorMetrics())
+
+        with pytest.raises(children.PolicyViolation) as refused:
+            asyncio.run(children.ensure_children(ctx(None), job, ref, plan))
+        paths = {f.path for f in refused.value.faults}
+        assert "spec.podTemplate.spec.containers[0].securityContext.capabilities.add[0]" in paths
+        assert admin_api.list("pods", namespace) == []
+        opened = {"allowedCapabilities": ["IPC_LOCK"], "allowSecretEnv": True}
+        asyncio.run(children.ensure_children(ctx(opened), job, ref, plan))
+        pods = {p["metadata"]["name"]: p for p in admin_api.list("pods", namespace)}
+        assert set(pods) == {*(f"gpu-cluster-node-{i}" for i in range(4)), "gpu-cluster-store"}
+        pod = pods["gpu-cluster-node-0"]
+        spec = pod["spec"]
+        assert spec["runtimeClassName"] == runtime_class
+        assert spec["dnsConfig"] == {"options": [{"name": "ndots", "value": "2"}]}
+        assert spec["topologySpreadConstraints"][0]["topologyKey"] == "network.example.com/block"
+        assert spec["resourceClaims"] == [{"name": "nic", "resourceClaimTemplateName": "rdma-nic"}]
+        init, sidecar = spec["initContainers"]
+        assert (init["name"], sidecar["name"], sidecar["restartPolicy"]) == (
+            "fabric-check", "log-shipper", "Always",
+        )  # fmt: skip
+        for c in (init, sidecar):
+            assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        trainer = spec["containers"][0]
+        assert trainer["securityContext"]["capabilities"] == {
+            "drop": ["ALL"],
+            "add": ["IPC_LOCK"],
+        }
+        assert trainer["resources"]["claims"] == [{"name": "nic"}]
+        assert trainer["command"][0] == "torchrun"
+        store_spec = pods["gpu-cluster-store"]["spec"]
+        assert store_spec["nodeSelector"] == spec["nodeSelector"]
+        assert {"key": "dedicated", "operator": "Equal", "value": "training",
+                "effect": "NoSchedule"} in store_spec["tolerations"]  # fmt: skip
+        assert store_spec["containers"][0]["resources"]["limits"] == {
+            "cpu": "100m",
+            "memory": "256Mi",
+        }
+        # Pod Security's restricted level: IPC_LOCK refused, the rest (sidecars too) admitted
+        bare = workers.build_pod(job, JobRef(strict, "gpu-cluster", "u", 1), 1)
+        for key in ("ownerReferences", "uid"):
+            bare["metadata"].pop(key, None)
+        posted = admin_api.client.post(f"/api/v1/namespaces/{strict}/pods", json=bare)
+        assert posted.status_code == 403 and "IPC_LOCK" in posted.text, posted.text
+        bare["spec"]["containers"][0]["securityContext"]["capabilities"].pop("add")
+        posted = admin_api.client.post(f"/api/v1/namespaces/{strict}/pods", json=bare)
+        assert posted.status_code == 201, posted.text
+    finally:
+        real.close()
+        for url, name in zip(classes, (runtime_class, priority_class), strict=True):
+            admin_api.client.delete(f"{url}/{name}")
+        for ns in (namespace, strict):
+            admin_api.client.delete(f"/api/v1/namespaces/{ns}")
