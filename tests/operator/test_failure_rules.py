@@ -9,15 +9,27 @@ API server, the scheduler, the taint manager and the pod GC set before they dele
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
-from typing import Any
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from malleus.job import FailurePolicy
 from malleus.job.spec import FailureRule
 from malleus.job.status import NodeFailure
-from malleus.operator import failures, lifecycle
+from malleus.operator import children, failures, jobs, lifecycle
+from malleus.operator.context import Context
+from malleus.operator.k8s import Cluster
+from malleus.operator.metrics import OperatorMetrics
+from malleus.operator.resources import JobRef
+from malleus.operator.settings import Settings
+from malleus.operator.status import now as status_now
+
+if TYPE_CHECKING:
+    from tests.cluster.fixtures import AdminApi
 
 T0 = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
 
@@ -189,3 +201,99 @@ def test_a_record_from_before_the_rules_keeps_its_count() -> None:
     old = {"node": 1, "pod": "demo-node-1", "failures": 3, "state": "Replaced",
            "reason": "Error", "time": "2026-01-01T11:00:00Z"}  # fmt: skip
     assert NodeFailure.model_validate(old).counted == 3
+
+
+# ---- on the real control plane ----------------------------------------------------------------
+
+
+def _node(name: str) -> dict[str, Any]:
+    """A Node with no kubelet behind it: nothing ever confirms a deletion of its pods."""
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}}
+
+
+def test_a_drained_worker_is_replaced_uncounted_even_stuck_terminating(
+    admin_api: AdminApi, cluster_crd: dict[str, Any], make_job: Any
+) -> None:
+    """The Eviction API (what ``kubectl drain`` calls) on a worker of a running job with
+    ``maxRestarts: 0``: the API server marks the pod (``DisruptionTarget``,
+    ``EvictionByEvictionAPI``) and deletes it; its node never confirms, so the pod stays
+    Terminating. The operator records cause ``Evicted``, rule ``eviction``, not counted; once
+    the pod is past its grace period (1 s) and the 15 s margin it says ``PodStuckTerminating``
+    (Warning event, ``Ready=False``), force-deletes it and creates the replacement; the node is
+    ``Replaced``, never ``Out``."""
+    del cluster_crd
+    cluster, http = admin_api.cluster, admin_api.client
+    suffix = uuid.uuid4().hex[:8]
+    namespace = cluster.create_namespace(f"drain-{suffix}")
+    node = f"no-kubelet-{suffix}"
+    assert http.post("/api/v1/nodes", json=_node(node)).status_code == 201
+    real = Cluster.connect(str(admin_api.kubeconfig))
+    settings = Settings(metrics_port=0, disruption_budgets=False, network_policies=False)
+    ctx = Context(cluster=real, settings=settings, metrics=OperatorMetrics())
+    try:
+        body = make_job(
+            namespace=namespace,
+            failurePolicy={"maxRestarts": 0, "restartBackoffSeconds": 0, "gracePeriodSeconds": 1},
+            podTemplate={"spec": {"nodeSelector": {"malleus.io/nowhere": suffix}}},
+        )
+        for key in ("uid", "generation", "resourceVersion"):
+            del body["metadata"][key]
+        url = f"/apis/malleus.io/v1alpha1/namespaces/{namespace}/malleusjobs"
+        made = http.post(url, json=body)
+        assert made.status_code == 201, made.text
+        stored = made.json()
+        job, ref = jobs.resolve(stored), JobRef.from_body(stored)
+        plan, _ = asyncio.run(jobs.initial_plan(job))
+        asyncio.run(children.ensure_children(ctx, job, ref, plan))
+        running = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True",
+                   "reason": "Training", "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}]}  # fmt: skip
+        asyncio.run(real.patch_job_status(namespace, "demo", running))
+        pods = f"/api/v1/namespaces/{namespace}/pods"
+        for name in ("demo-node-0", "demo-node-1"):
+            target = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": name},
+                      "target": {"apiVersion": "v1", "kind": "Node", "name": node}}  # fmt: skip
+            bound = http.post(f"{pods}/{name}/binding", json=target)
+            assert bound.status_code == 201, bound.text
+        old_uid = http.get(f"{pods}/demo-node-1").json()["metadata"]["uid"]
+        eviction = {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": "demo-node-1"},
+        }
+        evicted = http.post(f"{pods}/demo-node-1/eviction", json=eviction)
+        assert evicted.status_code == 201, evicted.text
+        terminating = http.get(f"{pods}/demo-node-1").json()
+        assert terminating["metadata"].get("deletionTimestamp"), terminating
+        asyncio.run(children.sync_pods(ctx, namespace, "demo", fresh=terminating))
+        (record,) = http.get(f"{url}/demo").json()["status"]["failures"]
+        assert (record["cause"], record["rule"], record["action"]) == (
+            "Evicted",
+            "eviction",
+            "Ignore",
+        )
+        assert (record["state"], record["counted"]) == ("Waiting", 0)
+
+        def replaced() -> list[str] | None:
+            latest = http.get(f"{url}/demo").json()
+            return asyncio.run(children.replace_failed(ctx, latest, status_now())) or None
+
+        deadline = time.monotonic() + 60  # 1 s of grace, then 15 s: stuck
+        while (created := replaced()) is None:
+            assert time.monotonic() < deadline, "no replacement"
+            time.sleep(1)
+        assert created == ["demo-node-1"]
+        new = http.get(f"{pods}/demo-node-1").json()
+        assert new["metadata"]["uid"] != old_uid and not new["metadata"].get("deletionTimestamp")
+        st = http.get(f"{url}/demo").json()["status"]
+        (record,) = st["failures"]
+        assert (record["state"], record["counted"], record["restarts"]) == ("Replaced", 0, 1)
+        ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+        assert (ready["status"], ready["reason"]) == ("False", failures.STUCK_TERMINATING)
+        events = http.get(f"/api/v1/namespaces/{namespace}/events").json()["items"]
+        stuck = [e for e in events if e["reason"] == failures.STUCK_TERMINATING]
+        assert len(stuck) == 1 and stuck[0]["type"] == "Warning", stuck
+        assert node in stuck[0]["message"]
+    finally:
+        real.close()
+        http.delete(f"/api/v1/namespaces/{namespace}")
+        http.delete(f"/api/v1/nodes/{node}")
