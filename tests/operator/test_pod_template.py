@@ -192,6 +192,18 @@ def test_a_hostile_init_container_is_hardened_even_unpruned() -> None:
     assert "spec.podTemplate.spec.initContainers[0].securityContext.capabilities.add[0]" in paths
 
 
+def test_workers_are_ready_once_their_launcher_listens(make_job: Any) -> None:
+    """The readiness probe: torchrun's agent store on every worker (not the control port,
+    which only the coordinator serves); the template cannot replace it."""
+    pod = _pod(_example())
+    probe = _trainer(pod)["readinessProbe"]
+    assert probe["tcpSocket"] == {"port": resources.RENDEZVOUS_PORT}
+    assert probe == workers.READINESS_PROBE
+    assert f"--master-port={resources.RENDEZVOUS_PORT}" in _trainer(pod)["command"]
+    plain = workers.build_pod(jobs.resolve(make_job()), REF, 1)
+    assert _trainer(plain)["readinessProbe"] == workers.READINESS_PROBE
+
+
 def test_service_account_scheduler_and_no_token() -> None:
     manifest = _example()
     manifest["spec"]["podTemplate"]["spec"].update(
