@@ -251,7 +251,7 @@ class FailureRule(StrictModel):
     the built-in rules (`DEFAULT_FAILURE_RULES`), then counted as ``RestartWorker``.
     """
 
-    name: str
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
     """Named in the failure's record (``status.failures[*].rule``) and its event."""
     action: FailureAction
     on_causes: list[FailureCause] = Field(default_factory=list)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from malleus.job import FailurePolicy
+from malleus.job import FailurePolicy, validate_manifest
 from malleus.job.spec import FailureRule
 from malleus.job.status import NodeFailure
 from malleus.operator import children, failures, jobs, lifecycle
@@ -195,6 +195,35 @@ def test_counters_start_again_after_a_healthy_period() -> None:
     records = [failures.replaced(x, T0) for x in records]
     _, (r,) = _fail(records, pod("b", code=1), never, T0 + dt.timedelta(days=30))
     assert (r.state, r.counted) == ("Out", 2)
+
+
+def test_the_crd_defaults_and_judges_the_rules_as_the_model_does(make_job: Any) -> None:
+    """The schema (and its CEL, as the API server applies it) and the model agree: defaults
+    (``resetAfterSeconds`` 3600, ``operator: In``), a budget only on ``RestartWorker``, causes
+    by name, unique rule names."""
+    rules = [
+        {"name": "oom", "action": "RestartWorker", "onCauses": ["OOMKilled"], "maxRestarts": 1},
+        {"name": "bad-code", "action": "FailJob", "onExitCodes": {"values": [3]}},
+    ]
+    body = make_job(failurePolicy={"rules": rules})
+    defaulted, faults = validate_manifest(body)
+    assert faults == []
+    policy = FailurePolicy.model_validate(defaulted["spec"]["failurePolicy"])
+    assert policy.reset_after_seconds == 3600
+    assert policy.rules[1].on_exit_codes is not None
+    assert policy.rules[1].on_exit_codes.operator == "In"
+    for bad, where in (
+        ({"name": "x", "action": "Ignore", "maxRestarts": 1}, "rules[0].maxRestarts"),
+        ({"name": "x", "action": "RestartWorker", "onCauses": ["Sunspots"]}, "onCauses[0]"),
+        ({"name": "X y", "action": "Ignore"}, "rules[0].name"),
+    ):
+        _, faults = validate_manifest(make_job(failurePolicy={"rules": [bad]}))
+        assert any(where in f.path for f in faults), (bad, faults)
+        with pytest.raises(ValueError):
+            FailureRule.model_validate(bad)
+    twice = [{"name": "x", "action": "Ignore"}, {"name": "x", "action": "FailJob"}]
+    _, faults = validate_manifest(make_job(failurePolicy={"rules": twice}))
+    assert faults, "rule names are unique"
 
 
 def test_a_record_from_before_the_rules_keeps_its_count() -> None:
