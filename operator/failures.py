@@ -42,7 +42,7 @@ from malleus.errors import (
     NO_PLAN_REASON,
 )
 from malleus.job import Condition, FailurePolicy
-from malleus.job.spec import FailureRule
+from malleus.job.spec import FailureCause, FailureRule
 from malleus.job.status import GpuOut, NodeFailure
 
 from .status import condition
@@ -106,8 +106,8 @@ class PodFailure:
     reason: str
     message: str
     exit_code: int | None = None
-    cause: str = "Failed"
-    """`malleus.job.spec.FailureCause`: what `failure_cause` tells from the pod."""
+    cause: FailureCause = "Failed"
+    """What `failure_cause` tells from the pod."""
 
 
 def _node_of(name: str, job: str) -> int | None:
@@ -117,7 +117,7 @@ def _node_of(name: str, job: str) -> int | None:
     return int(tail) if tail.isdigit() and str(int(tail)) == tail else None
 
 
-DISRUPTION_CAUSES = {
+DISRUPTION_CAUSES: dict[str, FailureCause] = {
     "PreemptionByScheduler": "Preempted",
     "EvictionByEvictionAPI": "Evicted",
     "TerminationByKubelet": "Evicted",
@@ -129,11 +129,15 @@ pod) -> the failure's cause."""
 KUEUE_STOPPED = "TerminationTarget"
 """The condition Kueue's pod integration sets on the pods of a workload it stops (preempted,
 evicted from its queue): the cause is ``Preempted`` whatever its reason."""
-_KUBELET_REASONS = {"Evicted": "Evicted", "Shutdown": "Evicted", "Terminated": "Evicted"}
+_KUBELET_REASONS: dict[str, FailureCause] = {
+    "Evicted": "Evicted",
+    "Shutdown": "Evicted",
+    "Terminated": "Evicted",
+}
 """Pod ``status.reason``s of a kubelet that stopped the pod (node pressure, a node shutdown)."""
 
 
-def failure_cause(pod: Mapping[str, Any], *, exit_code: int | None, reason: str) -> str:
+def failure_cause(pod: Mapping[str, Any], *, exit_code: int | None, reason: str) -> FailureCause:
     """Why the pod failed (`malleus.job.spec.FailureCause`): the disruption Kubernetes or
     Kueue announced on it first (a preempted or evicted pod's containers then exit non-zero
     too, which must not make it an ``Error``), then the kubelet's reason, an out-of-memory
@@ -296,7 +300,7 @@ def record_failures(
             time=at,
             pod_uid=f.uid,
             replace_at=None if out else at + dt.timedelta(seconds=wait),
-            cause=f.cause,  # type: ignore[arg-type]  # one of FailureCause, by failure_cause
+            cause=f.cause,
             rule=rule.name if rule is not None else None,
             action=action,
             counted=counted,
