@@ -490,5 +490,6 @@ def nothing_to_wait_for(pod: Mapping[str, Any], cause: str | None) -> bool:
     st = pod.get("status") or {}
     if st.get("phase") in ("Failed", "Succeeded"):
         return True
-    statuses = st.get("containerStatuses") or []
+    # a native sidecar (a log shipper) still running is given its grace to flush, too
+    statuses = [*(st.get("containerStatuses") or []), *(st.get("initContainerStatuses") or [])]
     return bool(statuses) and all((c.get("state") or {}).get("terminated") for c in statuses)

@@ -197,6 +197,18 @@ def test_counters_start_again_after_a_healthy_period() -> None:
     assert (r.state, r.counted) == ("Out", 2)
 
 
+def test_only_a_pod_with_nothing_running_or_a_lost_node_is_deleted_without_grace() -> None:
+    ended = {"state": {"terminated": {"exitCode": 1}}}
+    running = {"state": {"running": {}}}
+    body = {"status": {"phase": "Running", "containerStatuses": [ended]}}
+    assert failures.nothing_to_wait_for(body, "Error")
+    body["status"]["initContainerStatuses"] = [running]  # a native sidecar still flushing
+    assert not failures.nothing_to_wait_for(body, "Error")
+    assert failures.nothing_to_wait_for(body, "NodeLost")  # no kubelet will ever confirm
+    assert failures.nothing_to_wait_for({"status": {"phase": "Failed"}}, "Evicted")
+    assert not failures.nothing_to_wait_for({"status": {"phase": "Running"}}, "Deleted")
+
+
 def test_the_crd_defaults_and_judges_the_rules_as_the_model_does(make_job: Any) -> None:
     """The schema (and its CEL, as the API server applies it) and the model agree: defaults
     (``resetAfterSeconds`` 3600, ``operator: In``), a budget only on ``RestartWorker``, causes
