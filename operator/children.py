@@ -370,12 +370,18 @@ async def _replace(
 ) -> bool:
     """One step towards node ``record.node``'s replacement; True once it exists.
 
-    The failed pod is deleted first (same name: its DNS name and certificate stay valid), and
-    the replacement created once the name is free; an existing pod that is neither the failed
-    one nor failed is the replacement already (created before an operator restart). ``join``:
-    its trainers join a running job (a job still Pending has not formed its group yet: then
-    the replacement starts like the first pods). `PolicyViolation` (nothing deleted, nothing
-    created) when the policy no longer admits the job's pod template.
+    The failed pod is deleted first (same name: its DNS name, certificate and Prometheus
+    series stay the node's), and the replacement created as soon as the name is free. The name
+    is freed at once (deleted with no grace, `failures.nothing_to_wait_for`) when nothing in the
+    old pod runs any more (every container ended) or its node is lost (no kubelet will ever
+    confirm); only a pod whose trainers still run gets its grace period to checkpoint and exit,
+    and one still there `failures.STUCK_TERMINATING_SECONDS` after that is stuck: a Warning
+    ``PodStuckTerminating`` event, ``Ready=False`` with that reason, and a forced deletion. An
+    existing pod that is neither the failed one nor failed is the replacement already (created
+    before an operator restart). ``join``: its trainers join a running job (a job still Pending
+    has not formed its group yet: then the replacement starts like the first pods).
+    `PolicyViolation` (nothing deleted, nothing created) when the policy no longer admits the
+    job's pod template.
     """
     check_pod_policy(ctx.settings, job)
     pod = await ctx.cluster.read("Pod", ref.namespace, record.pod)
@@ -386,14 +392,45 @@ async def _replace(
         meta = pod.get("metadata") or {}
         if meta.get("uid") != record.pod_uid and failures.pod_failure(pod, ref.name) is None:
             return True
-        if not meta.get("deletionTimestamp"):
-            await ctx.cluster.delete("Pod", ref.namespace, record.pod)
-        elif failures.stuck_terminating(pod, status.now()):  # on a lost node
+        at = status.now()
+        if failures.nothing_to_wait_for(pod, record.cause):
             await ctx.cluster.delete("Pod", ref.namespace, record.pod, grace_period_seconds=0)
-        return False
+        elif not meta.get("deletionTimestamp"):
+            await ctx.cluster.delete("Pod", ref.namespace, record.pod)
+            return False
+        elif failures.stuck_terminating(pod, at):
+            await _report_stuck(ctx, ref, pod, at)
+            await ctx.cluster.delete("Pod", ref.namespace, record.pod, grace_period_seconds=0)
+        else:
+            return False  # its trainers' grace period: they checkpoint and exit
+        if await ctx.cluster.read("Pod", ref.namespace, record.pod) is not None:
+            return False  # not gone yet (a finalizer of someone else's): the next poll
     obj = workers.build_pod(job, ref, record.node, join=join, restart=record.restarts + 1)
     await ctx.cluster.create(obj)
     return True
+
+
+async def _report_stuck(
+    ctx: Context, ref: resources.JobRef, pod: Mapping[str, Any], at: dt.datetime
+) -> None:
+    """A Warning ``PodStuckTerminating`` event and ``Ready=False`` with that reason: the pod's
+    node does not confirm its end (said once: the pod is force-deleted right after)."""
+    name = (pod.get("metadata") or {}).get("name")
+    node = (pod.get("spec") or {}).get("nodeName") or "its node"
+    message = (
+        f"pod {name} is still Terminating past its grace period: {node} does not confirm that "
+        "its containers ended (a lost or partitioned node?); force-deleting it so that its "
+        "replacement can start"
+    )
+    await ctx.cluster.post_event(ref, "Warning", failures.STUCK_TERMINATING, message)
+    job = await ctx.cluster.get_job(ref.namespace, ref.name)
+    conds = ((job or {}).get("status") or {}).get("conditions")
+    ready = status.condition(
+        status.READY, False, failures.STUCK_TERMINATING, message, ref.generation, at
+    )
+    patch = MalleusJobStatus(conditions=status.merge_conditions(conds, ready))
+    await ctx.cluster.patch_job_status(ref.namespace, ref.name, status.dump(patch))
+    log.warning("%s/%s: %s", ref.namespace, ref.name, message)
 
 
 async def replace_failed(ctx: Context, body: Mapping[str, Any], at: dt.datetime) -> list[str]:
@@ -427,7 +464,7 @@ async def replace_failed(ctx: Context, body: Mapping[str, Any], at: dt.datetime)
     current = MalleusJobStatus.model_validate({"failures": lst.get("failures") or []}).failures
     ours = {r.node: r for r in done}
     new = [
-        failures.replaced(r)
+        failures.replaced(r, at)
         if r.node in ours and r.state == "Waiting" and r.pod_uid == ours[r.node].pod_uid
         else r
         for r in current or []

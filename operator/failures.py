@@ -30,6 +30,7 @@ without a second create (`reconcile_replaced`), and creating an existing name ne
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from malleus.errors import (
     NO_PLAN_REASON,
 )
 from malleus.job import Condition, FailurePolicy
+from malleus.job.spec import FailureCause, FailureRule
 from malleus.job.status import GpuOut, NodeFailure
 
 from .status import condition
@@ -48,21 +50,29 @@ from .status import condition
 __all__ = [
     "BAD_INPUT",
     "DEGRADED",
+    "DISRUPTION_CAUSES",
+    "FAILED_BY_RULE",
+    "KUEUE_STOPPED",
     "MAX_BACKOFF_SECONDS",
     "NO_VALID_PLAN",
     "NO_WORKERS_LEFT",
     "REPLACE_POLL_SECONDS",
+    "STUCK_TERMINATING",
+    "STUCK_TERMINATING_SECONDS",
     "PodFailure",
     "backoff_seconds",
     "degraded_condition",
     "due_replacements",
+    "failure_cause",
     "gpus_out",
     "live_nodes",
+    "nothing_to_wait_for",
     "pod_failure",
     "reconcile_replaced",
     "record_failures",
     "replaced",
     "stored_out",
+    "stuck_terminating",
     "terminal_reason",
 ]
 
@@ -72,7 +82,13 @@ NO_VALID_PLAN = NO_PLAN_REASON
 BAD_INPUT = BAD_INPUT_REASON
 """A trainer refused the job's input (`BAD_INPUT_EXIT`, or its termination message says so)."""
 NO_WORKERS_LEFT = "NoWorkersLeft"
+FAILED_BY_RULE = "FailedByRule"
+"""The job's ``Failed`` reason when a ``spec.failurePolicy.rules`` entry with action
+``FailJob`` matched a worker's failure."""
 MAX_BACKOFF_SECONDS = 300
+STUCK_TERMINATING = "PodStuckTerminating"
+"""Warning event and ``Ready=False`` reason: a failed worker's pod still Terminating past its
+grace period (`stuck_terminating`), force-deleted for its replacement."""
 STUCK_TERMINATING_SECONDS = 15
 """How long past the end of its grace period (its ``deletionTimestamp``) a pod may stay
 Terminating before the operator force-deletes it (`stuck_terminating`)."""
@@ -90,6 +106,8 @@ class PodFailure:
     reason: str
     message: str
     exit_code: int | None = None
+    cause: FailureCause = "Failed"
+    """What `failure_cause` tells from the pod."""
 
 
 def _node_of(name: str, job: str) -> int | None:
@@ -99,13 +117,68 @@ def _node_of(name: str, job: str) -> int | None:
     return int(tail) if tail.isdigit() and str(int(tail)) == tail else None
 
 
+DISRUPTION_CAUSES: dict[str, FailureCause] = {
+    "PreemptionByScheduler": "Preempted",
+    "EvictionByEvictionAPI": "Evicted",
+    "TerminationByKubelet": "Evicted",
+    "DeletionByTaintManager": "NodeLost",
+    "DeletionByPodGC": "NodeLost",
+}
+"""The ``DisruptionTarget`` condition's reasons (set by Kubernetes before it deletes or stops a
+pod) -> the failure's cause."""
+KUEUE_STOPPED = "TerminationTarget"
+"""The condition Kueue's pod integration sets on the pods of a workload it stops (preempted,
+evicted from its queue): the cause is ``Preempted`` whatever its reason."""
+_KUBELET_REASONS: dict[str, FailureCause] = {
+    "Evicted": "Evicted",
+    "Shutdown": "Evicted",
+    "Terminated": "Evicted",
+}
+"""Pod ``status.reason``s of a kubelet that stopped the pod (node pressure, a node shutdown)."""
+
+
+def failure_cause(pod: Mapping[str, Any], *, exit_code: int | None, reason: str) -> FailureCause:
+    """Why the pod failed (`malleus.job.spec.FailureCause`): the disruption Kubernetes or
+    Kueue announced on it first (a preempted or evicted pod's containers then exit non-zero
+    too, which must not make it an ``Error``), then the kubelet's reason, an out-of-memory
+    kill, a non-zero exit, a deletion."""
+    st = pod.get("status") or {}
+    for c in st.get("conditions") or []:
+        if c.get("status") != "True":
+            continue
+        if c.get("type") == KUEUE_STOPPED:
+            return "Preempted"
+        if c.get("type") == "DisruptionTarget" and c.get("reason") in DISRUPTION_CAUSES:
+            return DISRUPTION_CAUSES[str(c["reason"])]
+    if st.get("reason") in _KUBELET_REASONS:
+        return _KUBELET_REASONS[str(st["reason"])]
+    if st.get("reason") == "NodeLost":
+        return "NodeLost"
+    for cs in st.get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated") or {}
+        if term.get("reason") == "OOMKilled":
+            return "OOMKilled"
+    if exit_code is not None:
+        return "Error"
+    return "Deleted" if reason == "Deleted" else "Failed"
+
+
 def pod_failure(pod: Mapping[str, Any], job: str, *, deleted: bool = False) -> PodFailure | None:
-    """The failure of a worker pod, or None when it has not failed.
+    """The failure of a worker pod, with its cause (`failure_cause`), or None when it has not
+    failed.
 
     Failed: phase ``Failed`` (evicted, node lost), any container terminated with a non-zero
     code (one dead rank takes its pod down under ``--max-restarts=0``), or the pod deleted (or
     being deleted) under a live job.
     """
+    found = _pod_failure(pod, job, deleted=deleted)
+    if found is None:
+        return None
+    cause = failure_cause(pod, exit_code=found.exit_code, reason=found.reason)
+    return dataclasses.replace(found, cause=cause)
+
+
+def _pod_failure(pod: Mapping[str, Any], job: str, *, deleted: bool = False) -> PodFailure | None:
     meta = pod.get("metadata") or {}
     name = str(meta.get("name") or "")
     node = _node_of(name, job)
@@ -154,6 +227,27 @@ def _records(stored: Iterable[Mapping[str, Any] | NodeFailure] | None) -> list[N
     return out
 
 
+def _reset(old: NodeFailure, policy: FailurePolicy, at: dt.datetime) -> bool:
+    """Whether ``old``'s counters are forgotten: its replacement has run ``resetAfterSeconds``
+    (from its creation; a record older than ``replacedAt`` from its failure) with no failure."""
+    if policy.reset_after_seconds is None or old.state != "Replaced":
+        return False
+    since = old.replaced_at or old.time
+    return (at - since).total_seconds() >= policy.reset_after_seconds
+
+
+def _over_budget(
+    policy: FailurePolicy, rule: FailureRule | None, counted: int, rule_counts: Mapping[str, int]
+) -> bool:
+    if counted > policy.max_restarts:
+        return True
+    return bool(
+        rule is not None
+        and rule.max_restarts is not None
+        and rule_counts.get(rule.name, 0) > rule.max_restarts
+    )
+
+
 def record_failures(
     stored: Iterable[Mapping[str, Any] | NodeFailure] | None,
     seen: Sequence[PodFailure],
@@ -163,7 +257,11 @@ def record_failures(
     """(every node's record, the records that changed) after the failures ``seen`` now.
 
     A pod already recorded (same uid) is not counted again; a pod seen missing (no uid) counts
-    only when its node was not already waiting for, or done with, its replacement.
+    only when its node was not already waiting for, or done with, its replacement. Each new
+    failure is decided by ``policy`` (`FailurePolicy.decide`, by its cause and exit code):
+    ``RestartWorker`` counts it (the node is ``Out`` past ``maxRestarts`` or the rule's own
+    budget), ``Ignore`` replaces the pod uncounted, ``FailJob`` fails the job
+    (`terminal_reason`); a node whose replacement ran ``resetAfterSeconds`` starts from zero.
     """
     records = {r.node: r for r in _records(stored)}
     changed: dict[int, NodeFailure] = {}
@@ -174,21 +272,41 @@ def record_failures(
                 continue  # this pod's failure is counted already
             if old.state in ("Waiting", "Out") and (f.uid is None or f.reason == "Deleted"):
                 continue  # the failed pod going away (deleted for its replacement, or by hand)
-        count = (old.failures if old else 0) + 1
-        restarts = old.restarts if old else 0
-        out = count > policy.max_restarts or f.reason in (NO_VALID_PLAN, BAD_INPUT)
-        wait = backoff_seconds(policy, count)
+        fresh = old is None or _reset(old, policy, at)
+        counted = 0 if fresh or old is None else old.counted
+        causes = {} if fresh or old is None else dict(old.causes)
+        rule_counts = {} if fresh or old is None else dict(old.rule_counts)
+        causes[f.cause] = causes.get(f.cause, 0) + 1
+        rule = policy.decide(f.cause, f.exit_code)
+        action = rule.action if rule is not None else "RestartWorker"
+        if action == "RestartWorker":
+            counted += 1
+            if rule is not None:
+                rule_counts[rule.name] = rule_counts.get(rule.name, 0) + 1
+        out = (
+            action == "FailJob"
+            or f.reason in (NO_VALID_PLAN, BAD_INPUT)
+            or (action == "RestartWorker" and _over_budget(policy, rule, counted, rule_counts))
+        )
+        wait = backoff_seconds(policy, counted if action == "RestartWorker" else 1)
         new = NodeFailure(
             node=f.node,
             pod=f.pod,
-            failures=count,
-            restarts=restarts,
+            failures=(old.failures if old else 0) + 1,
+            restarts=old.restarts if old else 0,
             state="Out" if out else "Waiting",
             reason=f.reason,
             message=f.message[:4096],
             time=at,
             pod_uid=f.uid,
             replace_at=None if out else at + dt.timedelta(seconds=wait),
+            cause=f.cause,
+            rule=rule.name if rule is not None else None,
+            action=action,
+            counted=counted,
+            causes=causes,
+            rule_counts=rule_counts,
+            replaced_at=old.replaced_at if old else None,
         )
         records[f.node] = changed[f.node] = new
     return sorted(records.values(), key=lambda r: r.node), sorted(
@@ -222,18 +340,25 @@ def due_replacements(records: Iterable[NodeFailure], at: dt.datetime) -> list[No
     ]
 
 
-def replaced(record: NodeFailure) -> NodeFailure:
-    """``record`` once its replacement pod exists: one more restart, state ``Replaced``."""
+def replaced(record: NodeFailure, at: dt.datetime) -> NodeFailure:
+    """``record`` once its replacement pod exists (created at ``at``): one more restart,
+    state ``Replaced``; its healthy time (``resetAfterSeconds``) runs from ``at``."""
     return record.model_copy(
-        update={"state": "Replaced", "restarts": record.restarts + 1, "replace_at": None}
+        update={
+            "state": "Replaced",
+            "restarts": record.restarts + 1,
+            "replace_at": None,
+            "replaced_at": at,
+        }
     )
 
 
 def reconcile_replaced(
-    records: Iterable[NodeFailure], pods: Mapping[str, Mapping[str, Any]]
+    records: Iterable[NodeFailure], pods: Mapping[str, Mapping[str, Any]], at: dt.datetime
 ) -> list[NodeFailure]:
     """``Waiting`` records whose node already has a pod other than the failed one, not failed
-    itself (a replacement created just before an operator restart): now ``Replaced``."""
+    itself (a replacement created just before an operator restart): now ``Replaced`` (as of
+    ``at``, the pod's creation time when it says)."""
     fixed: list[NodeFailure] = []
     for r in records:
         pod = pods.get(r.pod)
@@ -241,8 +366,16 @@ def reconcile_replaced(
             continue
         uid = (pod.get("metadata") or {}).get("uid")
         if uid and uid != r.pod_uid and pod_failure(pod, r.pod.rsplit("-node-", 1)[0]) is None:
-            fixed.append(replaced(r))
+            fixed.append(replaced(r, _created(pod) or at))
     return fixed
+
+
+def _created(pod: Mapping[str, Any]) -> dt.datetime | None:
+    stamp = (pod.get("metadata") or {}).get("creationTimestamp")
+    try:
+        return dt.datetime.fromisoformat(str(stamp).replace("Z", "+00:00")) if stamp else None
+    except ValueError:
+        return None
 
 
 def terminal_reason(records: Iterable[NodeFailure], nodes: int) -> tuple[str, str] | None:
@@ -258,6 +391,12 @@ def terminal_reason(records: Iterable[NodeFailure], nodes: int) -> tuple[str, st
     if no_plan:
         return NO_VALID_PLAN, (
             f"no valid plan exists on the GPUs left ({no_plan[0].pod}: {no_plan[0].message})"
+        )
+    ruled = [r for r in records if r.action == "FailJob"]
+    if ruled:
+        r = ruled[0]
+        return FAILED_BY_RULE, (
+            f"spec.failurePolicy rule {r.rule!r} fails the job on {r.cause}: {r.pod}: {r.message}"
         )
     out = sorted(r.node for r in records if r.state == "Out")
     if nodes and len(out) >= nodes:
@@ -339,3 +478,18 @@ def stuck_terminating(pod: Mapping[str, Any], at: dt.datetime) -> bool:
     except ValueError:
         return False
     return (at - ends).total_seconds() >= STUCK_TERMINATING_SECONDS
+
+
+def nothing_to_wait_for(pod: Mapping[str, Any], cause: str | None) -> bool:
+    """Whether a failed worker's pod may be deleted with no grace period, its name freed for
+    the replacement at once: every container of it has ended (a failed or completed pod: no
+    process left to stop), or its node is lost (``NodeLost``: the kubelet that would confirm
+    is gone, and the job's survivors re-formed without its ranks already)."""
+    if cause == "NodeLost":
+        return True
+    st = pod.get("status") or {}
+    if st.get("phase") in ("Failed", "Succeeded"):
+        return True
+    # a native sidecar (a log shipper) still running is given its grace to flush, too
+    statuses = [*(st.get("containerStatuses") or []), *(st.get("initContainerStatuses") or [])]
+    return bool(statuses) and all((c.get("state") or {}).get("terminated") for c in statuses)

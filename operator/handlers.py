@@ -74,6 +74,8 @@ from .sources import PrometheusAuthError
 
 __all__ = [
     "FINALIZER",
+    "POD_SELECTOR",
+    "POD_WATCH",
     "close",
     "configure",
     "job_daemon",
@@ -93,6 +95,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FINALIZER = "malleus.io/finalizer"
+POD_WATCH = ("v1", "pods")
+POD_SELECTOR = f"app.kubernetes.io/managed-by={resources.MANAGED_BY},{resources.JOB_LABEL}"
+"""The label selector of the operator's pod watch (server-side): the pods it created, each
+labelled with its job (workers and stores alike)."""
 METRICS_URL_POLL_SECONDS = 30.0
 """How often a daemon paused on a disallowed Prometheus URL reads the live spec again."""
 _LIVE = ("suspend", "scheduling.scheduleTimeoutSeconds")  # read by the admission timer
@@ -113,6 +119,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         prefix="malleus.io", key="last-handled-configuration"
     )
     settings.posting.level = logging.WARNING  # our own events tell the story; not every log line
+    # The API server filters the pod watch: a cluster's thousands of other pods never reach us
+    # (kopf's handler ``labels=`` filter alone is applied after the event arrived).
+    settings.watching.label_selectors[POD_WATCH] = POD_SELECTOR
     existing = memo.get(MEMO_KEY)
     ours = existing.settings if isinstance(existing, Context) else memo.get("settings")
     if not isinstance(ours, Settings):
@@ -202,7 +211,7 @@ async def on_update(
 # ---- pods -----------------------------------------------------------------------------------
 
 
-@kopf.on.event("v1", "pods", labels={"app.kubernetes.io/managed-by": resources.MANAGED_BY})
+@kopf.on.event(*POD_WATCH, labels={"app.kubernetes.io/managed-by": resources.MANAGED_BY})
 async def on_pod_event(
     event: Mapping[str, Any],
     body: kopf.Body,

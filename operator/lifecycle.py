@@ -163,7 +163,7 @@ def pods_transition(
     records, changed = failures.record_failures(
         stored.get("failures"), [f for f in seen if f is not None], policy, at
     )
-    fixed = {r.node: r for r in failures.reconcile_replaced(records, by_body)}
+    fixed = {r.node: r for r in failures.reconcile_replaced(records, by_body, at)}
     if fixed:
         records = [fixed.get(r.node, r) for r in records]
     patch = MalleusJobStatus()
@@ -196,22 +196,28 @@ def pods_transition(
 
 def _failure_event(r: NodeFailure, policy: FailurePolicy) -> Event:
     text = f"{r.pod}: {r.message}"
-    if r.state == "Out":
+    decided = f"cause {r.cause}" + (f", rule {r.rule!r}" if r.rule else "")
+    if r.action == "FailJob":
+        text += f"; {decided}: the job fails"
+    elif r.state == "Out":
         final = {
             failures.NO_VALID_PLAN: "no valid plan",
             failures.BAD_INPUT: "its trainers refused the job's input",
         }
         why = final.get(
             r.reason,
-            f"failed {r.failures} time(s), spec.failurePolicy.maxRestarts {policy.max_restarts}",
+            f"{r.counted} counted failure(s), spec.failurePolicy.maxRestarts "
+            f"{policy.max_restarts}" + (f", rule {r.rule!r}" if r.rule else ""),
         )
         text += f"; node {r.node} stays out of the job ({why})"
     else:
-        wait = failures.backoff_seconds(policy, r.failures)
-        text += (
-            f"; the other pods go on without it, replacement in {wait} s "
-            f"(failure {r.failures}, maxRestarts {policy.max_restarts})"
+        wait = failures.backoff_seconds(policy, r.counted if r.action == "RestartWorker" else 1)
+        counted = (
+            f"counted {r.counted} of maxRestarts {policy.max_restarts}"
+            if r.action == "RestartWorker"
+            else "not counted"
         )
+        text += f"; the other pods go on without it, replacement in {wait} s ({decided}: {counted})"
     return Event("Warning", "PodFailed", text)
 
 

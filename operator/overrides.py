@@ -13,11 +13,11 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from malleus.job.spec import PodTemplate
+from malleus.job.spec import GPU_RESOURCE, ContainerSecurity, ExtraContainer, PodTemplate
 
-__all__ = ["OPERATOR_RESOURCES", "SHM_PATH", "apply_pod_template"]
+__all__ = ["OPERATOR_RESOURCES", "SHM_PATH", "apply_pod_template", "build_extra_container"]
 
-OPERATOR_RESOURCES = frozenset({"cpu", "memory", "nvidia.com/gpu"})
+OPERATOR_RESOURCES = frozenset({"cpu", "memory", GPU_RESOURCE})
 """Resources only ``spec.resources`` and ``spec.gpusPerNode`` set (the planner and the
 one-process-per-GPU launch depend on them); a template's amounts for them are ignored (and the
 CRD refuses them)."""
@@ -38,6 +38,59 @@ def _affinity(ours: Mapping[str, Any] | None, theirs: Mapping[str, Any] | None) 
     return merged
 
 
+def _capabilities(security: ContainerSecurity | None) -> dict[str, Any]:
+    """Every capability dropped, then the template's added back (the policy judged which)."""
+    added = list(security.capabilities.add) if security is not None else []
+    return {"drop": ["ALL"], **({"add": added} if added else {})}
+
+
+def build_extra_container(extra: ExtraContainer) -> dict[str, Any]:
+    """An init or sidecar container of ``spec.podTemplate.spec.initContainers``, hardened as
+    the operator hardens the trainer: non-root, no privilege escalation, a read-only root
+    filesystem (an emptyDir of the template's is where it writes), every capability dropped
+    but those added (within the admin's policy); the pod's own securityContext (run-as user,
+    seccomp) applies to it as to the trainer."""
+    container: dict[str, Any] = {"name": extra.name, "image": extra.image}
+    for key, value in (
+        ("imagePullPolicy", extra.image_pull_policy),
+        ("command", extra.command),
+        ("args", extra.args),
+        ("workingDir", extra.working_dir),
+        ("restartPolicy", extra.restart_policy),
+    ):
+        if value:
+            container[key] = copy.deepcopy(value)
+    if extra.env:
+        container["env"] = [e.model_dump(by_alias=True, exclude_none=True) for e in extra.env]
+    if extra.volume_mounts:
+        container["volumeMounts"] = [
+            m.model_dump(by_alias=True, exclude_none=True) for m in extra.volume_mounts
+        ]
+    resources: dict[str, Any] = {}
+    for kind, amounts in (
+        ("requests", extra.resources.requests),
+        ("limits", extra.resources.limits),
+    ):
+        kept = {
+            k: str(v) for k, v in amounts.items() if k != GPU_RESOURCE
+        }  # the trainer's GPUs only
+        if kept:
+            resources[kind] = kept
+    if extra.resources.claims:
+        resources["claims"] = [
+            c.model_dump(by_alias=True, exclude_none=True) for c in extra.resources.claims
+        ]
+    if resources:
+        container["resources"] = resources
+    container["securityContext"] = {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": _capabilities(extra.security_context),
+    }
+    return container
+
+
 def apply_pod_template(pod: Mapping[str, Any], template: PodTemplate | None) -> dict[str, Any]:
     """``pod`` (the operator's, from `workers.build_pod`) with ``template`` merged in, key by
     key; a new dict (``pod`` is not changed).
@@ -54,7 +107,12 @@ def apply_pod_template(pod: Mapping[str, Any], template: PodTemplate | None) -> 
     - **The template adds**: labels, annotations, ``nodeSelector``, affinity terms,
       tolerations, ``imagePullSecrets``, ``serviceAccountName``, ``priorityClassName``,
       ``schedulerName``, volumes, and the trainer's env, volumeMounts and other resources
-      (``rdma/hca``).
+      (``rdma/hca``) and resource claims; the pod's ``runtimeClassName``,
+      ``topologySpreadConstraints``, ``resourceClaims`` and ``dnsConfig`` (the operator sets
+      none of them); capabilities added to the trainer's (``IPC_LOCK``; the operator's
+      ``drop: [ALL]`` and the rest of its security context stay); init and native sidecar
+      containers (`build_extra_container`: hardened like the trainer, the trainer's name
+      never theirs).
     - **The template replaces** the operator's ``/dev/shm`` (an unsized memory emptyDir) by
       mounting a volume of its own there (a ``sizeLimit``-ed one, say).
     """
@@ -79,11 +137,23 @@ def apply_pod_template(pod: Mapping[str, Any], template: PodTemplate | None) -> 
         ("serviceAccountName", extra.service_account_name),
         ("priorityClassName", extra.priority_class_name),
         ("schedulerName", extra.scheduler_name),
+        ("runtimeClassName", extra.runtime_class_name),
     ):
         if value:
             spec[key] = value
-
+    for key, items in (
+        ("topologySpreadConstraints", extra.topology_spread_constraints),
+        ("resourceClaims", extra.resource_claims),
+    ):
+        if items:
+            spec[key] = [*spec.get(key, []), *copy.deepcopy(items)]
+    if extra.dns_config:
+        spec["dnsConfig"] = copy.deepcopy(extra.dns_config)
     container = spec["containers"][0]
+    ours_named = {c["name"] for c in spec["containers"]}
+    inits = [build_extra_container(c) for c in extra.init_containers if c.name not in ours_named]
+    if inits:
+        spec["initContainers"] = [*spec.get("initContainers", []), *inits]
     trainer = template.trainer()
     mounts: list[dict[str, Any]] = container["volumeMounts"]
     taken = {m["mountPath"] for m in mounts}
@@ -109,4 +179,14 @@ def apply_pod_template(pod: Mapping[str, Any], template: PodTemplate | None) -> 
         if amounts:
             added = {k: str(v) for k, v in amounts.items() if k not in OPERATOR_RESOURCES}
             resources[kind] = {**added, **resources.get(kind, {})}
+    if trainer.resources.claims:
+        resources["claims"] = [
+            c.model_dump(by_alias=True, exclude_none=True) for c in trainer.resources.claims
+        ]
+    if trainer.security_context is not None and trainer.security_context.capabilities.add:
+        hardening = container.setdefault("securityContext", {})
+        hardening["capabilities"] = {
+            **_capabilities(trainer.security_context),
+            "drop": ["ALL"],  # whatever the operator's said, never less than all
+        }
     return merged

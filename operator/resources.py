@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from malleus.job import API_VERSION, KIND, ResolvedJob, dump_job
+from malleus.job.spec import GPU_RESOURCE
 from malleus.planner.plan import Plan
 
 from .identity import (
@@ -106,15 +107,14 @@ __all__ = [
     "worker_selector",
 ]
 
-GPU_RESOURCE = "nvidia.com/gpu"
-"""The extended resource a GPU node offers (NVIDIA's device plugin)."""
 GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
 """The taint GPU nodes commonly carry to keep other pods off them: the job's pods tolerate it
 (the store too, which may have to sit on a GPU node)."""
 
 RENDEZVOUS_PORT = 29500
-"""The port of torchrun's agent store, on each pod's own loopback (the ranks meet in the job's
-store, `store.STORE_PORT`)."""
+"""The port of torchrun's agent store (the ranks meet in the job's store, `store.STORE_PORT`).
+``--master-addr=127.0.0.1`` names where the agent dials, yet torch's TCPStore server listens on
+every address of the pod (seen: ``*:29500``): the worker's readiness probe uses that."""
 RESTART_ANNOTATION = "malleus.io/restart"
 """On a replacement worker pod: which replacement of its node it is (1, 2, ...)."""
 CONTROL_PORT_NAME = "control"

@@ -44,6 +44,7 @@ from .store import STORE_ENV, build_store_pod, build_store_service, store_addres
 
 __all__ = [
     "HF_EXPORT",
+    "READINESS_PROBE",
     "RUN_AS_USER",
     "build_children",
     "build_pod",
@@ -63,6 +64,19 @@ TLS_MOUNT = "/etc/malleus-tls"
 and its control token (``MALLEUS_CONTROL_TOKEN_FILE``: a file, not an environment variable,
 which every process of the pod would inherit and which pod inspection shows); beside, not
 inside, the ConfigMap's mount."""
+
+
+READINESS_PROBE = {
+    "tcpSocket": {"port": RENDEZVOUS_PORT},
+    "periodSeconds": 10,
+    "failureThreshold": 3,
+}
+"""The worker pod's readiness: torchrun's agent store accepts (it listens on every address of
+the pod from the launcher's start to its end, and torchrun ends with the pod's ranks). Not the
+control endpoint: only the job's coordinator serves one, so every other pod would never be
+Ready (blocking drains through the PodDisruptionBudget, and Kueue's ``waitForPodsReady``).
+Whether the trainers train is the job's ``Ready`` condition (`readiness`), the coordinator's
+word for every rank."""
 
 
 def control_ports(job: ResolvedJob) -> list[int]:
@@ -239,6 +253,7 @@ def build_pod(
                     }
                     for p in control_ports(job)
                 ],
+                "readinessProbe": dict(READINESS_PROBE),
                 "resources": _resources(job),
                 "volumeMounts": mounts,
                 "securityContext": {

@@ -31,10 +31,12 @@ __all__ = [
     "DEFAULT_RESERVED_ENV_NAMES",
     "DEFAULT_RESERVED_ENV_PREFIXES",
     "DEFAULT_VOLUME_TYPES",
+    "NEVER_CAPABILITIES",
     "OPERATOR_ENV_NAMES",
     "OPERATOR_ENV_PREFIXES",
     "PROJECTED_SOURCES",
     "PodTemplatePolicy",
+    "capability_name",
     "env_reserved",
     "policy_faults",
 ]
@@ -139,6 +141,18 @@ interfaces, algorithms and log levels, and neither load code nor name an address
 (what a GPU cluster's admin documents for its fabric)."""
 
 
+NEVER_CAPABILITIES = ("ALL", "SYS_ADMIN")
+"""Capabilities no policy may allow: ``ALL`` and ``SYS_ADMIN`` are a privileged container in
+all but name (mounts, namespaces, devices: the node's root), and a job never runs privileged."""
+
+
+def capability_name(name: str) -> str:
+    """A capability as the policy compares it: upper case, without ``CAP_`` (the container
+    runtimes take ``CAP_IPC_LOCK`` and ``IPC_LOCK`` alike)."""
+    upper = name.strip().upper()
+    return upper.removeprefix("CAP_")
+
+
 class PodTemplatePolicy(StrictModel):
     """What ``spec.podTemplate`` may add to the worker pods; the defaults are the chart's.
 
@@ -175,6 +189,22 @@ class PodTemplatePolicy(StrictModel):
     """Whether an env var may take its value from a Secret (``valueFrom.secretKeyRef``). The
     template has no ``envFrom``; a Secret's keys reach the pods only through this or a
     ``secret`` volume."""
+    allowed_capabilities: tuple[str, ...] = ()
+    """Linux capabilities a job may add to its containers (the trainer, init and sidecar
+    containers; each drops ``ALL`` first). Empty by default: Pod Security's ``restricted``
+    and ``baseline`` levels refuse ``IPC_LOCK`` (NCCL over InfiniBand pins memory with it), so
+    an admin who allows it also labels the GPU namespaces ``privileged``; a job asking for it
+    elsewhere is refused when it is applied, not when its pods are. Never ``ALL`` or
+    ``SYS_ADMIN`` (`NEVER_CAPABILITIES`)."""
+
+    @field_validator("allowed_capabilities")
+    @classmethod
+    def _never_privileged(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        names = tuple(capability_name(c) for c in value)
+        wrong = sorted(set(names) & set(NEVER_CAPABILITIES))
+        if wrong:
+            raise ValueError(f"{wrong}: a job's pods never run privileged, whatever the policy")
+        return names
 
     @field_validator("allowed_volume_types")
     @classmethod
@@ -287,9 +317,16 @@ def _account_faults(
 
 def _env_faults(template: PodTemplate, policy: PodTemplatePolicy, base: str) -> list[Fault]:
     faults: list[Fault] = []
-    for c, container in enumerate(template.spec.containers):
-        for i, env in enumerate(container.env):
-            at = f"{base}.containers[{c}].env[{i}]"
+    containers = [
+        *((f"{base}.containers[{c}]", x.env) for c, x in enumerate(template.spec.containers)),
+        *(
+            (f"{base}.initContainers[{c}]", x.env)
+            for c, x in enumerate(template.spec.init_containers)
+        ),
+    ]
+    for where, envs in containers:
+        for i, env in enumerate(envs):
+            at = f"{where}.env[{i}]"
             why = env_reserved(env.name, policy)
             if why == "operator":
                 faults.append(Fault(f"{at}.name", f"{env.name} is the operator's own variable"))
@@ -314,6 +351,39 @@ def _env_faults(template: PodTemplate, policy: PodTemplatePolicy, base: str) -> 
     return faults
 
 
+def _capability_faults(template: PodTemplate, policy: PodTemplatePolicy, base: str) -> list[Fault]:
+    allowed = set(policy.allowed_capabilities)
+    faults: list[Fault] = []
+    containers = [
+        *(
+            (f"{base}.containers[{c}]", x.security_context)
+            for c, x in enumerate(template.spec.containers)
+        ),
+        *(
+            (f"{base}.initContainers[{c}]", x.security_context)
+            for c, x in enumerate(template.spec.init_containers)
+        ),
+    ]
+    for where, security in containers:
+        for i, name in enumerate(security.capabilities.add if security is not None else []):
+            if capability_name(name) in allowed:
+                continue
+            never = capability_name(name) in NEVER_CAPABILITIES
+            faults.append(
+                Fault(
+                    f"{where}.securityContext.capabilities.add[{i}]",
+                    f"capability {name} is not allowed in the job's pods "
+                    f"(allowed: {', '.join(policy.allowed_capabilities) or 'none'}); "
+                    + (
+                        "never allowed: a job's pods never run privileged"
+                        if never
+                        else _way_out("allowedCapabilities", f"to include {capability_name(name)}")
+                    ),
+                )
+            )
+    return faults
+
+
 def policy_faults(
     template: PodTemplate | None,
     policy: PodTemplatePolicy,
@@ -321,8 +391,9 @@ def policy_faults(
     operator_service_account: str | None,
 ) -> list[Fault]:
     """Every way ``template`` (a job's ``spec.podTemplate``) breaks ``policy``, in field order:
-    its volumes (a ``projected`` one by its sources), its ``serviceAccountName`` and the trainer
-    container's env (reserved names, values from Secrets). Each fault names the exact field
+    its volumes (a ``projected`` one by its sources), its ``serviceAccountName``, the env of the
+    trainer and of every init or sidecar container (reserved names, values from Secrets) and
+    the capabilities they add. Each fault names the exact field
     (``spec.podTemplate.spec.volumes[1].hostPath``) and the chart value that would allow it.
 
     ``operator_service_account``: the operator's own ServiceAccount's name (None: unknown, as
@@ -341,4 +412,5 @@ def policy_faults(
             f"{base}.serviceAccountName",
         ),
         *_env_faults(template, policy, base),
+        *_capability_faults(template, policy, base),
     ]

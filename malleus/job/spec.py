@@ -14,22 +14,28 @@ those is importable from here too.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from .presets import GPU_PROFILES, GpuProfile, Preset
 from .spec_base import StrictModel
 from .spec_cluster import (
+    GPU_RESOURCE,
+    Capabilities,
     ContainerOverride,
+    ContainerResources,
+    ContainerSecurity,
     EnvVar,
+    ExtraContainer,
     LocalObjectReference,
     PodGroupApi,
     PodGroupSpec,
     PodSpecOverride,
     PodTemplate,
     PodTemplateMetadata,
+    ResourceClaimRef,
     ResourceOverride,
     RunPolicy,
     SchedulingSpec,
@@ -37,16 +43,27 @@ from .spec_cluster import (
 )
 
 __all__ = [
+    "DEFAULT_FAILURE_RULES",
+    "FAILURE_CAUSES",
+    "GPU_RESOURCE",
+    "Capabilities",
     "CheckpointSpec",
     "ContainerOverride",
+    "ContainerResources",
+    "ContainerSecurity",
     "DataFormat",
     "DataSpec",
     "Dataset",
     "DcgmSpec",
     "EmulationSpec",
     "EnvVar",
+    "ExitCodes",
+    "ExtraContainer",
     "FailKind",
+    "FailureAction",
+    "FailureCause",
     "FailurePolicy",
+    "FailureRule",
     "JobMetadata",
     "LocalObjectReference",
     "MalleusJobSpec",
@@ -61,6 +78,7 @@ __all__ = [
     "PodTemplateMetadata",
     "Precision",
     "PrometheusSpec",
+    "ResourceClaimRef",
     "ResourceOverride",
     "ResourcesSpec",
     "RunPolicy",
@@ -197,6 +215,76 @@ class StragglerPolicy(StrictModel):
         return rate is None or rate >= self.threshold
 
 
+FailureCause = Literal[
+    "Preempted", "Evicted", "NodeLost", "OOMKilled", "Error", "Deleted", "Failed"
+]
+"""Why a worker pod failed, as the operator tells it from the pod (`malleus.operator.failures`):
+``Preempted`` (Kueue stopped the workload, or the scheduler preempted the pod for a higher
+priority one), ``Evicted`` (the Eviction API: a node drain; or the kubelet: node pressure, a
+node shutdown), ``NodeLost`` (its node stopped answering: the taint manager or the pod garbage
+collector deleted it), ``OOMKilled`` (a container ran out of memory), ``Error`` (a container
+exited non-zero), ``Deleted`` (deleted by someone, with no reason given), ``Failed`` (the pod
+failed otherwise, its kubelet refused it, say)."""
+FAILURE_CAUSES: tuple[str, ...] = get_args(FailureCause)
+FailureAction = Literal["FailJob", "RestartWorker", "Ignore"]
+"""What a failure does: fail the job; replace the pod and count the failure against
+``maxRestarts`` (and the rule's own); replace the pod without counting it."""
+
+
+class ExitCodes(StrictModel):
+    """Container exit codes a rule matches: ``In`` the values, or ``NotIn`` them."""
+
+    operator: Literal["In", "NotIn"] = "In"
+    values: list[int] = Field(min_length=1)
+
+    def match(self, code: int | None) -> bool:
+        """Whether ``code`` (None: the pod failed without an exit code) matches."""
+        if code is None:
+            return False
+        return (code in self.values) == (self.operator == "In")
+
+
+class FailureRule(StrictModel):
+    """One rule of ``spec.failurePolicy.rules``: the failures it matches and what they do.
+
+    The first rule that matches a failure decides it; a failure no rule matches is decided by
+    the built-in rules (`DEFAULT_FAILURE_RULES`), then counted as ``RestartWorker``.
+    """
+
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    """Named in the failure's record (``status.failures[*].rule``) and its event."""
+    action: FailureAction
+    on_causes: list[FailureCause] = Field(default_factory=list)
+    """The causes it matches (empty: every cause)."""
+    on_exit_codes: ExitCodes | None = None
+    """The container exit codes it matches (unset: any; set: only failures with a code)."""
+    max_restarts: int | None = None
+    """``RestartWorker`` only: how many of the failures this rule counts one node may have
+    (beside ``maxRestarts``, which counts them all); past it the node is ``Out``."""
+
+    @model_validator(mode="after")
+    def _budget_of_restarts_only(self) -> FailureRule:
+        if self.max_restarts is not None and self.action != "RestartWorker":
+            raise ValueError("maxRestarts is for action RestartWorker only")
+        return self
+
+    def matches(self, cause: str, exit_code: int | None) -> bool:
+        """Whether a failure of ``cause`` (and ``exit_code``) is this rule's."""
+        if self.on_causes and cause not in self.on_causes:
+            return False
+        return self.on_exit_codes is None or self.on_exit_codes.match(exit_code)
+
+
+DEFAULT_FAILURE_RULES = (
+    FailureRule(name="preemption", action="Ignore", on_causes=["Preempted"]),
+    FailureRule(name="eviction", action="Ignore", on_causes=["Evicted"]),
+)
+"""Applied after the job's own rules: a pod Kueue or the scheduler preempted, or a drain
+evicted, is replaced without counting against ``maxRestarts`` (its node did nothing wrong).
+A job's rule for the same cause comes first, so ``{onCauses: [Evicted], action:
+RestartWorker}`` counts evictions again."""
+
+
 class FailurePolicy(StrictModel):
     """What happens when a GPU, rank or pod dies or hangs: the survivors re-plan and go on."""
 
@@ -212,6 +300,22 @@ class FailurePolicy(StrictModel):
     grace_period_seconds: int = 60
     """Time a trainer told to stop (SIGTERM, Ctrl-C, pod deletion) has to checkpoint and exit;
     the operator sets it as the pods' ``terminationGracePeriodSeconds``."""
+    rules: list[FailureRule] = Field(default_factory=list)
+    """The operator's rules for worker pod failures, by cause and exit code, first match wins
+    (`FailureRule`; then `DEFAULT_FAILURE_RULES`; then ``RestartWorker``). ``malleus run``
+    has no pods and counts every failure of a rank."""
+    reset_after_seconds: int | None = 3600
+    """A node whose replacement has run this long without failing starts again from zero:
+    its counted failures (``maxRestarts``, each rule's) are forgotten at its next failure.
+    Unset: never forgotten."""
+
+    def decide(self, cause: str, exit_code: int | None) -> FailureRule | None:
+        """The rule that decides a failure of ``cause``: the job's first match, else the
+        built-in one, else None (``RestartWorker``, counted)."""
+        for rule in (*self.rules, *DEFAULT_FAILURE_RULES):
+            if rule.matches(cause, exit_code):
+                return rule
+        return None
 
 
 class DcgmSpec(StrictModel):

@@ -13,24 +13,34 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from .spec_base import StrictModel
 
 __all__ = [
+    "GPU_RESOURCE",
+    "Capabilities",
     "ContainerOverride",
+    "ContainerResources",
+    "ContainerSecurity",
     "EnvVar",
+    "ExtraContainer",
     "LocalObjectReference",
     "PodGroupApi",
     "PodGroupSpec",
     "PodSpecOverride",
     "PodTemplate",
     "PodTemplateMetadata",
+    "ResourceClaimRef",
     "ResourceOverride",
     "RunPolicy",
     "SchedulingSpec",
     "VolumeMount",
 ]
+
+
+GPU_RESOURCE = "nvidia.com/gpu"
+"""The extended resource a GPU node offers (NVIDIA's device plugin): the trainer's alone."""
 
 
 class PodTemplateMetadata(StrictModel):
@@ -57,12 +67,37 @@ class VolumeMount(StrictModel):
     read_only: bool | None = None
 
 
+class ResourceClaimRef(StrictModel):
+    """A container's use of one of the pod's ``resourceClaims`` (dynamic resource allocation),
+    by the claim's name in the pod (and one request of it)."""
+
+    name: str
+    request: str | None = None
+
+
 class ResourceOverride(StrictModel):
     """Extra requests/limits (``rdma/hca``, hugepages): device plugins' resources the operator
-    does not know; cpu, memory and ``nvidia.com/gpu`` stay the operator's."""
+    does not know; cpu, memory and ``nvidia.com/gpu`` stay the operator's. ``claims``: the
+    pod's ``resourceClaims`` this container uses (a DRA NIC, say)."""
 
     requests: dict[str, int | str] = Field(default_factory=dict)
     limits: dict[str, int | str] = Field(default_factory=dict)
+    claims: list[ResourceClaimRef] = Field(default_factory=list)
+
+
+class Capabilities(StrictModel):
+    """Linux capabilities added to a container; the operator drops ``ALL`` first, always.
+    Only those the cluster admin's policy allows (``podTemplatePolicy.allowedCapabilities``)."""
+
+    add: list[str] = Field(default_factory=list)
+
+
+class ContainerSecurity(StrictModel):
+    """The one part of a container's securityContext a job may ask for: capabilities to add
+    (``IPC_LOCK`` for NCCL over InfiniBand). Everything else (privileged, running as root,
+    privilege escalation, the root filesystem) is the operator's hardening and has no field."""
+
+    capabilities: Capabilities = Field(default_factory=Capabilities)
 
 
 class ContainerOverride(StrictModel):
@@ -72,6 +107,38 @@ class ContainerOverride(StrictModel):
     env: list[EnvVar] = Field(default_factory=list)
     volume_mounts: list[VolumeMount] = Field(default_factory=list)
     resources: ResourceOverride = Field(default_factory=ResourceOverride)
+    security_context: ContainerSecurity | None = None
+
+
+class ContainerResources(StrictModel):
+    """An init or sidecar container's own requests and limits (cpu and memory are its own;
+    ``nvidia.com/gpu`` never: the job's GPUs are the trainer's)."""
+
+    requests: dict[str, int | str] = Field(default_factory=dict)
+    limits: dict[str, int | str] = Field(default_factory=dict)
+    claims: list[ResourceClaimRef] = Field(default_factory=list)
+
+
+class ExtraContainer(StrictModel):
+    """An init container of the worker pods, or a native sidecar (``restartPolicy: Always``:
+    started before the trainer, running beside it, stopped after it). The operator hardens it
+    as it hardens the trainer (non-root, no privilege escalation, every capability dropped but
+    those the policy lets the job add; the pod's seccomp profile); its env and the volumes it
+    mounts pass the same policy as the trainer's."""
+
+    name: str
+    image: str
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    command: list[str] = Field(default_factory=list)
+    args: list[str] = Field(default_factory=list)
+    working_dir: str | None = None
+    env: list[EnvVar] = Field(default_factory=list)
+    volume_mounts: list[VolumeMount] = Field(default_factory=list)
+    resources: ContainerResources = Field(default_factory=ContainerResources)
+    restart_policy: Literal["Always"] | None = None
+    """``Always``: a native sidecar (Kubernetes >= 1.29), else a plain init container that runs
+    to completion before the trainer starts."""
+    security_context: ContainerSecurity | None = None
 
 
 class LocalObjectReference(StrictModel):
@@ -93,6 +160,32 @@ class PodSpecOverride(StrictModel):
     scheduler_name: str | None = None
     volumes: list[dict[str, Any]] = Field(default_factory=list)
     containers: list[ContainerOverride] = Field(default_factory=list)
+    init_containers: list[ExtraContainer] = Field(default_factory=list)
+    """Run before the trainer (a fabric check, a model prefetch), or beside it with
+    ``restartPolicy: Always`` (a log shipper, a metrics agent)."""
+    runtime_class_name: str | None = None
+    """The container runtime handler (``nvidia`` where the GPU runtime is not the default)."""
+    topology_spread_constraints: list[dict[str, Any]] = Field(default_factory=list)
+    """core/v1 TopologySpreadConstraints (spread over racks or fabric blocks)."""
+    resource_claims: list[dict[str, Any]] = Field(default_factory=list)
+    """core/v1 PodResourceClaims (dynamic resource allocation: RDMA NICs, IMEX channels); a
+    container uses one by naming it in its ``resources.claims``."""
+    dns_config: dict[str, Any] | None = None
+    """core/v1 PodDNSConfig (nameservers, searches, options such as ``ndots``), added to the
+    cluster's DNS settings (the pods keep ``dnsPolicy: ClusterFirst``)."""
+
+    @field_validator("init_containers")
+    @classmethod
+    def _not_the_trainer(cls, value: list[ExtraContainer]) -> list[ExtraContainer]:
+        names = [c.name for c in value]
+        if "trainer" in names or len(set(names)) != len(names):
+            raise ValueError("init container names must be unique and not trainer")
+        for c in value:
+            if any(
+                GPU_RESOURCE in amounts for amounts in (c.resources.requests, c.resources.limits)
+            ):
+                raise ValueError(f"init container {c.name}: the job's GPUs are the trainer's")
+        return value
 
 
 class PodTemplate(StrictModel):

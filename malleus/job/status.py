@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import datetime as dt
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from .schema import API_VERSION, KIND
-from .spec import JobMetadata, MalleusJobSpec, StrictModel
+from .spec import FailureAction, FailureCause, JobMetadata, MalleusJobSpec, StrictModel
 
 __all__ = [
     "Condition",
@@ -119,6 +119,31 @@ class NodeFailure(StrictModel):
     """The uid of the pod whose failure is recorded (a pod fails once, however often it is seen)."""
     replace_at: dt.datetime | None = None
     """When the replacement is due (state ``Waiting``)."""
+    cause: FailureCause | None = None
+    """The last failure's cause (`malleus.job.spec.FailureCause`)."""
+    rule: str | None = None
+    """The ``spec.failurePolicy.rules`` entry (or built-in rule) that decided the last failure;
+    unset: none matched (counted, ``RestartWorker``)."""
+    action: FailureAction | None = None
+    """What the last failure did (``FailJob`` fails the job)."""
+    counted: int = 0
+    """Failures counted against ``maxRestarts`` since the node's counters were last reset
+    (``Ignore``-d ones are not)."""
+    causes: dict[str, int] = Field(default_factory=dict)
+    """Failures by cause since the last reset, counted or not."""
+    rule_counts: dict[str, int] = Field(default_factory=dict)
+    """Failures each ``RestartWorker`` rule counted since the last reset (its ``maxRestarts``)."""
+    replaced_at: dt.datetime | None = None
+    """When the node's latest replacement pod was created: its healthy time runs from here
+    (``resetAfterSeconds``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _counted_before_rules(cls, value: Any) -> Any:
+        # A record written before failures were counted by cause counted every one of them.
+        if isinstance(value, dict) and "counted" not in value and "failures" in value:
+            return {**value, "counted": value["failures"]}
+        return value
 
 
 class GpuOut(StrictModel):

@@ -25,7 +25,8 @@ ConfigMaps of pods bound to it, patch only its own Node, Lease and pods. What it
 - stands in for each pod's own network namespace, which processes on one machine do not have:
   ``torchrun``'s agent store (``--master-addr=127.0.0.1 --master-port=N``, on the pod's own
   loopback) moves to the pod's IP and a free port; ``torchrun`` is the one beside this Python;
-- judges ``readinessProbe.tcpSocket`` by connecting to the pod's IP (others count as ready);
+- judges ``readinessProbe.tcpSocket`` by connecting to the pod's IP (others count as ready;
+  a probe of torchrun's agent port follows the agent where it moved);
 - gives each pod a loopback IP of its own (``127.<100+node index>.x.y``: any 127/8 address binds
   on Linux without setup; nothing here may use 10.x, 172.16-31.x or 192.168.x);
 - reports the pod's status (Running with the IP, each container's state and exit code,
@@ -414,10 +415,12 @@ class ProcessKubelet:
                 )
             env = {k: self._resolve(v) for k, v in env.items()}
             argv = [self._resolve(_rewrite(_expand(a, env), mounts)) for a in command]
+            moved: dict[int, int] = {}
             if Path(argv[0]).name in ("python", "python3"):
                 argv[0] = self.python
             elif Path(argv[0]).name == "torchrun":
-                argv = [str(Path(self.python).with_name("torchrun")), *_own_loopback(argv[1:], ip)]
+                rest, moved = _own_loopback(argv[1:], ip)
+                argv = [str(Path(self.python).with_name("torchrun")), *rest]
             cwd = Path(_rewrite(container.get("workingDir") or str(folder), mounts))
             probe = (container.get("readinessProbe") or {}).get("tcpSocket") or {}
             pod.containers.append(
@@ -428,7 +431,7 @@ class ProcessKubelet:
                     env,
                     cwd,
                     folder / f"{container['name']}.log",
-                    probe_port=_port(container, probe.get("port")),
+                    probe_port=_moved(_port(container, probe.get("port")), moved),
                 )
             )
         for c in pod.containers:
@@ -975,18 +978,29 @@ def _rewrite(value: str, mounts: Sequence[tuple[str, Path]]) -> str:
 _SVC_NAME = re.compile(r"\b((?:[a-z0-9-]+\.){1,2}[a-z0-9-]+)\.svc(?:\.cluster\.local)?\b")
 
 
-def _own_loopback(args: Sequence[str], ip: str) -> list[str]:
+def _own_loopback(args: Sequence[str], ip: str) -> tuple[list[str], dict[int, int]]:
     """torchrun's options with its agent store moved from the pod's loopback to its IP and a
-    free port (``--master-port=29500`` in every pod would clash on one machine)."""
+    free port (``--master-port=29500`` in every pod would clash on one machine), and the port
+    moved (the pod's -> the one used here, for a probe of the agent's port)."""
     out: list[str] = []
+    moved: dict[int, int] = {}
     for arg in args:
         if arg.startswith("--master-addr=") or arg.startswith("--master_addr="):
             host = arg.split("=", 1)[1]
             arg = f"--master-addr={ip}" if host in ("127.0.0.1", "localhost") else arg
         elif arg.startswith("--master-port=") or arg.startswith("--master_port="):
-            arg = f"--master-port={free_port()}"
+            port = free_port()
+            given = arg.split("=", 1)[1]
+            if given.isdigit():
+                moved[int(given)] = port
+            arg = f"--master-port={port}"
         out.append(arg)
-    return out
+    return out, moved
+
+
+def _moved(port: int | None, moved: dict[int, int]) -> int | None:
+    """A probe's port where this machine moved it (torchrun's agent store), else itself."""
+    return moved.get(port, port) if port is not None else None
 
 
 def _port(container: Obj, port: object) -> int | None:

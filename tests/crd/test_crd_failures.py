@@ -39,6 +39,7 @@ def test_failure_policy_defaults_on_the_server(admin_api: AdminApi, job_namespac
         "maxRestarts": 3,
         "restartBackoffSeconds": 10,
         "gracePeriodSeconds": 60,
+        "resetAfterSeconds": 3600,
     }
     assert spec == validate_manifest(manifest)[0]["spec"]  # the loader defaults alike
 
@@ -67,6 +68,13 @@ STATUS: dict[str, Any] = {
             "time": "2026-01-02T03:04:05Z",
             "podUid": "5b7c-0000",
             "replaceAt": "2026-01-02T03:04:25Z",
+            "cause": "OOMKilled",
+            "rule": "oom",
+            "action": "RestartWorker",
+            "counted": 2,
+            "causes": {"Preempted": 1, "OOMKilled": 1},
+            "ruleCounts": {"oom": 1},
+            "replacedAt": "2026-01-02T03:00:00Z",
         }
     ],
     "gpusOut": [

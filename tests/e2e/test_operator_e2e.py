@@ -194,6 +194,17 @@ def test_a_two_node_job_trains_on_two_nodes_and_replans_around_its_straggler(
         command = pod["spec"]["containers"][0]["command"]
         assert command[0] == "torchrun" and "--nnodes=1" in command
     assert len(world.children("pods", job)) == 3  # + the store
+
+    def workers_ready() -> list[dict[str, Any]] | None:
+        # the readiness probe (torchrun's agent store) passes on every worker, not only on the
+        # coordinator's
+        found = world.workers(job)
+        conds = [
+            {c["type"]: c["status"] for c in p["status"].get("conditions") or []} for p in found
+        ]
+        return found if len(found) == 2 and all(c.get("Ready") == "True" for c in conds) else None
+
+    world.wait(workers_ready, 60, "every worker pod Ready", job=job)
     assert world.children("services", job) and world.children("configmaps", job)
     created = [e["message"] for e in world.events(job) if e["reason"] == "Created"]
     assert created and "plan generation 1:" in created[0], created

@@ -16,6 +16,7 @@ from malleus.job import FailurePolicy
 from malleus.job.status import GpuOut, NodeFailure
 from malleus.operator import children, failures, handlers, jobs, resources, store, workers
 from malleus.operator.context import Context
+from malleus.operator.status import now as status_now
 from tests.operator.kube import Kube
 
 T0 = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
@@ -83,7 +84,7 @@ def test_a_pod_is_counted_once_and_a_node_past_max_restarts_stays_out() -> None:
     assert changed == []
     # replacements fail too: the third failure (maxRestarts 2) leaves the node out
     for n, uid in ((2, "u2"), (3, "u3")):
-        records = [failures.replaced(r) for r in records]
+        records = [failures.replaced(r, T0) for r in records]
         seen = [failures.pod_failure(failed_pod(1, uid), "demo")]
         records, changed = failures.record_failures(records, seen, POLICY, T0)  # type: ignore[arg-type]
         assert changed[0].failures == n
@@ -155,7 +156,7 @@ def test_gpus_out_and_the_degraded_condition() -> None:
     assert "0 (hung)" in cond.message and "replacement due 12:00:10Z" in cond.message
     trainers_only = failures.degraded_condition([], [GpuOut(gpu=3, reason="hung")], 1, T0)
     assert trainers_only.reason == "GpusOut"
-    ok = failures.degraded_condition([failures.replaced(records[0])], [], 1, T0)
+    ok = failures.degraded_condition([failures.replaced(records[0], T0)], [], 1, T0)
     assert (ok.status, ok.reason) == ("False", "AllGpusIn")
 
 
@@ -163,10 +164,10 @@ def test_a_replacement_made_before_a_restart_is_recognised() -> None:
     seen = [failures.pod_failure(failed_pod(1, "u1"), "demo")]
     records, _ = failures.record_failures(None, seen, POLICY, T0)  # type: ignore[arg-type]
     new_pod = {"metadata": {"name": "demo-node-1", "uid": "u1b"}, "status": {"phase": "Pending"}}
-    (fixed,) = failures.reconcile_replaced(records, {"demo-node-1": new_pod})
+    (fixed,) = failures.reconcile_replaced(records, {"demo-node-1": new_pod}, T0)
     assert (fixed.state, fixed.restarts) == ("Replaced", 1)
     # the failed pod itself is no replacement
-    assert failures.reconcile_replaced(records, {"demo-node-1": failed_pod(1, "u1")}) == []
+    assert failures.reconcile_replaced(records, {"demo-node-1": failed_pod(1, "u1")}, T0) == []
 
 
 # ---- builders -------------------------------------------------------------------------------
@@ -327,12 +328,11 @@ def test_a_failed_pod_is_replaced_after_its_backoff_and_joins(
         == []
     )
     assert _uid(kube, "demo-node-1") == "pod-a"
-    # then: the failed pod is deleted and its replacement created (kmock deletes at once)
-    created = run(children.replace_failed(ctx, kube.job("ml", "demo"), due))
-    assert created == []  # the deletion first
-    assert kube.get("Pod", "ml", "demo-node-1") is None
+    # then: the failed pod (every container ended: nothing to wait for) is deleted with no
+    # grace and its replacement created at once, in the same step
     created = run(children.replace_failed(ctx, kube.job("ml", "demo"), due))
     assert created == ["demo-node-1"]
+    assert _uid(kube, "demo-node-1") != "pod-a"
     pod = kube.get("Pod", "ml", "demo-node-1")
     assert pod is not None and pod["spec"]["containers"][0]["command"][-1] == "--join"
     st = kube.job("ml", "demo")["status"]
@@ -464,7 +464,7 @@ def test_a_replacement_still_pending_when_the_others_completed_does_not_hold_the
     )  # type: ignore[list-item]
     stored = {
         "phase": "Running",
-        "failures": [failures.replaced(records[0]).model_dump(mode="json", by_alias=True)],
+        "failures": [failures.replaced(records[0], T0).model_dump(mode="json", by_alias=True)],
     }
     pods = [
         {"metadata": {"name": "demo-node-0", "uid": "u0"}, "status": {"phase": "Succeeded"}},
@@ -488,7 +488,6 @@ def test_a_pod_failed_before_the_job_ran_is_replaced_like_a_first_pod(
     _fail(kube, memo, 1)
     assert kube.job("ml", "demo")["status"]["failures"][0]["state"] == "Waiting"
     later = T0 + dt.timedelta(days=3650)
-    run(children.replace_failed(ctx, kube.job("ml", "demo"), later))
     assert run(children.replace_failed(ctx, kube.job("ml", "demo"), later)) == ["demo-node-1"]
     pod = kube.get("Pod", "ml", "demo-node-1")
     assert pod is not None
@@ -515,3 +514,71 @@ def test_a_pods_ranks_take_their_global_identity_from_the_node_index() -> None:
     assert (dist_env.rank, dist_env.world_size, dist_env.local_rank) == (3, 4, 1)
     del env["MALLEUS_STORE"]  # torchrun's own numbering without the job's store
     assert launch.DistEnv.from_env(env).rank == 1
+
+
+def _terminating(kube: Kube, memo: kopf.Memo, node: int, ends: dt.datetime) -> None:
+    """Node ``node``'s pod deleted while its trainers run (its grace period ``ends`` then), as
+    the watch shows it: a failure of cause ``Deleted``."""
+    name = f"demo-node-{node}"
+    pod = kube.get("Pod", "ml", name)
+    assert pod is not None
+    pod["metadata"]["deletionTimestamp"] = ends.strftime("%Y-%m-%dT%H:%M:%SZ")
+    pod["spec"]["nodeName"] = "gpu-7"
+    kube.put("Pod", pod)
+    body = kube.get("Pod", "ml", name)
+    assert body is not None
+    labels = body["metadata"]["labels"]
+    run(handlers.on_pod_event(event={"type": "MODIFIED"}, body=body, namespace="ml",
+                              labels=labels, memo=memo))  # fmt: skip
+
+
+def test_a_pod_stuck_terminating_past_its_grace_is_said_and_forced_out(
+    kube: Kube, memo: kopf.Memo, ctx: Context, make_job: Any
+) -> None:
+    """Within its grace period a deleted pod's trainers are waited for (they checkpoint); once
+    it is over (and the kubelet still has not confirmed), one Warning event, ``Ready=False``
+    with reason ``PodStuckTerminating``, a forced deletion and the replacement, at once."""
+    _create(kube, memo, make_job(failurePolicy={"restartBackoffSeconds": 0}))
+    _set_uid(kube, "demo-node-1", "pod-a")
+    now = status_now()
+    _terminating(kube, memo, 1, now + dt.timedelta(seconds=60))
+    (record,) = kube.job("ml", "demo")["status"]["failures"]
+    assert (record["state"], record["cause"], record["counted"]) == ("Waiting", "Deleted", 1)
+    assert run(children.replace_failed(ctx, kube.job("ml", "demo"), now)) == []
+    assert _uid(kube, "demo-node-1") == "pod-a"  # its grace: not touched
+    assert failures.STUCK_TERMINATING not in kube.reasons()
+    _terminating(kube, memo, 1, now - dt.timedelta(seconds=failures.STUCK_TERMINATING_SECONDS))
+    deletes = kube.requests("delete", "Pod")
+    assert run(children.replace_failed(ctx, kube.job("ml", "demo"), now)) == ["demo-node-1"]
+    assert kube.requests("delete", "Pod") == deletes + 1
+    assert _uid(kube, "demo-node-1") != "pod-a"
+    assert kube.reasons().count(failures.STUCK_TERMINATING) == 1
+    (event,) = [e for e in kube.events if e["reason"] == failures.STUCK_TERMINATING]
+    assert event["type"] == "Warning" and "gpu-7 does not confirm" in event["message"]
+    st = kube.job("ml", "demo")["status"]
+    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", failures.STUCK_TERMINATING)
+    assert st["failures"][0]["state"] == "Replaced"
+
+
+def test_a_lost_nodes_pod_frees_its_name_at_once(
+    kube: Kube, memo: kopf.Memo, ctx: Context, make_job: Any
+) -> None:
+    """The taint manager deleted the pod of a lost node: no kubelet will confirm, so the
+    replacement does not wait out the grace period (nor is it counted as stuck)."""
+    _create(kube, memo, make_job(failurePolicy={"restartBackoffSeconds": 0}))
+    _set_uid(kube, "demo-node-1", "pod-a")
+    pod = kube.get("Pod", "ml", "demo-node-1")
+    assert pod is not None
+    pod["status"]["conditions"] = [
+        {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager"}
+    ]
+    kube.put("Pod", pod)
+    _terminating(kube, memo, 1, status_now() + dt.timedelta(seconds=60))
+    (record,) = kube.job("ml", "demo")["status"]["failures"]
+    assert record["cause"] == "NodeLost"
+    assert run(children.replace_failed(ctx, kube.job("ml", "demo"), status_now())) == [
+        "demo-node-1"
+    ]
+    assert _uid(kube, "demo-node-1") != "pod-a"
+    assert failures.STUCK_TERMINATING not in kube.reasons()

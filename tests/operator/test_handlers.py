@@ -9,7 +9,7 @@ import kopf
 import pytest
 
 from malleus.job import Phase
-from malleus.operator import handlers, resources
+from malleus.operator import handlers, jobs, resources, workers
 from malleus.operator.context import Context
 from malleus.planner.plan import Plan
 from tests.operator.kube import KINDS, Kube
@@ -469,7 +469,27 @@ def test_startup_puts_a_context_in_the_memo(monkeypatch: pytest.MonkeyPatch, tmp
     assert ctx.settings.kubeconfig == str(kubeconfig)
     assert ctx.cluster.api.configuration.host == "http://127.0.0.1:1"
     assert kopf_settings.persistence.finalizer == handlers.FINALIZER
+    # the pod watch is filtered by the API server: the operator's pods only, not the cluster's
+    pods = kopf.Resource("", "v1", "pods", namespaced=True)
+    jobs_ = kopf.Resource("malleus.io", "v1alpha1", "malleusjobs", namespaced=True)
+    assert list(kopf_settings.watching.label_selectors.collect(pods)) == [handlers.POD_SELECTOR]
+    assert list(kopf_settings.watching.label_selectors.collect(jobs_)) == []
     assert isinstance(memo[MEMO_KEY], Context)
     run(handlers.close(memo=memo))
     with pytest.raises(RuntimeError, match="startup handler has not run"):
         Context.of(kopf.Memo())
+
+
+def test_the_pod_watch_selector_takes_every_pod_the_operator_makes(make_job: Any) -> None:
+    """Worker and store pods alike carry the labels the watch selects on (a pod the selector
+    missed would never be seen failing)."""
+    job = jobs.resolve(make_job())
+    ref = resources.JobRef(namespace="ml", name="demo", uid="u", generation=1)
+    built = workers.build_children(job, ref, job.initial_plan(), "token")
+    pods = [o for o in built if o["kind"] == "Pod"]
+    assert len(pods) == job.nodes + 1  # the workers and the store
+    wanted = [term.partition("=") for term in handlers.POD_SELECTOR.split(",")]
+    for pod in pods:
+        labels = pod["metadata"]["labels"]
+        for key, eq, value in wanted:
+            assert key in labels and (not eq or labels[key] == value), (pod, key)

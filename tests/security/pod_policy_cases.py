@@ -69,10 +69,35 @@ COMPLIANT_TEMPLATE: dict[str, Any] = {
                 "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
             }
         ],
+        "initContainers": [
+            {
+                "name": "fabric-check",
+                "image": "ghcr.io/example/fabric-check:1.0",
+                "command": ["fabric-check", "--quick"],
+                "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+                "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}},
+            },
+            {
+                "name": "log-shipper",
+                "image": "ghcr.io/example/log-shipper:1.0",
+                "restartPolicy": "Always",
+                "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}],
+            },
+        ],
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "topology.kubernetes.io/zone",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": {"team": "pretraining"}},
+            }
+        ],
+        "dnsConfig": {"options": [{"name": "ndots", "value": "2"}]},
     },
 }
 """Everything the default policy allows: a sized /dev/shm, a claim, a ConfigMap (also
-projected), NCCL's interface and log level, a field reference, the ``default`` account."""
+projected), NCCL's interface and log level, a field reference, the ``default`` account, an
+init container and a native sidecar, a topology spread and DNS options."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +179,69 @@ ATTACKS = (
             {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
         ),
         "spec.podTemplate.spec.containers[0].env[0].valueFrom.secretKeyRef",
+    ),
+    Attack(
+        "trainer-ipc-lock",
+        {
+            "spec": {
+                "containers": [
+                    {"name": "trainer", "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}}
+                ]
+            }
+        },
+        "spec.podTemplate.spec.containers[0].securityContext.capabilities.add[0]",
+    ),
+    Attack(
+        "init-capability",
+        {
+            "spec": {
+                "initContainers": [
+                    {"name": "fine", "image": "busybox:1.36"},
+                    {
+                        "name": "net",
+                        "image": "busybox:1.36",
+                        "securityContext": {"capabilities": {"add": ["NET_ADMIN"]}},
+                    },
+                ]
+            }
+        },
+        "spec.podTemplate.spec.initContainers[1].securityContext.capabilities.add[0]",
+    ),
+    Attack(
+        "init-secret-env",
+        {
+            "spec": {
+                "initContainers": [
+                    {
+                        "name": "fetch",
+                        "image": "busybox:1.36",
+                        "env": [
+                            {
+                                "name": "DB_PASSWORD",
+                                "valueFrom": {"secretKeyRef": {"name": "db", "key": "password"}},
+                            }
+                        ],
+                    }
+                ]
+            }
+        },
+        "spec.podTemplate.spec.initContainers[0].env[0].valueFrom.secretKeyRef",
+    ),
+    Attack(
+        "sidecar-ld-preload",
+        {
+            "spec": {
+                "initContainers": [
+                    {
+                        "name": "agent",
+                        "image": "busybox:1.36",
+                        "restartPolicy": "Always",
+                        "env": [{"name": "LD_PRELOAD", "value": "/data/x.so"}],
+                    }
+                ]
+            }
+        },
+        "spec.podTemplate.spec.initContainers[0].env[0].name",
     ),
 )
 """Each violates the default policy in exactly one field."""

@@ -156,6 +156,34 @@ def test_names_that_load_code_or_rewire_the_launch_are_reserved(name: str) -> No
     assert fault.path == "spec.podTemplate.spec.containers[0].env[0].name"
 
 
+def test_capabilities_only_as_the_admin_allows_and_never_privileged() -> None:
+    """The trainer and every init container are judged; ``CAP_IPC_LOCK`` is ``IPC_LOCK``;
+    no policy allows ALL or SYS_ADMIN (the values schema refuses them too)."""
+    adds = {"capabilities": {"add": ["CAP_IPC_LOCK"]}}
+    template = {
+        "spec": {
+            "containers": [{"name": "trainer", "securityContext": adds}],
+            "initContainers": [{"name": "a", "image": "i", "securityContext": adds}],
+        }
+    }
+    assert [f.path.split(".")[3] for f in faults(template)] == [
+        "containers[0]",
+        "initContainers[0]",
+    ]
+    ib = PodTemplatePolicy(allowed_capabilities=("ipc_lock",))
+    assert ib.allowed_capabilities == ("IPC_LOCK",)
+    assert faults(template, ib) == []
+    for never in ("ALL", "SYS_ADMIN", "cap_sys_admin"):
+        with pytest.raises(ValueError, match="never run privileged"):
+            PodTemplatePolicy(allowed_capabilities=("IPC_LOCK", never))
+    template["spec"]["containers"][0]["securityContext"] = {"capabilities": {"add": ["ALL"]}}
+    (fault,) = faults(template, ib)
+    assert "never allowed" in fault.message
+    schema = json.loads((ROOT / "helm/malleus-operator/values.schema.json").read_text())
+    item = schema["properties"]["podTemplatePolicy"]["properties"]["allowedCapabilities"]["items"]
+    assert {"ALL", "SYS_ADMIN"} <= set(item["not"]["enum"])
+
+
 def test_projected_is_not_a_type_to_list() -> None:
     with pytest.raises(ValueError, match="judged by its sources"):
         PodTemplatePolicy(allowed_volume_types=("projected",))
