@@ -157,7 +157,7 @@ class AdminApi:
         assert got.status_code == 200, got.text
         return dict(got.json())
 
-    def apply_crd(self, crd: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+    def apply_crd(self, crd: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
         """Apply ``crd`` (server side) and wait until it is Established; the stored CRD."""
         name = crd["metadata"]["name"]
         self.cluster.apply([crd])
