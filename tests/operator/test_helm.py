@@ -24,6 +24,8 @@ ALLOWED_VERBS: dict[tuple[str, str], set[str]] = {
     ("", "events"): {"create"},
     ("networking.k8s.io", "networkpolicies"): {"create", "get", "delete"},
     ("policy", "poddisruptionbudgets"): {"create", "get", "delete"},
+    ("kueue.x-k8s.io", "workloads"): {"create", "get"},  # operator/kueue.py (rbac.kueue)
+    ("kueue.x-k8s.io", "workloads/status"): {"patch"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
     ("", "namespaces"): {"list", "watch"},
 }

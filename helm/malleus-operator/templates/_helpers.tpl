@@ -107,6 +107,17 @@ Least privilege: exactly the verbs malleus.operator (kopf + k8s.py) uses.
   resources: ["networkpolicies"]
   verbs: ["create", "get", "delete"]
 {{- end }}
+{{- if .Values.rbac.kueue }}
+# Kueue Workloads (a job labelled kueue.x-k8s.io/queue-name is one Workload): created, read
+# by name; their status patched to give an evicted job's quota back and to finish a finished
+# job's; the garbage collector deletes them with their job.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["create", "get"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["patch"]
+{{- end }}
 {{- with .Values.rbac.podGroups }}
 {{- if .schedulerPlugins }}
 # scheduler-plugins' PodGroups (spec.scheduling.podGroup.create): created, read by name; the
