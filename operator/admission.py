@@ -215,13 +215,25 @@ async def ensure_workload(
             return found
         job = jobs.resolve(body)
         labels = (body.get("metadata") or {}).get("labels") or {}
+        priority_class = labels.get(kueue.PRIORITY_LABEL)
+        priority = None
+        if priority_class:
+            found_class = await ctx.cluster.read_cluster_custom(
+                kueue.API_VERSION, kueue.PRIORITY_CLASSES, priority_class
+            )
+            if found_class is None:  # Kueue would refuse it too: the job waits, and says why
+                log.warning("%s/%s: no WorkloadPriorityClass %s", ref.namespace, ref.name,
+                            priority_class)  # fmt: skip
+                return None
+            priority = int(found_class.get("value") or 0)
         wanted = kueue.build_workload(
             ref,
             queue,
             workers.build_pod(job, ref, 0),
             store.build_store_pod(job, ref),
             job.nodes,
-            labels.get(kueue.PRIORITY_LABEL),
+            priority_class,
+            priority,
         )
         made, _ = await ctx.cluster.create_custom(wanted, kueue.PLURAL)
         return made

@@ -213,6 +213,20 @@ class Cluster:
                 return None
             raise _error(e) from None
 
+    async def read_cluster_custom(
+        self, api_version: str, plural: str, name: str
+    ) -> dict[str, Any] | None:
+        """A cluster-scoped custom object (a Kueue WorkloadPriorityClass), or None (404)."""
+        group, _, version = api_version.partition("/")
+        try:
+            return _decode(
+                await _run(self._custom.get_cluster_custom_object, group, version, plural, name)
+            )
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise _error(e) from None
+
     async def patch_custom_status(
         self, api_version: str, plural: str, namespace: str, name: str, body: Mapping[str, Any]
     ) -> dict[str, Any]:

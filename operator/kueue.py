@@ -35,6 +35,7 @@ from .identity import JobRef, metadata
 __all__ = [
     "API_VERSION",
     "PLURAL",
+    "PRIORITY_CLASSES",
     "PRIORITY_LABEL",
     "QUEUE_LABEL",
     "WorkloadState",
@@ -48,6 +49,7 @@ __all__ = [
 
 API_VERSION = "kueue.x-k8s.io/v1beta2"
 PLURAL = "workloads"
+PRIORITY_CLASSES = "workloadpriorityclasses"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 """The job's LocalQueue (Kueue's label): present = the job is managed through Kueue."""
 PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
@@ -68,12 +70,22 @@ def workload_name(job: str) -> str:
     return f"malleusjob-{job}"
 
 
+def _requested(container: Mapping[str, Any]) -> dict[str, Any]:
+    """A container's resources with requests defaulted from limits, as the API server defaults
+    a pod's (a Workload's template is not defaulted, and Kueue counts requests)."""
+    resources = dict(container.get("resources") or {})
+    limits = dict(resources.get("limits") or {})
+    if limits:
+        resources["requests"] = {**limits, **(resources.get("requests") or {})}
+    return resources
+
+
 def _template(pod: Mapping[str, Any]) -> dict[str, Any]:
     """A pod set's template: the pod's containers (name, image, requests and limits) and
     placement, which is all Kueue reads (requests for the quota, placement for flavours)."""
     spec = pod.get("spec") or {}
     containers = [
-        {"name": c["name"], "image": c.get("image", ""), "resources": c.get("resources") or {}}
+        {"name": c["name"], "image": c.get("image", ""), "resources": _requested(c)}
         for c in spec.get("containers") or []
     ]
     kept = {k: spec[k] for k in _POD_FIELDS if k in spec}
@@ -87,9 +99,12 @@ def build_workload(
     store: Mapping[str, Any] | None,
     nodes: int,
     priority_class: str | None = None,
+    priority: int | None = None,
 ) -> dict[str, Any]:
     """The job's Workload: ``nodes`` workers like `worker` (node 0's pod) and the `store` pod
-    (None: the job has none), admitted together or not at all."""
+    (None: the job has none), admitted together or not at all; `priority_class` names its
+    WorkloadPriorityClass and `priority` is that class's value (Kueue orders and preempts by
+    ``spec.priority``, which the maker of a Workload sets)."""
     pod_sets = [{"name": "workers", "count": nodes, "template": _template(worker)}]
     if store is not None:
         pod_sets.append({"name": "store", "count": 1, "template": _template(store)})
@@ -100,6 +115,8 @@ def build_workload(
             "kind": "WorkloadPriorityClass",
             "name": priority_class,
         }
+    if priority is not None:
+        spec["priority"] = priority
     return {
         "apiVersion": API_VERSION,
         "kind": "Workload",

@@ -65,7 +65,7 @@ def _private_etc(workdir: Path, certs: Path, argv: list[str]) -> list[str]:
 
 
 def mount_namespaces() -> str:
-    """"" when this process may make a mount namespace (Kueue's private ``/etc``), else why not."""
+    """ "" when this process may make a mount namespace (Kueue's private ``/etc``), else why not."""
     try:
         done = subprocess.run(
             ["unshare", "-m", "--propagation", "private", "mount", "-t", "tmpfs", "t", "/mnt"],
@@ -144,10 +144,15 @@ class Kueue:
         got = self.cluster.http().get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions")
         ours = [c for c in got.json().get("items", []) if c["spec"]["group"] == "kueue.x-k8s.io"]
         ok = ours and all(
-            any(k["type"] == "Established" and k["status"] == "True" for k in (c.get("status") or {}).get("conditions") or [])
+            any(
+                k["type"] == "Established" and k["status"] == "True"
+                for k in (c.get("status") or {}).get("conditions") or []
+            )
             for c in ours
         )
-        return True if ok and len(ours) == len(list((self.manifests / "crd").glob("*.yaml"))) else None
+        return (
+            True if ok and len(ours) == len(list((self.manifests / "crd").glob("*.yaml"))) else None
+        )
 
     def _listening(self) -> bool | None:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 1):

@@ -168,6 +168,13 @@ cluster-wide, its ClusterKopfPeering (kopf reads it and patches its own heartbea
 - apiGroups: [""]
   resources: ["namespaces"]
   verbs: ["list", "watch"]
+{{- if .Values.rbac.kueue }}
+# The value of a queued job's WorkloadPriorityClass (kueue.x-k8s.io/priority-class), read by
+# name: Kueue orders and preempts Workloads by the priority their maker sets.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloadpriorityclasses"]
+  verbs: ["get"]
+{{- end }}
 {{- if and (eq (include "malleus-operator.peering" .) "true") .Values.rbac.clusterWide }}
 - apiGroups: ["kopf.dev"]
   resources: ["clusterkopfpeerings"]
