@@ -12,6 +12,11 @@ called when ``spec.suspend`` changes and by the operator's timer, with the time 
 The phase is ``Suspended`` from the moment the suspension is decided, so the pods' exit is never
 mistaken for the job's end (`lifecycle.pods_transition` leaves a Suspended job alone).
 
+A job labelled ``kueue.x-k8s.io/queue-name`` is held the same way while Kueue has not
+admitted its Workload, or evicts it (`ensure_workload`, `kueue.state`): no pods until
+admitted, a checkpointed stop when evicted, and once its pods are gone the Workload's quota
+given back (`kueue.released`); a finished job's Workload is marked ``Finished``.
+
 `ensure_pod_group` creates the coscheduler's PodGroup of ``spec.scheduling.podGroup.create``
 (`scheduling.build_pod_group`) before the job's pods, and says how that went in the
 ``PodGroupCreated`` condition; a PodGroup that could not be made (its CRD absent, no right to
@@ -206,9 +211,7 @@ async def ensure_workload(
             kueue.API_VERSION, kueue.PLURAL, ref.namespace, kueue.workload_name(ref.name)
         )
         if found is not None:
-            if resources.controller_of(found) is None or (
-                (resources.controller_of(found) or {}).get("uid") != ref.uid
-            ):
+            if (resources.controller_of(found) or {}).get("uid") != ref.uid:
                 log.warning("%s/%s: Workload %s is not the job's", ref.namespace, ref.name,
                             kueue.workload_name(ref.name))  # fmt: skip
                 return None
