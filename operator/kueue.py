@@ -197,7 +197,8 @@ def released(workload: Mapping[str, Any], at: dt.datetime) -> dict[str, Any]:
         [
             _condition("QuotaReserved", False, "Pending", message, at),
             _condition("Admitted", False, "NoReservation", "the workload has no reservation", at),
-            _condition("Requeued", True, reason, message, at),
+            # a deactivated Workload is not queued again until someone activates it
+            _condition("Requeued", reason != "Deactivated", reason, message, at),
         ],
     )
     return {"status": {"admission": None, "conditions": conditions}}
