@@ -12,6 +12,11 @@ called when ``spec.suspend`` changes and by the operator's timer, with the time 
 The phase is ``Suspended`` from the moment the suspension is decided, so the pods' exit is never
 mistaken for the job's end (`lifecycle.pods_transition` leaves a Suspended job alone).
 
+A job labelled ``kueue.x-k8s.io/queue-name`` is held the same way while Kueue has not
+admitted its Workload, or evicts it (`ensure_workload`, `kueue.state`): no pods until
+admitted, a checkpointed stop when evicted, and once its pods are gone the Workload's quota
+given back (`kueue.released`); a finished job's Workload is marked ``Finished``.
+
 `ensure_pod_group` creates the coscheduler's PodGroup of ``spec.scheduling.podGroup.create``
 (`scheduling.build_pod_group`) before the job's pods, and says how that went in the
 ``PodGroupCreated`` condition; a PodGroup that could not be made (its CRD absent, no right to
@@ -31,7 +36,7 @@ from malleus.job import MalleusJobStatus, Phase
 from malleus.job.spec import MalleusJobSpec, SchedulingSpec
 from malleus.planner.plan import Plan
 
-from . import children, jobs, resources, store, tls
+from . import children, jobs, kueue, resources, store, tls, workers
 from .context import Context
 from .k8s import ApiError, NameConflict
 from .lifecycle import parse_time, pod_outcome, schedule_timeout_transition
@@ -111,12 +116,16 @@ def suspended_status(
 
 
 def created_suspended(
-    created: Mapping[str, Any], generation: int, at: dt.datetime
+    created: Mapping[str, Any], generation: int, at: dt.datetime, queue: str | None = None
 ) -> dict[str, Any]:
-    """The status patch of a job created with ``spec.suspend``: the created status (plan, pods
-    it will have), but ``Suspended`` and no ``startTime`` (nothing runs yet; it is set when
-    the job is resumed)."""
-    message = "created suspended (spec.suspend): no worker pods until it is false"
+    """The status patch of a job created with ``spec.suspend`` or queued in Kueue (`queue`,
+    its LocalQueue): the created status (plan, pods it will have), but ``Suspended`` and no
+    ``startTime`` (nothing runs yet; it is set when the job is resumed)."""
+    message = (
+        "created suspended (spec.suspend): no worker pods until it is false"
+        if queue is None
+        else f"queued in Kueue (LocalQueue {queue}): no worker pods until it is admitted"
+    )
     held = dump(suspended_status(created, message, generation, at))
     return {**created, **held, "startTime": None}
 
@@ -189,6 +198,81 @@ async def _resume(ctx: Context, body: Mapping[str, Any], ref: resources.JobRef) 
     plan = Plan.from_json(text) if text else (await jobs.initial_plan(job, planner, ctx.limits))[0]
     await children.ensure_children(ctx, job, ref, plan)
     return [resources.pod_name(ref.name, i) for i in range(job.nodes)]
+
+
+async def ensure_workload(
+    ctx: Context, body: Mapping[str, Any], ref: resources.JobRef, queue: str
+) -> dict[str, Any] | None:
+    """The job's Kueue Workload (`kueue.build_workload`), made when missing; None when it
+    cannot be made (Kueue not installed, no right to it, a name taken: logged), and then the
+    job stays queued."""
+    try:
+        found = await ctx.cluster.read_custom(
+            kueue.API_VERSION, kueue.PLURAL, ref.namespace, kueue.workload_name(ref.name)
+        )
+        if found is not None:
+            if (resources.controller_of(found) or {}).get("uid") != ref.uid:
+                log.warning("%s/%s: Workload %s is not the job's", ref.namespace, ref.name,
+                            kueue.workload_name(ref.name))  # fmt: skip
+                return None
+            return found
+        job = jobs.resolve(body)
+        labels = (body.get("metadata") or {}).get("labels") or {}
+        priority_class = labels.get(kueue.PRIORITY_LABEL)
+        priority = None
+        if priority_class:
+            found_class = await ctx.cluster.read_cluster_custom(
+                kueue.API_VERSION, kueue.PRIORITY_CLASSES, priority_class
+            )
+            if found_class is None:  # Kueue would refuse it too: the job waits, and says why
+                log.warning("%s/%s: no WorkloadPriorityClass %s", ref.namespace, ref.name,
+                            priority_class)  # fmt: skip
+                return None
+            priority = int(found_class.get("value") or 0)
+        wanted = kueue.build_workload(
+            ref,
+            queue,
+            workers.build_pod(job, ref, 0),
+            store.build_store_pod(job, ref),
+            job.nodes,
+            priority_class,
+            priority,
+        )
+        made, _ = await ctx.cluster.create_custom(wanted, kueue.PLURAL)
+        return made
+    except (ApiError, NameConflict, BadInput) as e:
+        log.warning("%s/%s: no Kueue Workload: %s", ref.namespace, ref.name, e)
+        return None
+
+
+async def _finish_workload(
+    ctx: Context, body: Mapping[str, Any], ref: resources.JobRef, at: dt.datetime
+) -> None:
+    """A finished job's Workload marked ``Finished`` (once), which frees its Kueue quota."""
+    name = kueue.workload_name(ref.name)
+    try:
+        found = await ctx.cluster.read_custom(kueue.API_VERSION, kueue.PLURAL, ref.namespace, name)
+        if found is None or kueue.state(found).finished:
+            return
+        stored = body.get("status") or {}
+        succeeded = phase_of(stored) == Phase.SUCCEEDED
+        patch = kueue.finished(found, succeeded, str(stored.get("message") or ""), at)
+        await ctx.cluster.patch_custom_status(
+            kueue.API_VERSION, kueue.PLURAL, ref.namespace, name, patch
+        )
+    except ApiError as e:
+        log.warning("%s/%s: Workload %s not marked Finished: %s", ref.namespace, ref.name, name, e)
+
+
+async def _kueue_state(
+    ctx: Context, body: Mapping[str, Any], ref: resources.JobRef
+) -> tuple[kueue.WorkloadState | None, dict[str, Any] | None]:
+    """(where Kueue has the job, its Workload); (None, None) when Kueue does not manage it."""
+    queue = kueue.queue_name(body)
+    if queue is None:
+        return None, None
+    workload = await ensure_workload(ctx, body, ref, queue)
+    return kueue.state(workload), workload
 
 
 def _condition_of(conditions: Sequence[Any] | None, type_: str) -> Mapping[str, Any] | None:
@@ -308,7 +392,15 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], at: dt.datetime) -> A
     outcomes = [pod_outcome(p) for p in pods if not store.is_store_pod(p)]
     live = [o for o in outcomes if o.state in ("Pending", "Running")]
     phase = phase_of(stored)
-    action = admission_action(bool(spec.get("suspend")), phase, len(live), _since(stored), at)
+    queued, workload = (
+        (None, None)
+        if phase is None or phase in TERMINAL_PHASES
+        else await _kueue_state(ctx, fresh, ref)
+    )
+    # Kueue holds the job as spec.suspend does: no pods until admitted, stopped when evicted
+    held = queued is not None and not queued.may_run
+    suspend = bool(spec.get("suspend")) or held
+    action = admission_action(suspend, phase, len(live), _since(stored), at)
     if phase == Phase.SUSPENDED:  # exited workers are done: give their resources back
         for o in outcomes:
             if o.state in ("Succeeded", "Failed"):
@@ -316,11 +408,29 @@ async def reconcile(ctx: Context, body: Mapping[str, Any], at: dt.datetime) -> A
         if not live:
             for pod in stores:
                 await ctx.cluster.delete("Pod", ref.namespace, pod["metadata"]["name"])
+            if queued is not None and workload is not None and queued.evicted and queued.reserved:
+                # the pods are gone: the quota goes back, and the job waits in its queue again
+                await ctx.cluster.patch_custom_status(
+                    kueue.API_VERSION, kueue.PLURAL, ref.namespace,
+                    workload["metadata"]["name"], kueue.released(workload, at),
+                )  # fmt: skip
+                await ctx.cluster.post_event(
+                    ref,
+                    "Normal",
+                    "Requeued",
+                    f"Kueue quota given back, queued again: {queued.evicted}",
+                )
     if action == "suspend":
         checkpoint = bool((spec.get("checkpoint") or {}).get("intervalSteps"))
-        message = "spec.suspend is true: " + (
+        stopping = (
             "checkpointing and stopping the trainers" if checkpoint else "stopping the trainers"
         )
+        if spec.get("suspend") or queued is None:
+            message = "spec.suspend is true: " + stopping
+        elif queued.evicted:
+            message = f"evicted by Kueue ({queued.evicted}): {stopping}"
+        else:
+            message = f"not admitted by Kueue (LocalQueue {kueue.queue_name(fresh)}): {stopping}"
         new = suspended_status(stored, message, ref.generation, at)
         await ctx.cluster.patch_job_status(ref.namespace, ref.name, dump(new))
         ctx.metrics.phases.set(ref.namespace, ref.name, Phase.SUSPENDED)
@@ -363,6 +473,9 @@ async def tick(ctx: Context, body: Mapping[str, Any], at: dt.datetime) -> str | 
     if fresh is None or (fresh.get("metadata") or {}).get("deletionTimestamp"):
         return None
     spec = fresh.get("spec") or {}
+    if kueue.queue_name(fresh) and phase_of(fresh.get("status")) in TERMINAL_PHASES:
+        await _finish_workload(ctx, fresh, ref, at)
+        return None
     if phase_of(fresh.get("status")) == Phase.PENDING:
         await _retry_pod_group(ctx, fresh, ref, at)
         pods = await ctx.cluster.list_children("Pod", ref.namespace, ref.name)

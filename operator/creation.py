@@ -20,7 +20,7 @@ from malleus.job import Phase, ResolvedJob
 from malleus.job.limits import OVER_LIMIT, OverLimit
 from malleus.planner.plan import Plan
 
-from . import admission, children, jobs, resources, status
+from . import admission, children, jobs, kueue, resources, status
 from .context import Context
 from .k8s import NameConflict
 
@@ -96,7 +96,10 @@ async def create_job(
     except PlanningTimeout as e:
         raise kopf.TemporaryError(f"initial planning timed out: {e}", delay=30) from None
     ctx.metrics.planning_seconds.observe(seconds)
-    suspended = job.spec.suspend
+    queue = kueue.queue_name(body)
+    suspended = job.spec.suspend or queue is not None  # Kueue admits a queued job later
+    if queue is not None:  # its Workload, which Kueue admits (or not) as one gang
+        await admission.ensure_workload(ctx, body, ref, queue)
     # A coscheduler's PodGroup before the pods it gangs (spec.scheduling.podGroup.create).
     conditions = await admission.ensure_pod_group(ctx, job.spec, ref, conditions, at) or conditions
     created, plan = await create_children(
@@ -104,8 +107,8 @@ async def create_job(
     )
     pods = [resources.pod_name(ref.name, i) for i in range(job.nodes)]
     new = status.dump(status.created_status(plan, pods, job.world, ref.generation, at, conditions))
-    if suspended:  # admitted later (Kueue flips spec.suspend): no pods until then
-        new = admission.created_suspended(new, ref.generation, at)
+    if suspended:  # admitted later (spec.suspend false, Kueue's admission): no pods until then
+        new = admission.created_suspended(new, ref.generation, at, queue)
     patch.status.update(new)
     ctx.metrics.phases.set(ref.namespace, ref.name, status.phase_of(new))
     if resumed:

@@ -58,6 +58,7 @@ from . import (
     failures,
     finalizers,
     jobs,
+    kueue,
     lifecycle,
     resources,
     run_policy,
@@ -323,8 +324,10 @@ async def run_policy_timer(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 
 
 def _pending_or_suspended(spec: Mapping[str, Any], body: kopf.Body, **_: Any) -> bool:
+    """Pending, suspended, or queued in Kueue (whose admission and eviction it follows)."""
     phase = status.phase_of(body.get("status"))
-    return bool(spec.get("suspend")) or phase in (Phase.PENDING, Phase.SUSPENDED)
+    queued = kueue.queue_name(body) is not None
+    return bool(spec.get("suspend")) or queued or phase in (Phase.PENDING, Phase.SUSPENDED)
 
 
 @kopf.timer(

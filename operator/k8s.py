@@ -190,6 +190,65 @@ class Cluster:
             raise NameConflict(str(obj["kind"]), ns, name, resources.describe_owner(existing))
         return existing, False
 
+    async def read_custom(
+        self, api_version: str, plural: str, namespace: str, name: str
+    ) -> dict[str, Any] | None:
+        """A namespaced custom object (a Kueue Workload), or None when it does not exist.
+        `ApiError` otherwise (404 of a served API is None; an API not served is also a 404,
+        which the callers tell apart by creating first)."""
+        group, _, version = api_version.partition("/")
+        try:
+            return _decode(
+                await _run(
+                    self._custom.get_namespaced_custom_object,
+                    group,
+                    version,
+                    namespace,
+                    plural,
+                    name,
+                )
+            )
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise _error(e) from None
+
+    async def read_cluster_custom(
+        self, api_version: str, plural: str, name: str
+    ) -> dict[str, Any] | None:
+        """A cluster-scoped custom object (a Kueue WorkloadPriorityClass), or None (404)."""
+        group, _, version = api_version.partition("/")
+        try:
+            return _decode(
+                await _run(self._custom.get_cluster_custom_object, group, version, plural, name)
+            )
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise _error(e) from None
+
+    async def patch_custom_status(
+        self, api_version: str, plural: str, namespace: str, name: str, body: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """JSON merge patch of a custom object's ``status`` subresource (a Kueue Workload's:
+        the quota an evicted job's Workload gives back)."""
+        group, _, version = api_version.partition("/")
+        try:
+            return _decode(
+                await _run(
+                    self._custom.patch_namespaced_custom_object_status,
+                    group,
+                    version,
+                    namespace,
+                    plural,
+                    name,
+                    dict(body),
+                    _content_type=_MERGE_PATCH,
+                )
+            )
+        except ApiException as e:
+            raise _error(e) from None
+
     async def read(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """The object, or None when it does not exist."""
         try:

@@ -8,8 +8,9 @@ trusts the job's CA alone (``<job>-control``'s ``ca.crt``) and checks the certif
 workers' stable name (``serverName``: one certificate names every worker), never
 ``insecureSkipVerify``: a party on the pod network cannot serve forged series for the job.
 
-The monitor selects the job's worker pods only, on their ``control`` port (the coordinator's
-``/metrics``; Prometheus reaches it where the job's NetworkPolicy admits it:
+The monitor selects the job's worker pods only, on their ``control`` port, where every worker
+pod serves ``/metrics`` for its own ranks (the coordinator's endpoint, or the pod's first rank's
+metrics-only one): N pods, N live targets (Prometheus reaches them where the job's NetworkPolicy admits it:
 ``networkPolicy.controlPortPeers``), with ``honorLabels: false``, so ``pod`` and ``namespace``
 are what service discovery says, never what a series claims: the Prometheus rate source
 (`malleus.controller.prometheus`) relies on that. The worker pods carry no

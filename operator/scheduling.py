@@ -23,9 +23,6 @@ from .resources import JobRef, metadata
 
 __all__ = [
     "IMAGE_PULL",
-    "KUEUE_POD_GROUP",
-    "KUEUE_POD_GROUP_COUNT",
-    "KUEUE_QUEUE",
     "POD_GROUP_ANNOTATION",
     "POD_GROUP_APIS",
     "POD_GROUP_LABEL",
@@ -45,12 +42,6 @@ IMAGE_PULL = "ImagePullBackOff"
 SCHEDULE_TIMEOUT = "ScheduleTimeout"
 _IMAGE_PULL_WAITING = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName"})
 
-KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
-"""Kueue's LocalQueue label: copied from the job to every worker pod."""
-KUEUE_POD_GROUP = "kueue.x-k8s.io/pod-group-name"
-"""Kueue's plain-pod group label: the job's workers are admitted as one gang."""
-KUEUE_POD_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
-"""Kueue's annotation: how many pods the group has (``spec.nodes``)."""
 POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
 """scheduler-plugins' coscheduling label naming the PodGroup."""
 POD_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
@@ -151,22 +142,13 @@ def schedule_timeout_left(
     return (started - at).total_seconds() + timeout_seconds
 
 
-def gang_metadata(
-    spec: MalleusJobSpec, job_labels: Mapping[str, str], group: str
-) -> tuple[dict[str, str], dict[str, str]]:
-    """Labels and annotations for every worker so a gang scheduler admits them together.
-
-    Kueue (its plain-pod integration): the job's ``kueue.x-k8s.io/queue-name`` passed through,
-    with the pod-group name ``group`` and total count ``spec.nodes``; a coscheduler: the
-    ``spec.scheduling.podGroup`` name as scheduler-plugins' label and Volcano's annotation.
-    """
+def gang_metadata(spec: MalleusJobSpec) -> tuple[dict[str, str], dict[str, str]]:
+    """Labels and annotations for every worker so a gang scheduler admits them together: a
+    coscheduler's, the ``spec.scheduling.podGroup`` name as scheduler-plugins' label and
+    Volcano's annotation. Kueue's labels are never copied to the pods: Kueue admits the job's
+    Workload (`kueue`), and a pod with a queue name would be gated by Kueue's pod webhook."""
     labels: dict[str, str] = {}
     annotations: dict[str, str] = {}
-    queue = job_labels.get(KUEUE_QUEUE)
-    if queue:
-        labels[KUEUE_QUEUE] = queue
-        labels[KUEUE_POD_GROUP] = group
-        annotations[KUEUE_POD_GROUP_COUNT] = str(spec.nodes)
     pod_group = spec.scheduling.pod_group
     if pod_group is not None:
         labels[POD_GROUP_LABEL] = pod_group.name

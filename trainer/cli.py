@@ -242,6 +242,7 @@ def _run(
     port: int | None,
     init_timeout: float,
     join: bool = False,
+    pod: bool = False,
 ) -> int:
     import torch.distributed as dist
 
@@ -287,6 +288,7 @@ def _run(
         steps=steps,
         serve_when_coordinator=tolerant,
         coordinator=world.coordinator(),
+        pod=pod,
     )
     if env.rank == world.coordinator():
         services.note = note_writer(env)
@@ -385,7 +387,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     from malleus.trainer.world.errors import say_ending
 
     try:
-        return _run(job, plan, _options(args), env, port, args.init_timeout, args.join)
+        return _run(job, plan, _options(args), env, port, args.init_timeout, args.join, pod=True)
     except CheckpointError as e:  # every rank refuses together (state.resume), naming the fault
         print(f"malleus trainer: {e}", file=sys.stderr)
         return 2

@@ -20,10 +20,18 @@ the job, the controller, the runner, the operator or the trainer.
 """
 
 from .capped import MAX_RESPONSE_BYTES
-from .client import AsyncControlClient, ControlClient, ControlError, ControlTLS, PlanConflict
+from .client import (
+    JOB_METRICS_PATH,
+    AsyncControlClient,
+    ControlClient,
+    ControlError,
+    ControlTLS,
+    PlanConflict,
+)
 from .status import ControlStatus, MigrationRecord, PlanFailure, RecoveryRecord
 
 __all__ = [
+    "JOB_METRICS_PATH",
     "MAX_RESPONSE_BYTES",
     "AsyncControlClient",
     "ControlClient",

@@ -55,6 +55,7 @@ from .capped import (
 from .status import ControlStatus
 
 __all__ = [
+    "JOB_METRICS_PATH",
     "MAX_RESPONSE_BYTES",
     "AsyncControlClient",
     "ControlClient",
@@ -62,6 +63,11 @@ __all__ = [
     "ControlTLS",
     "PlanConflict",
 ]
+
+JOB_METRICS_PATH = "/metrics/job"
+"""The job's metrics page: every rank's series as the serving rank knows them (the coordinator
+knows all). ``/metrics`` is the pod's own: in a pod, only that pod's ranks (what Prometheus
+scrapes, one target per worker pod)."""
 
 
 class ControlError(RuntimeError):
@@ -290,10 +296,12 @@ class ControlClient(_Calls):
         """The plan in force on the trainers (``GET /plan``); None before the first."""
         return self._plan(self._call("GET", "/plan"))
 
-    def metrics_text(self) -> str:
-        """The Prometheus exposition of ``GET /metrics``."""
-        response = self._call("GET", "/metrics")
-        self._expect(response, "/metrics", 200)
+    def metrics_text(self, *, job_wide: bool = False) -> str:
+        """The Prometheus exposition of ``GET /metrics`` (the pod's), or with `job_wide` of
+        ``GET /metrics/job`` (every rank's)."""
+        path = JOB_METRICS_PATH if job_wide else "/metrics"
+        response = self._call("GET", path)
+        self._expect(response, path, 200)
         return response.text
 
     def post_plan(self, plan: Plan) -> int:
@@ -359,10 +367,12 @@ class AsyncControlClient(_Calls):
         """The plan in force on the trainers (``GET /plan``); None before the first."""
         return self._plan(await self._call("GET", "/plan"))
 
-    async def metrics_text(self) -> str:
-        """The Prometheus exposition of ``GET /metrics``."""
-        response = await self._call("GET", "/metrics")
-        self._expect(response, "/metrics", 200)
+    async def metrics_text(self, *, job_wide: bool = False) -> str:
+        """The Prometheus exposition of ``GET /metrics`` (the pod's), or with `job_wide` of
+        ``GET /metrics/job`` (every rank's)."""
+        path = JOB_METRICS_PATH if job_wide else "/metrics"
+        response = await self._call("GET", path)
+        self._expect(response, path, 200)
         return response.text
 
     async def post_plan(self, plan: Plan) -> int:

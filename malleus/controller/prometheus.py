@@ -13,8 +13,9 @@ DCGM-exporter series name the workload pod in `pod`/`namespace`; scraped with
 (the exporter's pod) and Prometheus renames them `exported_pod`/`exported_namespace`. The DCGM
 queries match either style, and the workload pod is `exported_pod` where it exists.
 
-Ownership: every worker pod publishes every rank's figure, and Prometheus stamps each series
-with the `pod` and `namespace` it scraped it from. A rate is read from the pod that holds its
+Ownership: every worker pod publishes its own ranks' figures (the trainers' pod page; an older
+or misbehaving pod may publish more), and Prometheus stamps each series with the `pod` and
+`namespace` it scraped it from. A rate is read from the pod that holds its
 rank only (`own_rank_series`): a pod cannot speak for GPUs that are not its own. Pod names are
 matched exactly (with the job's name: ``<job>-node-<n>``, ``n`` without leading zeros, so
 ``train-node-01`` is nobody) and, with the namespace, a series from another namespace is

@@ -1,6 +1,6 @@
 """The trainers' own HTTP endpoint as RateSource and PlanSink.
 
-`TrainerScrapeSource` reads the coordinator's `GET /metrics` (it publishes every rank's rate,
+`TrainerScrapeSource` reads the coordinator's `GET /metrics/job` (it publishes every rank's rate,
 and its series tell "not measured yet" from "failed", which `/status` does not need to);
 `HttpPlanSink` posts plans to `POST /plan` and polls `GET /status` for the switch. Both go
 through `malleus.control.AsyncControlClient`, the one client of the control API; the
@@ -191,7 +191,7 @@ def ack_from_status(status: ControlStatus, generation: int) -> Ack | None:
 
 
 class TrainerScrapeSource:
-    """RateSource over the coordinator's /metrics: polls until a new step appears. `world` and
+    """RateSource over the coordinator's /metrics/job (every rank's series): polls until a new step appears. `world` and
     `gpus_per_node` (the job's) drop rate series that do not fit the layout."""
 
     def __init__(
@@ -213,11 +213,11 @@ class TrainerScrapeSource:
         self.world, self.gpus_per_node = world, gpus_per_node
         self.interval = interval
         self._sleep = sleep
-        self._steps = StepGuard(what=f"{url}/metrics")
+        self._steps = StepGuard(what=f"{url}/metrics/job")
 
     async def read(self) -> Observation | None:
         while True:
-            text = await self.client.metrics_text()
+            text = await self.client.metrics_text(job_wide=True)
             obs = observation_from_metrics(
                 text, self.job, world=self.world, gpus_per_node=self.gpus_per_node
             )

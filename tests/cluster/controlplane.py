@@ -339,6 +339,18 @@ class ControlPlane:
         self._processes.append(process)
         return process
 
+    def spawn(self, name: str, argv: list[str]) -> _Process:
+        """Start another component (Kueue's manager, say), logging to ``workdir/NAME.log``.
+        The caller stops it: it is none of `stop`'s or `dead`'s."""
+        return _Process(name, argv, self.workdir / f"{name}.log")
+
+    def serving_cert(self, stem: str, sans: str) -> tuple[Path, Path]:
+        """(certificate, key) files of a serving certificate the cluster CA signed for
+        ``sans`` (``IP:127.0.0.1``): a webhook's, which the API server then trusts."""
+        if not (self.pki / f"{stem}.crt").exists():
+            self._sign(stem, f"/CN={stem}", f"subjectAltName={sans}\nextendedKeyUsage=serverAuth")
+        return self.pki / f"{stem}.crt", self.pki / f"{stem}.key"
+
     def _readyz(self) -> bool | None:
         with contextlib.suppress(httpx.TransportError):
             if self.http().get("/readyz").status_code == 200:

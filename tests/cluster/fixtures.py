@@ -20,6 +20,7 @@ import yaml
 from tests.chart import render
 from tests.cluster.controlplane import ControlPlane, assets_dir, wait_until
 from tests.cluster.kubelet import ProcessKubelet
+from tests.cluster.kueue import Kueue, kueue_assets
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / "malleusjob.yaml"
@@ -188,6 +189,18 @@ def apply_chart_rbac(
         control_plane.create_namespace(ns)
     control_plane.apply(docs)
     return docs
+
+
+@pytest.fixture(scope="session")
+def kueue(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kueue]:
+    """Kueue's manager with its CRDs and webhooks (`tests.cluster.kueue`), for the session;
+    skips, saying why, without Kueue in the assets folder or a mount namespace."""
+    manifests, reason = kueue_assets(control_plane.assets)
+    if manifests is None:
+        pytest.skip(reason)
+    with Kueue(control_plane, manifests, tmp_path_factory.mktemp("kueue")) as manager:
+        _TIMINGS["Kueue started in"] = manager.start_seconds
+        yield manager
 
 
 @pytest.fixture(scope="session")

@@ -15,8 +15,11 @@ ConfigMaps of pods bound to it, patch only its own Node, Lease and pods. What it
   ``KUBERNETES_SERVICE_HOST``/``PORT`` pointing at the API server (its Service has no
   endpoints here);
 - writes the pod's configMap, secret, projected (service-account token from the TokenRequest
-  API, configMap, secret, downwardAPI), downwardAPI and emptyDir volumes into a folder per pod
-  and rewrites every container path under a mount (args, env values, workingDir) to it;
+  API, configMap, secret, downwardAPI), downwardAPI and emptyDir volumes into a folder per pod,
+  a persistentVolumeClaim into one folder per claim that the machine's kubelets share (it
+  outlives the pod: a checkpoint survives a suspension), and rewrites every container path
+  under a mount (args, env values, workingDir) to it; an argument ``0.0.0.0`` becomes the pod
+  IP (no network namespaces here: a wildcard bind would take the port for every pod);
 - stands in for the cluster's DNS, which does not exist here: a ``SERVICE.NAMESPACE.svc`` name
   in an env value or argument becomes the IP of a ready pod its selector picks (its
   EndpointSlice stays empty: the API server refuses loopback endpoint addresses),
@@ -416,6 +419,10 @@ class ProcessKubelet:
             env = {k: self._resolve(v) for k, v in env.items()}
             argv = [self._resolve(_rewrite(_expand(a, env), mounts)) for a in command]
             moved: dict[int, int] = {}
+            # A pod's wildcard address is its own IP: with no network namespace here, a
+            # process binding 0.0.0.0 would take the port on every pod of the machine (two
+            # jobs' stores on 29400, other test runs' included).
+            argv = [ip if a == "0.0.0.0" else a for a in argv]
             if Path(argv[0]).name in ("python", "python3"):
                 argv[0] = self.python
             elif Path(argv[0]).name == "torchrun":
@@ -605,7 +612,11 @@ class ProcessKubelet:
                     elif "serviceAccountToken" in source:
                         token = source["serviceAccountToken"]
                         files[token["path"]] = self._token(body, token)
-            elif not ({"emptyDir", "persistentVolumeClaim", "ephemeral"} & set(volume)):
+            elif "persistentVolumeClaim" in volume:  # a claim outlives the pod: one folder
+                # per claim, shared by this machine's kubelets (beside their workdirs)
+                claim = volume["persistentVolumeClaim"]["claimName"]
+                local = self.workdir.parent / "claims" / ns / claim
+            elif not ({"emptyDir", "ephemeral"} & set(volume)):
                 raise KubeletError(
                     f"pod {ns}/{body['metadata']['name']} volume {volume['name']!r}: "
                     f"unsupported type {sorted(set(volume) - {'name'})}"

@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -62,10 +62,18 @@ class Operator:
     """``python -m malleus.operator`` watching one namespace, in a session of its own, logging
     to a file; `start` again after `stop` (or a kill) appends to the same log."""
 
-    def __init__(self, kubeconfig: Path, namespace: str, log: Path) -> None:
+    def __init__(
+        self,
+        kubeconfig: Path,
+        namespace: str,
+        log: Path,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
         self.kubeconfig = kubeconfig
         self.namespace = namespace
         self.log = log
+        self.environ = dict(environ or {})
+        """Added to the operator's environment (``MALLEUS_OPERATOR_*`` settings)."""
         self.process: subprocess.Popen[bytes] | None = None
         self.stopped = False
         """Stopped on purpose (`stop`): not `dead`."""
@@ -82,7 +90,7 @@ class Operator:
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "malleus.operator", *args],
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, **self.environ, "PYTHONUNBUFFERED": "1"},
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,

@@ -24,10 +24,17 @@ ALLOWED_VERBS: dict[tuple[str, str], set[str]] = {
     ("", "events"): {"create"},
     ("networking.k8s.io", "networkpolicies"): {"create", "get", "delete"},
     ("policy", "poddisruptionbudgets"): {"create", "get", "delete"},
+    ("kueue.x-k8s.io", "workloads"): {"create", "get"},  # operator/kueue.py (rbac.kueue)
+    ("kueue.x-k8s.io", "workloads/status"): {"patch"},
+    ("kueue.x-k8s.io", "workloadpriorityclasses"): {"get"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
     ("", "namespaces"): {"list", "watch"},
 }
-CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces")}
+CLUSTER_SCOPED = {
+    ("apiextensions.k8s.io", "customresourcedefinitions"),
+    ("", "namespaces"),
+    ("kueue.x-k8s.io", "workloadpriorityclasses"),
+}
 MODES = [
     (),
     ("watchNamespaces={ml,research}",),

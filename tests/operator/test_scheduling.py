@@ -13,7 +13,7 @@ from typing import Any
 import kopf
 
 from malleus.job import ResolvedJob
-from malleus.operator import admission, handlers, lifecycle, scheduling, workers
+from malleus.operator import admission, handlers, kueue, lifecycle, scheduling, workers
 from malleus.operator.context import Context
 from malleus.operator.resources import JobRef
 from tests.operator.kube import Kube
@@ -156,15 +156,14 @@ def _pod(make_job: Any, labels: dict[str, str], **spec: Any) -> dict[str, Any]:
     return workers.build_pod(job, JobRef.from_body(body), 1)
 
 
-def test_workers_carry_kueue_pod_group_labels_when_the_job_is_queued(make_job: Any) -> None:
-    pod = _pod(make_job, {scheduling.KUEUE_QUEUE: "team-a"})
+def test_workers_carry_no_kueue_label_when_the_job_is_queued(make_job: Any) -> None:
+    """Kueue admits the job's Workload (operator/kueue.py); a pod with a queue name would be
+    gated again by Kueue's pod webhook, so nothing of Kueue's reaches the pods."""
+    pod = _pod(make_job, {kueue.QUEUE_LABEL: "team-a"})
     meta = pod["metadata"]
-    assert meta["labels"][scheduling.KUEUE_QUEUE] == "team-a"
-    assert meta["labels"][scheduling.KUEUE_POD_GROUP] == "demo"
-    assert meta["annotations"][scheduling.KUEUE_POD_GROUP_COUNT] == "2"
-    plain = _pod(make_job, {})["metadata"]
-    assert scheduling.KUEUE_POD_GROUP not in plain["labels"]
-    assert scheduling.KUEUE_POD_GROUP_COUNT not in plain["annotations"]
+    assert not [k for k in meta["labels"] if k.startswith("kueue.x-k8s.io/")], meta
+    assert not [k for k in meta.get("annotations") or {} if k.startswith("kueue.x-k8s.io/")]
+    assert pod["spec"].get("schedulingGates") is None
 
 
 def test_workers_carry_a_coschedulers_pod_group(make_job: Any) -> None:

@@ -69,7 +69,8 @@ def serve_text(pages: Mapping[str, Callable[[], bytes]]) -> Iterator[str]:
 
 
 class Prometheus:
-    """One prometheus process over `scrape_configs`; `tls` = (cert PEM, key PEM) serves HTTPS."""
+    """One prometheus process over `scrape_configs`; `tls` = (cert PEM, key PEM) serves HTTPS;
+    `port`: listen there (one a client was told before the server started), else a free one."""
 
     def __init__(
         self,
@@ -79,8 +80,9 @@ class Prometheus:
         *,
         tls: tuple[str, str] | None = None,
         ca_pem: str | None = None,
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        self.port = port if port is not None else free_port()
         config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"}}
         config["scrape_configs"] = scrape_configs  # type: ignore[assignment]
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))

@@ -10,9 +10,17 @@ histogram (`malleus_step_duration_seconds`, `malleus_migration_duration_seconds`
 is lost between two scrapes; the only gauges are states (the step, the generation in force, the
 loss, the rates) and the last step's time, which the operator's trainer scrape reads from one
 page (a histogram's mean needs two). The job's label is `malleus_job`, not `job`, which
-Prometheus gives every target; a rate carries the rank, its node's index (`node_rank`), its GPU
-index in that node (`gpu`, DCGM's label) and, for this pod's own ranks, the Kubernetes node
-(`node_name`, from the downward API's `NODE_NAME`) an admin cordons.
+Prometheus gives every target; a rank's series (its rate, its compute seconds) carry the rank,
+its node's index (`node_rank`), its GPU index in that node (`gpu`, DCGM's label) and, for this
+pod's own ranks, the Kubernetes node (`node_name`, from the downward API's `NODE_NAME`) an admin
+cordons.
+
+Two pages from one registry: the job's (`render(job_wide=True)`, ``GET /metrics/job``: every
+rank's series, what the controller's direct scrape of the coordinator reads) and the pod's
+(`render()`, ``GET /metrics``, what Prometheus scrapes on every worker pod). In a pod
+(`own_node_only`) the pod's page carries only this node's ranks, each with its `node_name`, so
+every series Prometheus stores names the node and GPU it measures and no pod speaks for another
+pod's GPUs; outside a pod (a local run: every rank on this machine) both pages are the same.
 
 The cost model's calibration (trainer/engine/calibrator.py), in base units: `malleus_layer_seconds`
 (one layer-time unit), `malleus_cost_seconds{term}` (per micro-batch: `embedding`, `head`, `p2p`
@@ -30,9 +38,10 @@ import contextlib
 import math
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from malleus.planner.calibration import BY_SIZE_TERMS, COUNT_TERMS, PER_MIB_TERMS, SCALAR_TERMS
@@ -45,12 +54,15 @@ JOB_LABEL = "malleus_job"
 STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 MIGRATION_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 RATE_LABELS = (JOB_LABEL, "rank", "node_rank", "gpu", "node_name")
+PER_RANK = ("malleus_gpu_straggling_rate", "malleus_gpu_compute_seconds")
+"""The families with one series per rank (labelled `RATE_LABELS`): the pod's page keeps its own."""
 
 
 class TrainerMetrics:
     """The trainer's metrics for one trainer process (GET /status reads the loop's own
     state, not these gauges: see `trainer.services`). `gpu` is this process's GPU index in its
-    node; `node_name` defaults to the `NODE_NAME` environment variable."""
+    node; `node_name` defaults to the `NODE_NAME` environment variable. `own_node_only`: the
+    pod's page (`render()`) shows only node `node`'s ranks (a worker pod: one node)."""
 
     def __init__(
         self,
@@ -61,8 +73,10 @@ class TrainerMetrics:
         *,
         gpu: int | None = None,
         node_name: str | None = None,
+        own_node_only: bool = False,
     ) -> None:
         self.job, self.rank, self.node = job, rank, node
+        self.own_node_only = own_node_only
         self.gpu = gpu
         self.node_name = node_name if node_name is not None else os.environ.get("NODE_NAME", "")
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
@@ -76,7 +90,7 @@ class TrainerMetrics:
         self._compute = Gauge(
             "malleus_gpu_compute_seconds",
             "Compute seconds of the rank's last step, communication waits excluded.",
-            [JOB_LABEL, "rank"],
+            RATE_LABELS,
             registry=r,
         )
         self._step_seconds = Gauge(
@@ -151,9 +165,10 @@ class TrainerMetrics:
             [JOB_LABEL, "node_rank"],
             registry=r,
         )
-        self._compute.labels(job, str(rank)).set(0)
         self._lock = threading.Lock()
         self._rate_labels: dict[int, tuple[str, ...]] = {}
+        self._compute_labels: dict[int, tuple[str, ...]] = {}
+        self._set(self._compute, self._compute_labels, rank, node, gpu, 0.0)
 
     # ---- observations ----------------------------------------------------------------------
     def observe_step(
@@ -176,9 +191,11 @@ class TrainerMetrics:
                 self._tokens.labels(j).inc(tokens_per_second * step_seconds)
         if loss is not None:
             self._loss.labels(j).set(loss)
-        self._compute.labels(j, str(self.rank)).set(compute_seconds)
         with self._lock:
-            self._set_rate(self.rank, self.node, self.gpu, rate)
+            self._set(
+                self._compute, self._compute_labels, self.rank, self.node, self.gpu, compute_seconds
+            )
+            self._set(self._rate, self._rate_labels, self.rank, self.node, self.gpu, rate)
 
     def observe_rates(
         self,
@@ -195,21 +212,32 @@ class TrainerMetrics:
         with self._lock:
             for rank, rate in rates.items():
                 node = nodes[rank]
-                self._set_rate(rank, node, peers[node].index(rank), rate)
+                self._set(self._rate, self._rate_labels, rank, node, peers[node].index(rank), rate)
             for rank, secs in (compute_seconds or {}).items():
-                self._compute.labels(self.job, str(rank)).set(secs)
+                node = nodes[rank]
+                gpu = peers[node].index(rank)
+                self._set(self._compute, self._compute_labels, rank, node, gpu, secs)
 
-    def _set_rate(self, rank: int, node: int, gpu: int | None, rate: float | None) -> None:
+    def _set(
+        self,
+        gauge: Gauge,
+        held: dict[int, tuple[str, ...]],
+        rank: int,
+        node: int,
+        gpu: int | None,
+        value: float | None,
+    ) -> None:
+        """One rank's series of a `PER_RANK` gauge (None = removed; `held`: its labels now)."""
         name = self.node_name if node == self.node else ""  # another pod's node: not known here
         labels = (self.job, str(rank), str(node), "" if gpu is None else str(gpu), name)
-        old = self._rate_labels.get(rank)
-        if old is not None and (old != labels or rate is None):
-            self._rate.remove(*old)
-            del self._rate_labels[rank]
-        if rate is None:
+        old = held.get(rank)
+        if old is not None and (old != labels or value is None):
+            gauge.remove(*old)
+            del held[rank]
+        if value is None:
             return
-        self._rate.labels(*labels).set(rate)  # NaN: the rank is failed / unusable
-        self._rate_labels[rank] = labels
+        gauge.labels(*labels).set(value)  # NaN: the rank is failed / unusable
+        held[rank] = labels
 
     def observe_calibration(
         self, calibration: Mapping[str, object], link_rates: Mapping[int, float]
@@ -247,9 +275,28 @@ class TrainerMetrics:
         self._mig_hist.labels(j).observe(max(0.0, seconds))
 
     # ---- output ---------------------------------------------------------------------------
-    def render(self) -> bytes:
-        """The Prometheus text exposition (served at GET /metrics with CONTENT_TYPE)."""
-        return generate_latest(self.registry)
+    def render(self, *, job_wide: bool = False) -> bytes:
+        """The Prometheus text exposition (with CONTENT_TYPE): the pod's page (GET /metrics),
+        or with `job_wide` the job's (GET /metrics/job: every rank this process knows of)."""
+        if job_wide or not self.own_node_only:
+            return generate_latest(self.registry)
+        return generate_latest(_NodeView(self.registry, str(self.node)))  # type: ignore[arg-type]
+
+
+class _NodeView:
+    """A registry's families with the `PER_RANK` ones cut to one node's ranks."""
+
+    def __init__(self, registry: CollectorRegistry, node: str) -> None:
+        self.registry, self.node = registry, node
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            if family.name in PER_RANK:
+                mine = Metric(family.name, family.documentation, family.type, family.unit)
+                mine.samples = [s for s in family.samples if s.labels.get("node_rank") == self.node]
+                yield mine
+            else:
+                yield family
 
 
 def parse_rates(text: str, job: str | None = None) -> dict[int, float]:

@@ -3,8 +3,10 @@
 The stdlib's HTTP request handler behind `intake.Intake` (one selector thread takes connections
 in and reads their heads; a fixed pool of threads handles complete requests), so the training
 loop never blocks on a client, a crowd of slow clients holds no thread, and the pod needs no
-web framework. ``GET /healthz`` (the kubelet's) and ``GET /metrics`` (Prometheus', which has
-no job's credential; the job's NetworkPolicy says who reaches the port) are open; everything
+web framework. ``GET /healthz`` (the kubelet's), ``GET /metrics`` (Prometheus': in a pod, this
+pod's own ranks) and ``GET /metrics/job`` (every rank's series, what the controller's direct
+scrape reads; Prometheus has no job's credential and the job's NetworkPolicy says who reaches
+the port) are open; everything
 else, the reads ``GET /status`` and ``GET /plan`` included, needs ``Authorization: Bearer
 <token>`` from the job's Secret, and with no token configured it is refused, never open by
 default. The token is checked on the request head, before any body byte is read: a refused
@@ -38,7 +40,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import urlsplit
 
-from malleus.control import ControlStatus
+from malleus.control import JOB_METRICS_PATH, ControlStatus
 from malleus.trainer.switching.plan_inbox import PlanInbox
 
 from .body import MAX_DEPTH, MAX_FACTOR, Refused, parse_body, parse_injection
@@ -56,8 +58,8 @@ _DRAIN_LIMIT = 16 << 20  # read and discard an authorized oversize body up to th
 PRE_AUTH_DRAIN = 64 << 10
 """Body bytes a refused request (no or a wrong token, no such endpoint) may have read and
 discarded, so its answer arrives instead of a reset; a larger one is not read at all."""
-_OPEN = frozenset({"/healthz", "/metrics"})
-"""What answers without a token: the kubelet's probe and Prometheus' scrape."""
+_OPEN = frozenset({"/healthz", "/metrics", JOB_METRICS_PATH})
+"""What answers without a token: the kubelet's probe and the metrics pages."""
 _WRITES = {"/plan": "plan", "/stop": "stop request", "/inject": "injection"}
 
 
@@ -138,6 +140,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if path == "/healthz":
             self._send(200, b"ok\n", "text/plain; charset=utf-8")
+        elif path == "/status" and c.status is None:  # a pod's metrics-only endpoint
+            self._error(404, "this rank is not the coordinator: it serves /metrics only")
         elif path == "/status":
             try:
                 status = c.status()
@@ -148,6 +152,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(200, status.model_dump(mode="json"))
         elif path == "/metrics" and c.metrics is not None:
             self._send(200, c.metrics.render(), CONTENT_TYPE)
+        elif path == JOB_METRICS_PATH and c.metrics is not None:
+            self._send(200, c.metrics.render(job_wide=True), CONTENT_TYPE)
         elif path == "/plan" and c.plan is not None:  # the plan in force (recovery plans too)
             plan = c.plan()
             if plan is None:
@@ -209,7 +215,7 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/stop":
             assert c.stop_request is not None
             return c.stop_request(req)
-        assert c.inject is not None
+        assert c.inject is not None and c.status is not None
         rank, factor = parse_injection(req, c.status().world)
         try:
             c.inject(rank, factor)
@@ -255,7 +261,9 @@ class _Handler(BaseHTTPRequestHandler):
 class ControlServer:
     """The HTTP(S) control endpoint of one trainer process.
 
-    status: returns the `ControlStatus` served at /status (its ``world`` bounds injections).
+    status: returns the `ControlStatus` served at /status (its ``world`` bounds injections);
+    None = a pod's metrics-only endpoint (``/status`` 404, so the operator's search for the
+    coordinator passes it by).
     inbox: the plan inbox (coordinator only; None = 404). metrics: served at /metrics.
     inject: `(rank, factor)` callback, only when emulation is on. stop: a parsed `POST /stop`
     body -> (code, answer) (coordinator only: stop at the next step boundary, by default with
@@ -272,7 +280,7 @@ class ControlServer:
         port: int,
         token: str | None,
         *,
-        status: Callable[[], ControlStatus],
+        status: Callable[[], ControlStatus] | None,
         inbox: PlanInbox | None,
         metrics: TrainerMetrics | None,
         inject: Callable[[int, float], None] | None,

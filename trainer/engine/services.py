@@ -142,6 +142,7 @@ class Services:
         host: str | None = None,
         serve_when_coordinator: bool = False,
         coordinator: int = 0,
+        pod: bool = False,
     ) -> Services:
         """Everything, with a control endpoint on `control_port` when it is not None.
 
@@ -149,19 +150,28 @@ class Services:
         pod IP, else 127.0.0.1), and serves HTTPS when the environment names a certificate.
         `serve_when_coordinator`: listen only while this rank is the coordinator (rank 0 at the
         start; `promote` after a recovery moved the role here); `coordinator`: as for `null`.
+        `pod`: this process is a rank of a worker pod (one node): its ``/metrics`` page shows
+        this node's ranks only, and the node's first rank (local rank 0) serves that page on
+        its port even while another rank coordinates, so that every worker pod is a live
+        Prometheus target for its own GPUs (`metrics_only`).
         """
         from malleus.trainer.endpoint.metrics import TrainerMetrics
 
         svc = cls.null(job, rank, steps=steps, coordinator=coordinator)
         gpn = job.gpus_per_node
-        svc.metrics = TrainerMetrics(job.name, rank, rank // gpn, gpu=rank % gpn)
+        svc.metrics = TrainerMetrics(job.name, rank, rank // gpn, gpu=rank % gpn, own_node_only=pod)
         svc.control_port, svc.host = control_port, host
         lead = not serve_when_coordinator or rank == coordinator
         if control_port is not None and lead:
             svc._serve()
+        elif control_port is not None and pod and rank % gpn == 0:
+            svc._serve(metrics_only=True)
         return svc
 
-    def _serve(self) -> None:
+    def _serve(self, *, metrics_only: bool = False) -> None:
+        """Start the control endpoint; `metrics_only`: ``/healthz`` and the metrics pages alone
+        (a pod's first rank while another coordinates: ``/status`` 404 and no writes, so the
+        operator's search for the coordinator passes it by)."""
         from malleus.trainer.endpoint.credentials import control_host, load_tls, load_token
         from malleus.trainer.endpoint.server import ControlServer
         from malleus.trainer.measure.emulation import InjectionQueue
@@ -169,6 +179,18 @@ class Services:
         if self.emulated and self.injections is None:
             self.injections = InjectionQueue()
         assert self.control_port is not None
+        if metrics_only:
+            self.server = ControlServer(
+                self.host if self.host is not None else control_host(),
+                self.control_port,
+                load_token(),
+                status=None,
+                inbox=None,
+                metrics=self.metrics,
+                inject=None,
+                tls=load_tls(),
+            ).start()
+            return
         self.server = ControlServer(
             self.host if self.host is not None else control_host(),
             self.control_port,

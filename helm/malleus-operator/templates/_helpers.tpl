@@ -112,6 +112,17 @@ Least privilege: exactly the verbs malleus.operator (kopf + k8s.py) uses.
   resources: ["networkpolicies"]
   verbs: ["create", "get", "delete"]
 {{- end }}
+{{- if .Values.rbac.kueue }}
+# Kueue Workloads (a job labelled kueue.x-k8s.io/queue-name is one Workload): created, read
+# by name; their status patched to give an evicted job's quota back and to finish a finished
+# job's; the garbage collector deletes them with their job.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["create", "get"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["patch"]
+{{- end }}
 {{- with .Values.rbac.podGroups }}
 {{- if .schedulerPlugins }}
 # scheduler-plugins' PodGroups (spec.scheduling.podGroup.create): created, read by name; the
@@ -162,6 +173,13 @@ cluster-wide, its ClusterKopfPeering (kopf reads it and patches its own heartbea
 - apiGroups: [""]
   resources: ["namespaces"]
   verbs: ["list", "watch"]
+{{- if .Values.rbac.kueue }}
+# The value of a queued job's WorkloadPriorityClass (kueue.x-k8s.io/priority-class), read by
+# name: Kueue orders and preempts Workloads by the priority their maker sets.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloadpriorityclasses"]
+  verbs: ["get"]
+{{- end }}
 {{- if and (eq (include "malleus-operator.peering" .) "true") .Values.rbac.clusterWide }}
 - apiGroups: ["kopf.dev"]
   resources: ["clusterkopfpeerings"]

@@ -24,7 +24,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 RATE_LABELS = {"malleus_job", "rank", "node_rank", "gpu", "node_name"}
 DESIGN_METRICS = {
     "malleus_gpu_straggling_rate": RATE_LABELS,
-    "malleus_gpu_compute_seconds": {"malleus_job", "rank"},
+    "malleus_gpu_compute_seconds": RATE_LABELS,
     "malleus_step_seconds": {"malleus_job"},
     "malleus_plan_generation": {"malleus_job"},
     "malleus_step": {"malleus_job"},
@@ -143,6 +143,37 @@ def test_refusals_without_coordinator_emulation_or_token(server, problem, plan_f
         with pytest.raises(ControlError, match="no control token configured") as err:
             ControlClient(srv.url, TOKEN).post_plan(plan)
         assert err.value.code == 503
+
+
+def test_a_pods_page_holds_its_own_ranks_and_the_job_page_every_rank() -> None:
+    """In a pod (node 1 of 2 x 2) ``/metrics`` is what Prometheus scrapes: this node's ranks
+    only, each with its Kubernetes node and GPU; ``/metrics/job`` keeps every rank for the
+    controller's direct scrape. A metrics-only endpoint (this pod's first rank while another
+    coordinates) answers both and refuses ``/status``, so no one takes it for the coordinator."""
+    m = TrainerMetrics("demo", rank=2, node=1, gpu=0, node_name="gpu-b", own_node_only=True)
+    m.observe_step(7, 1.5, 2048.0, rate=2.9, compute_seconds=0.8)
+    nodes = {0: 0, 1: 0, 2: 1, 3: 1}
+    m.observe_rates({0: 1.0, 1: 1.1, 2: 2.9, 3: 1.2}, nodes, {0: 0.5, 1: 0.6, 2: 0.8, 3: 0.7})
+    srv = ControlServer("127.0.0.1", 0, TOKEN, status=None, inbox=None, metrics=m, inject=None)
+    with srv:
+        client = ControlClient(srv.url, TOKEN)
+        pod, job = client.metrics_text(), client.metrics_text(job_wide=True)
+        status = httpx.get(srv.url + "/status", headers=AUTH)
+        assert status.status_code == 404 and "not the coordinator" in status.text
+        with pytest.raises(ControlError):
+            client.status()
+        assert httpx.post(srv.url + "/plan", headers=AUTH, json={}).status_code == 404
+    assert parse_rates(pod) == {2: 2.9, 3: 1.2}
+    assert parse_rates(job) == {0: 1.0, 1: 1.1, 2: 2.9, 3: 1.2}
+    for name in ("malleus_gpu_straggling_rate", "malleus_gpu_compute_seconds"):
+        (family,) = [f for f in text_string_to_metric_families(pod) if f.name == name]
+        got = {
+            s.labels["rank"]: (s.labels["node_rank"], s.labels["gpu"], s.labels["node_name"])
+            for s in family.samples
+        }
+        assert got == {"2": ("1", "0", "gpu-b"), "3": ("1", "1", "gpu-b")}, name
+    steps = [f for f in text_string_to_metric_families(pod) if f.name == "malleus_step"]
+    assert steps[0].samples[0].value == 7  # the job's figures are on every page
 
 
 def test_metrics_exposition(server) -> None:
