@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from ..pace import healthy_pace
 from ..problem import PlanningProblem
 from .deadline import Deadline
-from .evaluate import Evaluator, Layout, Scored
+from .evaluate import Evaluator, Layout, Scored, merge
 from .grouping import Grouping, candidate_groupings
 from .layers import Cls
 from .localsearch import explore, improve
@@ -81,6 +81,9 @@ def search_layouts(problem: PlanningProblem, ev: Evaluator, dl: Deadline) -> lis
     groupings = candidate_groupings(problem, dl.until(_GROUPING_END))
     small = problem.world <= 64
     hc: Cls = (healthy_pace(problem), 0)
+    found: list[Candidate] = []
+    if small:
+        groupings, found = _rank_groupings(problem, ev, groupings, dl.until(_GROUPING_END))
     # a phase that ran late (the nodes' options of a cluster straggling everywhere) does not
     # eat the next one: templates get at least _TEMPLATES_MIN of the budget
     templates_dl = dl.until(max(_TEMPLATES_END, dl.used() + _TEMPLATES_MIN))
@@ -92,7 +95,6 @@ def search_layouts(problem: PlanningProblem, ev: Evaluator, dl: Deadline) -> lis
         return template_layouts(ev, hc, len(g.healthy), odd, nodes, problem.dp, deadline, memo)
 
     gens = [(g, generator(g, templates_dl)) for g in groupings]
-    found: list[Candidate] = []
     while gens and not templates_dl.expired():
         active = []
         for g, gen in gens:
@@ -143,6 +145,41 @@ def search_layouts(problem: PlanningProblem, ev: Evaluator, dl: Deadline) -> lis
             out.insert(0, Candidate(found_ils, c.grouping))
         debug(f"explore: {c.scored.time:.2f} -> {found_ils.time:.2f}, {ev.evaluations} layouts")
     return out
+
+
+def _alone(g: Grouping) -> Layout:
+    """Every group of the grouping in a pipeline of its own (one stage each)."""
+    return merge(((x.cls,), 1) for x in (*g.healthy, *g.odd))
+
+
+def _rank_groupings(
+    problem: PlanningProblem, ev: Evaluator, groupings: list[Grouping], dl: Deadline
+) -> tuple[list[Grouping], list[Candidate]]:
+    """The groupings the templates should try first, first; and what ranking them found.
+
+    A small cluster enumerates every combination of its nodes' options (grouping.py): up to
+    hundreds of groupings, whose templates a deadline cuts short, and the costliest (many
+    single-GPU groups: long pipelines whose stage orders are searched) came first. Ranked by the
+    step time of the grouping's simplest layout, every group a one-stage pipeline (a real
+    layout, scored exactly, and kept as a candidate), where memory lets one group hold the
+    model; then by fewer groups (cheaper templates, fewer stages of bubble); then by speed.
+    At 16 GPUs with a node at 2x this took the default search from 1155 to 878 (the optimum
+    a long search finds)."""
+    found: list[Candidate] = []
+    keyed = []
+    for i, g in enumerate(groupings):
+        t = float("inf")
+        lay = _alone(g)
+        n = sum(c for _, c in lay)
+        if not dl.expired() and (problem.dp is None or problem.dp == n):
+            sc = score_within(ev, dl, lay, True)
+            if sc is not None:
+                found.append(Candidate(sc, g))
+                t = sc.time
+        speed = sum(x.speed for x in (*g.healthy, *g.odd))
+        keyed.append(((t, n, -speed, i), g))
+    keyed.sort(key=lambda x: x[0])
+    return [g for _, g in keyed], found
 
 
 def _starts(
