@@ -55,7 +55,7 @@ NOTES = [
     "order and layer split and the "
     "micro-batch split solved exactly in-process; then hill climbing and kick-and-climb on "
     "the best layouts. Identical pipelines are counted, never enumerated. No solver process "
-    "is started. Tests hold it within 2% of a brute-force optimum on every problem of up to "
+    "is started. Tests hold it within 1% of a brute-force optimum on every problem of up to "
     "8 GPUs that they try. The budget (`default_budget`: CPU seconds of the planning thread, "
     "0.6 s up to 64 GPUs, 0.7 s at 1024, 3.9 s at 4096) is one deadline that every phase "
     "asks before each unit of work (problems of up to 8 GPUs have none: their search runs "
