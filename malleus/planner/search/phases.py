@@ -1,6 +1,7 @@
 """The search's phases on one (possibly bucketed) problem: from groupings to the best layouts.
 
-Steps 1-3 of driver.py's `plan()`, up to materialising: candidate groupings (grouping.py), template
+Steps 1-3 of driver.py's `plan()`, up to materialising: candidate groupings (grouping.py; on
+small clusters ranked by their simplest layout first, `_rank_groupings`), template
 layouts for every grouping, interleaved (templates.py), partition layouts for the best few
 groupings with few odd groups, then a hill climb from each of the best distinct layouts and a
 kick-and-climb from the best (localsearch.py); large layouts, scored on any-m lines, are
