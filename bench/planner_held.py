@@ -1,6 +1,7 @@
 """Planner against every other way to plan the problems the project holds (issue 27).
 
 Run: .venv/bin/python bench/planner_held.py [--long 6] [--no-write] [--json out.json]
+                                             [--before rows.json --before-label COMMIT]
 
 For each held problem (`examples/problems/*.json`; the "Planner" table's 8- and 64-GPU
 situations; a uniformly slow node beside healthy ones at 16 and 64 GPUs, with and without the
@@ -13,6 +14,9 @@ model (`plan_step_time`). Ratio = ours / the best of the others (<= 1.01 is the 
 reference column is the authors' yardstick (docs/architecture.md, "Cost model": recovery =
 reference / T). Exhaustive optima of tiny problems are held in tests/planner/test_optimality.py
 and test_calibration.py (within 1%).
+
+`--before` adds the rows of a run at an earlier commit (`--json` of this script run with that
+commit's `malleus` first on PYTHONPATH): its step times and CPU seconds beside today's.
 
 Writes the "Planner: held problems" section of docs/benchmarks.md.
 """
@@ -157,8 +161,16 @@ def fmt(x: float | None) -> str:
     return "—" if x is None else f"{x:.1f}"
 
 
-def render(rows: list[Row], command: str, long_s: float, load: tuple[float, float]) -> str:
+def render(
+    rows: list[Row],
+    command: str,
+    long_s: float,
+    load: tuple[float, float],
+    before: dict[str, Row] | None = None,
+    label: str = "",
+) -> str:
     worst = max(rows, key=lambda r: r.ratio)
+    then = before or {}
     lines = [
         "## Planner: held problems",
         "",
@@ -176,21 +188,35 @@ def render(rows: list[Row], command: str, long_s: float, load: tuple[float, floa
         "the authors' yardstick. Exhaustive optima of tiny problems are in the tests "
         "(tests/planner/test_optimality.py, test_calibration.py: within 1%).",
         "",
-        "| problem | GPUs | ours | CPU s | uniform | hand-built | long | ratio | recovery |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| problem | GPUs | ours | CPU s | uniform | hand-built | long | ratio | recovery |"
+        + (" before | CPU s before |" if then else ""),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if then else ""),
     ]
     for r in rows:
+        b = then.get(r.name)
+        extra = "" if not then else " — | — |" if b is None else f" {b.ours:.1f} | {b.cpu:.2f} |"
         lines.append(
             f"| {r.name} | {r.world} | {r.ours:.1f} | {r.cpu:.2f} | {fmt(r.uniform)} | "
-            f"{fmt(r.hand)} | {r.long:.1f} | {r.ratio:.4f} | {r.reference / r.ours:.3f} |"
+            f"{fmt(r.hand)} | {r.long:.1f} | {r.ratio:.4f} | {r.reference / r.ours:.3f} |{extra}"
         )
     met = "met" if worst.ratio <= TARGET else "NOT met"
     lines += [
         "",
         f"Worst ratio {worst.ratio:.4f} ({worst.name}; target {TARGET}: {met}); ours is the "
         f"best of all on {sum(r.ratio <= 1 + 1e-9 for r in rows)} of {len(rows)}.",
-        "",
     ]
+    pairs = [(r, then[r.name]) for r in rows if r.name in then]
+    if pairs:
+        # the same comparison for the earlier commit's plans (its long search was its own)
+        old = max(b.ours / min(r.best_other, b.best_other) for r, b in pairs)
+        cpu = sorted(r.cpu / max(b.cpu, 1e-3) for r, b in pairs)
+        lines.append(
+            f"Before ({label}): worst ratio {old:.4f} against the best of both runs; CPU "
+            f"seconds now / before, per problem: median {cpu[len(cpu) // 2]:.2f}, max "
+            f"{cpu[-1]:.2f}; largest CPU {max(r.cpu for r, _ in pairs):.2f} s now, "
+            f"{max(b.cpu for _, b in pairs):.2f} s before (the budget up to 64 GPUs is 0.6 s)."
+        )
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -199,7 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long", type=float, default=6.0, help="long search CPU s")
     ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     ap.add_argument("--json", default="", help="also save the rows (JSON)")
+    ap.add_argument("--before", default="", help="rows of an earlier commit's run (JSON)")
+    ap.add_argument("--before-label", default="an earlier commit", help="what --before is")
     args = ap.parse_args(argv)
+    before = None
+    if args.before:
+        before = {d["name"]: Row(**d) for d in json.loads(Path(args.before).read_text())}
     load_start = os.getloadavg()[0]
     rows = []
     for name, data in held():
@@ -214,8 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
     command = "python bench/planner_held.py" + (f" --long {args.long:g}" if args.long != 6 else "")
-    section = render(rows, command, args.long, (load_start, os.getloadavg()[0]))
-    print(section.splitlines()[-2])
+    if args.before:
+        command += f" --before {args.before} --before-label {args.before_label}"
+    load = (load_start, os.getloadavg()[0])
+    section = render(rows, command, args.long, load, before, args.before_label)
+    print("\n".join(section.rstrip().splitlines()[-3:]))
     if not args.no_write:
         replace_section("Planner: held problems", section, DOC)
         print(f"wrote {DOC.relative_to(ROOT)}")
