@@ -191,10 +191,11 @@ def two_nodes(rate: float, micro_batches: int) -> PlanningProblem:
 
 
 def hand_built(p: PlanningProblem, size: tuple[int, int]) -> Plan:
-    """Node 0 (healthy) in groups of size[0], node 1 (slow) in groups of size[1], every group a
-    one-stage pipeline; micro-batches dealt one at a time to the pipeline that ends first (a
-    group left without one sits out)."""
-    groups = [group(n, a, s) for n, s in enumerate(size) for a in range(0, 8, s)]
+    """Healthy nodes in groups of size[0], node 1 (the slow one) in groups of size[1], every
+    group a one-stage pipeline; micro-batches dealt one at a time to the pipeline that ends
+    first (a group left without one sits out)."""
+    sizes = [size[int(n == 1)] for n in range(p.nodes)]
+    groups = [group(n, a, s) for n, s in enumerate(sizes) for a in range(0, 8, s)]
     per = [plan_step_time(p, Plan(tp=8, pipelines=[pipe(1, (g, 80))])) for g in groups]
     m = [0] * len(groups)
     for _ in range(p.micro_batches):
@@ -225,3 +226,18 @@ def test_16_gpus_slow_node_split_within_one_percent_of_hand_built_plans() -> Non
         assert validate_plan(p, result) == []
         assert result.estimate is not None
         assert result.estimate.step_time <= min(hand.values()) * 1.01, (rate, m, hand)
+
+
+def test_64_gpus_healthy_nodes_in_pairs_beside_a_slow_node_of_singles() -> None:
+    # issue 27: with no memory bound and alpha[k] < 2^k the healthy nodes pay to split too.
+    # Node 1 at 1.57x, 276 micro-batches: healthy pairs (292.8 per micro-batch) carry 28 x 9 =
+    # 252 by 3 x 906.8 = 2720.5, the slow node's singles (80 x 7.22 x 1.57 = 906.8) 8 x 3 =
+    # 24; healthy full groups beside it keep 2880 (the first test above), which is where the
+    # search stopped while it only split straggler nodes.
+    p = cluster(micro_batches=276)
+    hand = timed(p, hand_built(p, (2, 1)))
+    assert abs(hand - 3 * 80 * 7.22 * 1.57) < 1e-9
+    result = plan(p)
+    assert validate_plan(p, result) == []
+    assert result.estimate is not None
+    assert result.estimate.step_time <= hand * 1.01

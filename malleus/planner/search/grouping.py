@@ -9,7 +9,9 @@ bubble) is priced by one number `lam` per grouping policy: each node picks the o
 `speed - lam * groups`.
 
 Nodes whose GPUs are all healthy keep full groups in rank order: they are the interchangeable
-bulk that the search handles as counts, never one by one.
+bulk that the search handles as counts, never one by one. On clusters of up to 16 nodes they may
+also all be split into groups of one smaller size (where such a group holds the model alone),
+beside every combination of the straggler nodes' options.
 
 The per-node options (the DP, the group vocabulary `Group` and `NodeOption`) live in
 nodegroups.py; this module picks one option per node (`choose_grouping`) and proposes the
@@ -120,7 +122,8 @@ def candidate_groupings(
     """Candidate groupings: every per-node combination when few, else one per (lam, mu) price.
 
     Healthy nodes keep full groups, except on small clusters where splitting them can pay
-    (alpha below 2^k makes small groups faster per GPU): there they are enumerated too. Any
+    (alpha below 2^k makes small groups faster per GPU): there they are enumerated too, or
+    all split alike beside each straggler combination. Any
     straggler node, slow ones included, may be split into smaller groups. Past the deadline,
     the nodes not yet grouped keep full groups and no further price is tried (at least one
     grouping always comes back).
