@@ -48,9 +48,11 @@ ALPHA_TP8 = _SETTING_70B["model"]["alpha"]
 
 NOTES = [
     "How the planner works (malleus/planner/search/): per node, the fastest TP groupings "
-    "for each group count (a DP over GPUs sorted by rate; up to 16 nodes, every "
-    "combination of the nodes' options, ranked by the layout with every group a one-stage "
-    "pipeline so that the budget reaches the likeliest first); per grouping, template layouts "
+    "for each group count (a DP over GPUs sorted by rate); on clusters of up to 16 nodes, "
+    "every combination of the straggler nodes' options, each also beside the healthy nodes "
+    "split alike into groups of one size that holds the model; up to 64 GPUs the groupings "
+    "ranked by their layout with every group a one-stage pipeline, so that the budget "
+    "reaches the likeliest first; per grouping, template layouts "
     "(healthy groups in the fewest stages memory allows, odd groups in special pipelines "
     "topped up with healthy ones; for the best few groupings with at most 10 odd groups, "
     "every split of them over the best template's pipeline count), each pipeline's stage "

@@ -186,7 +186,11 @@ def render(
         f"size pair; — where memory needs deeper pipelines) and the same search given {long_s:g} "
         "s. Ratio = ours / the best other (target <= 1.01); recovery = reference / ours, "
         "the authors' yardstick. Exhaustive optima of tiny problems are in the tests "
-        "(tests/planner/test_optimality.py, test_calibration.py: within 1%).",
+        "(tests/planner/test_optimality.py, test_calibration.py: within 1%). What changed "
+        "since 1ae3fbc (issue 27) runs on clusters of up to 16 nodes (healthy nodes split "
+        "alike beside the straggler nodes' options) and up to 64 GPUs (groupings ranked by "
+        "their one-stage-per-group layout); larger ones plan as before (the Planner and "
+        "Planner spread sections).",
         "",
         "| problem | GPUs | ours | CPU s | uniform | hand-built | long | ratio | recovery |"
         + (" before | CPU s before |" if then else ""),
@@ -216,8 +220,32 @@ def render(
             f"{cpu[-1]:.2f}; largest CPU {max(r.cpu for r, _ in pairs):.2f} s now, "
             f"{max(b.cpu for _, b in pairs):.2f} s before (the budget up to 64 GPUs is 0.6 s)."
         )
-    lines.append("")
+    lines += [*speed_lines(), ""]
     return "\n".join(lines)
+
+
+SPEED = Path(__file__).resolve().parent / "planner_speed_1ae3fbc.json"
+
+
+def speed_lines() -> list[str]:
+    """The Planner and Planner spread tables' CPU seconds at 1ae3fbc and after issue 27's
+    change, measured in one session on one machine (`SPEED`, written from the two runs)."""
+    if not SPEED.exists():
+        return []
+    d = json.loads(SPEED.read_text())
+    out = ["", f"Planning speed before ({d['before']}) and after, {d['date']}, same session:"]
+    for key, title in (("planner", "Planner table"), ("spread", "Planner spread table")):
+        rows = d[key]
+        ratio = sorted(new / max(old, 1e-2) for old, new in rows.values())
+        worst = max(rows, key=lambda k: rows[k][1] / max(rows[k][0], 1e-2))
+        most = max(rows, key=lambda k: rows[k][1])
+        out.append(
+            f"- {title} ({len(rows)} rows, CPU s): after / before median "
+            f"{ratio[len(ratio) // 2]:.2f}, max {ratio[-1]:.2f} ({worst}: "
+            f"{rows[worst][0]:.2f} -> {rows[worst][1]:.2f}); largest {rows[most][1]:.2f} s "
+            f"({most}; {rows[most][0]:.2f} s before)."
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
