@@ -43,6 +43,7 @@ _PART_GROUPINGS, _PART_MAX_ODD, _PART_MAX = 3, 10, 1500
 # hill climbs and the kick-and-climb get the rest.
 _GROUPING_END, _TEMPLATES_END, _PARTITIONS_END = 0.35, 0.5, 0.55
 _TEMPLATES_MIN, _PARTITIONS_MIN = 0.12, 0.03
+_WAVE = 8  # ranked groupings (small clusters) whose templates are interleaved at once
 
 
 @dataclass
@@ -95,7 +96,11 @@ def search_layouts(problem: PlanningProblem, ev: Evaluator, dl: Deadline) -> lis
         odd = [x.cls for x in g.odd]
         return template_layouts(ev, hc, len(g.healthy), odd, nodes, problem.dp, deadline, memo)
 
-    gens = [(g, generator(g, templates_dl)) for g in groupings]
+    # ranked groupings (small clusters) are interleaved a wave at a time, the likeliest first:
+    # a grouping joins when one before it has no template left
+    wave = _WAVE if small else len(groupings)
+    waiting = iter(groupings)
+    gens = [(g, generator(g, templates_dl)) for g in itertools.islice(waiting, wave)]
     while gens and not templates_dl.expired():
         active = []
         for g, gen in gens:
@@ -106,7 +111,8 @@ def search_layouts(problem: PlanningProblem, ev: Evaluator, dl: Deadline) -> lis
                     found.append(Candidate(sc, g))
             if len(batch) == 4:
                 active.append((g, gen))
-        gens = active
+        joining = itertools.islice(waiting, wave - len(active))
+        gens = active + [(g, generator(g, templates_dl)) for g in joining]
     if not found:  # past the deadline with nothing: the first layout that fits, at any cost
         found = _first_feasible(problem, ev, groupings, generator)
     found.sort(key=lambda c: c.scored.time)
