@@ -96,9 +96,11 @@ def search_layouts(problem: PlanningProblem, ev: Evaluator, dl: Deadline) -> lis
         odd = [x.cls for x in g.odd]
         return template_layouts(ev, hc, len(g.healthy), odd, nodes, problem.dp, deadline, memo)
 
-    # ranked groupings (small clusters) are interleaved a wave at a time, the likeliest first:
-    # a grouping joins when one before it has no template left
-    wave = _WAVE if small else len(groupings)
+    # groupings ranked by real layouts (small clusters where one group holds the model) are
+    # interleaved a wave at a time, the likeliest first: a grouping joins when one before it
+    # has no template left (ranked by group counts alone, under a memory bound, all at once:
+    # waves there cost a 64-GPU row 0.3% now and then)
+    wave = _WAVE if found else len(groupings)
     waiting = iter(groupings)
     gens = [(g, generator(g, templates_dl)) for g in itertools.islice(waiting, wave)]
     while gens and not templates_dl.expired():
