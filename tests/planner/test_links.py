@@ -53,13 +53,21 @@ def test_the_link_aware_plan_beats_the_compute_only_plan() -> None:
     assert aware.estimate is not None and aware.estimate.terms is not None
 
 
-def test_without_a_slow_link_the_calibrated_plan_keeps_full_groups() -> None:
+def test_without_a_slow_link_the_calibrated_plan_treats_every_node_alike() -> None:
+    # No node differs, so none is singled out. Here the TP collectives (0.3 per layer of 1)
+    # cost more than a pipeline's gradient sync: every GPU alone, 16 one-stage pipelines,
+    # takes 71.9 against 89.8 for full groups (the uniform plan, which the search kept until
+    # issue 27 let it split healthy nodes of small clusters).
     full = PlanningProblem.load({**BASE, "calibration": CAL})
     result = plan(full)
-    assert all(len(s.ranks) == 4 for _, _, s in result.stages())
+    sizes = [
+        sorted(len(s.ranks) for _, _, s in result.stages() if s.ranks[0] // 4 == n)
+        for n in range(4)
+    ]
+    assert all(x == sizes[0] for x in sizes), sizes
     uni = uniform_plan(full)
     assert uni is not None
-    assert plan_step_time(full, result) <= plan_step_time(full, uni) + 1e-9
+    assert plan_step_time(full, result) <= plan_step_time(full, uni) * 0.81
 
 
 def _pairs(problem: PlanningProblem, pipelines: list[list[int]]) -> Plan:

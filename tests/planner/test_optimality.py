@@ -120,6 +120,22 @@ CASES: dict[str, dict[str, Any]] = {
         "model": {"layers": 6, "tp": 4, "alpha": [1.0, 1.9, 3.66]},
         "micro_batches": 6,
     },
+    # issue 27: a node at 2x beside a healthy one, few micro-batches: whether to split the slow
+    # node, the healthy one or both is decided by micro-batch granularity, not by speed alone
+    "slow node at 2x beside a healthy one, tp 4, few micro-batches": {
+        "nodes": 2,
+        "gpus_per_node": 4,
+        "rates": {str(r): 2.0 for r in range(4, 8)},
+        "model": {"layers": 6, "tp": 4, "alpha": [1.0, 1.9, 3.66]},
+        "micro_batches": 4,
+    },
+    "slow node at 3x beside a healthy one, tp 4, 70B-like alpha": {
+        "nodes": 2,
+        "gpus_per_node": 4,
+        "rates": {str(r): 3.0 for r in range(4, 8)},
+        "model": {"layers": 6, "tp": 4, "alpha": [1.0, 1.9, 3.66]},
+        "micro_batches": 8,
+    },
     "slow node split under memory, tp 4": {
         "nodes": 2,
         "gpus_per_node": 4,
@@ -132,7 +148,7 @@ CASES: dict[str, dict[str, Any]] = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_within_two_percent_of_the_optimum(name: str) -> None:
+def test_within_one_percent_of_the_optimum(name: str) -> None:
     p = PlanningProblem.load(CASES[name])
     best = optimum(p)
     # Quality, not speed, is asserted here: a wall-time budget far above the default keeps the
@@ -141,7 +157,7 @@ def test_within_two_percent_of_the_optimum(name: str) -> None:
     assert validate_plan(p, result) == []
     assert result.estimate is not None
     assert result.estimate.step_time >= best - 1e-9  # the enumerator really is exhaustive
-    assert result.estimate.step_time <= best * 1.02, (result.estimate.step_time, best)
+    assert result.estimate.step_time <= best * 1.01, (result.estimate.step_time, best)
 
 
 def test_the_enumerator_finds_what_the_static_layout_misses() -> None:

@@ -5,7 +5,9 @@
    combination (small clusters) or one price per extra group (`lam`) that each node trades
    against speed. With many distinct straggling rates the search plans on rates rounded up to
    a 4% geometric grid (`bucketed`), so 800 stragglers are a few dozen classes.
-2. For each grouping, score a family of template layouts (templates.py): healthy groups in the
+2. On small clusters (up to 64 GPUs), rank the groupings by their simplest layout (every group
+   a one-stage pipeline, where memory allows) so that a deadline cuts the least promising.
+   For each grouping, score a family of template layouts (templates.py): healthy groups in the
    fewest stages memory allows, odd groups in special pipelines topped up with healthy ones;
    for the best few groupings with few odd groups, also every split of the odd groups over
    the best template's pipeline count (healthy groups to the slowest). Every pipeline is

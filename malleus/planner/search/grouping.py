@@ -9,7 +9,9 @@ bubble) is priced by one number `lam` per grouping policy: each node picks the o
 `speed - lam * groups`.
 
 Nodes whose GPUs are all healthy keep full groups in rank order: they are the interchangeable
-bulk that the search handles as counts, never one by one.
+bulk that the search handles as counts, never one by one. On clusters of up to 16 nodes they may
+also all be split into groups of one smaller size (where such a group holds the model alone),
+beside every combination of the straggler nodes' options.
 
 The per-node options (the DP, the group vocabulary `Group` and `NodeOption`) live in
 nodegroups.py; this module picks one option per node (`choose_grouping`) and proposes the
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from ..pace import healthy_pace, pace
 from ..problem import PlanningProblem
 from .deadline import Deadline
+from .layers import layer_caps
 from .nodegroups import (
     Group,
     NodeOption,
@@ -119,7 +122,8 @@ def candidate_groupings(
     """Candidate groupings: every per-node combination when few, else one per (lam, mu) price.
 
     Healthy nodes keep full groups, except on small clusters where splitting them can pay
-    (alpha below 2^k makes small groups faster per GPU): there they are enumerated too. Any
+    (alpha below 2^k makes small groups faster per GPU): there they are enumerated too, or
+    all split alike beside each straggler combination. Any
     straggler node, slow ones included, may be split into smaller groups. Past the deadline,
     the nodes not yet grouped keep full groups and no further price is tried (at least one
     grouping always comes back).
@@ -148,11 +152,26 @@ def candidate_groupings(
         _ALL_COMBOS, _ALL_COMBOS_TINY * (problem.world <= _TINY)
     ):
         options, nodes, combos = every, list(range(problem.nodes)), 0
+    healthy_nodes = [n for n in range(problem.nodes) if n not in options]
+    shared: list[int | None] = [None]  # None: healthy nodes keep full groups
+    if combos and problem.nodes <= _SPLIT_HEALTHY_NODES and healthy_nodes:
+        # Small clusters: the healthy nodes (interchangeable) are all split into groups of one
+        # smaller size beside every combination of the straggler nodes' options (alpha[k] <
+        # 2^k makes pairs faster per GPU than a full group: with a node at 1.57x among 8,
+        # healthy pairs beside it took 2880 to 2720 where the straggler node's options alone
+        # kept 2880). Only sizes whose group holds the model alone: where memory needs deeper
+        # pipelines a split multiplies their stages (at 64 GPUs with the 70B memory model such
+        # groupings scored 975-995 against 725, and their templates tripled the search's time).
+        first = every[healthy_nodes[0]]
+        shared += [i for i, o in enumerate(first) if _holds_the_model(problem, _one_size(o))]
     if combos <= _ALL_COMBOS:
-        for pick in itertools.product(*(range(len(options[n])) for n in nodes)):
+        picks = itertools.product(*(range(len(options[n])) for n in nodes))
+        for pick, h in itertools.product(list(picks), shared):
             if seen and dl.expired():
                 break
             chosen = {n: [options[n][i]] for n, i in zip(nodes, pick, strict=True)}
+            if h is not None:
+                chosen.update({n: [every[n][h]] for n in healthy_nodes})
             g = choose_grouping(problem, chosen, 0.0)
             dl.spend()
             seen.setdefault(g.key, g)
@@ -172,6 +191,19 @@ def candidate_groupings(
             dl.spend()
             seen.setdefault(g.key, g)
     return list(seen.values())
+
+
+def _one_size(option: NodeOption) -> int | None:
+    """The shard exponent k of an option whose groups all have one size and leave no usable GPU
+    out (None for any other option)."""
+    ks = {g.k for g in option.groups}
+    return ks.pop() if len(ks) == 1 and not option.excluded else None
+
+
+def _holds_the_model(problem: PlanningProblem, k: int | None) -> bool:
+    """Whether a split group of shard exponent k (k >= 1) holds every layer alone (one stage,
+    one micro-batch in flight)."""
+    return k is not None and k >= 1 and layer_caps(problem, [k], 1)[0] >= problem.layers
 
 
 # Uncapped prices go first (see _policies) when more nodes straggle than this and than half
