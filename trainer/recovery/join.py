@@ -31,7 +31,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
+
 from malleus.trainer.world.errors import DEAD_KEY, LaunchError
+from malleus.trainer.world.faults import fault_point
 from malleus.trainer.world.membership import Membership
 from malleus.trainer.world.sealed import Sealer
 from malleus.trainer.world.world import World
@@ -79,17 +82,33 @@ def await_admission(world: World, store: Any, gpu: int, timeout_s: float) -> Adm
     nonce = secrets.token_hex(8)
     n = store.add(f"{JOIN_KEY}{gpu}/n", 1)
     seal.put(store, f"{JOIN_KEY}{gpu}/{n}", json.dumps({"at": time.time(), "nonce": nonce}))
-    admit = wait_sealed(store, seal, _admit_key(gpu, nonce), timeout_s)
-    if admit is None:
-        raise LaunchError(f"rank {gpu}: the running job did not admit it within {timeout_s:g}s")
-    # Its predecessor's death mark (`rec/dead/GPU`) must not outlive it: the recovery reads it
-    # as "this GPU's process is gone" (the leader waits for no arrival of it, the others stop
-    # waiting for a decision of it), which is no longer true of this process.
-    store.delete_key(DEAD_KEY + str(gpu))
-    world.set_collective_timeout(admit["timeout"])
-    m = Membership(admit["epoch"], tuple(admit["members"]), admit["lead"])
-    world.install(m, store)
-    form_group(world, store, f"rec/{m.epoch}/", m, gpu)
+    deadline = time.monotonic() + timeout_s
+    failed = -1  # the epoch of an admission whose group could not be formed
+    while True:
+        admit = _await_admit(store, seal, _admit_key(gpu, nonce), deadline, after=failed)
+        if admit is None:
+            raise LaunchError(f"rank {gpu}: the running job did not admit it within {timeout_s:g}s")
+        # Its predecessor's death mark (`rec/dead/GPU`) must not outlive it: the recovery reads
+        # it as "this GPU's process is gone" (the leader waits for no arrival of it, the others
+        # stop waiting for a decision of it), which is no longer true of this process.
+        store.delete_key(DEAD_KEY + str(gpu))
+        world.set_collective_timeout(admit["timeout"])
+        m = Membership(admit["epoch"], tuple(admit["members"]), admit["lead"])
+        world.install(m, store)
+        try:
+            form_group(world, store, _group_prefix(m.epoch), m, gpu)
+        except RuntimeError as e:
+            # A member died while the group formed: the members recover without it (and
+            # without this GPU, whose admission did not happen), then admit the same request
+            # again at a later step boundary, at a later epoch.
+            log.warning(
+                "rank %d: admission at epoch %d failed (%s); waiting again", gpu, m.epoch, e
+            )
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            failed = m.epoch
+            continue
+        break
     return Admission(
         m.epoch,
         m.members,
@@ -147,6 +166,28 @@ def _admit_key(gpu: int, nonce: str) -> str:
     return f"{JOIN_KEY}{gpu}/admit/{nonce}"
 
 
+def _group_prefix(epoch: int) -> str:
+    """Where an admission's process group meets: apart from the keys of a recovery at the same
+    epoch (`rec/E/pg/`), which follows an admission whose group could not be formed (a member
+    died meanwhile): the membership in force is still the one before it."""
+    return f"rec/{epoch}/join/"
+
+
+def _await_admit(
+    store: Any, seal: Sealer, key: str, deadline: float, *, after: int
+) -> dict[str, Any] | None:
+    """The admission at `key` once its epoch is above `after` (an admission that failed is
+    replaced by the next one, at a later epoch); None at `deadline`."""
+    while time.monotonic() < deadline:
+        got = wait_sealed(store, seal, key, max(0.0, deadline - time.monotonic()))
+        if got is None:
+            return None
+        if int(got.get("epoch", -1)) > after:
+            return got
+        time.sleep(0.05)
+    return None
+
+
 def _pending(store: Any, seal: Sealer, gpu: int, admitted: dict[int, str]) -> str | None:
     """The nonce of `gpu`'s latest request to join when it is not admitted yet, else None.
 
@@ -182,9 +223,12 @@ def admit(trainer: Trainer, ledger: Ledger) -> None:
     listed = seal.open(name, store.get(name))  # waits for it, as before the seal
     found = json.loads(listed) if listed is not None else []
     new = Membership(epoch, tuple(sorted({*m.members, *(g for g, _ in found)})), m.coordinator)
-    for g, nonce in found:
-        ledger.admitted[g] = nonce
-        ledger.out.pop(g, None)
+    # What the joiners change takes effect once their group is formed: a member may die while
+    # it forms, and the recovery that follows must still plan without the joiners and
+    # announce their requests again afterwards (their nonces not taken for admitted).
+    entering = {int(g): str(nonce) for g, nonce in found}
+    admitted = {**ledger.admitted, **entering}
+    out = {g: w for g, w in ledger.out.items() if g not in entering}
     if trainer.rank == m.coordinator:
         admission = {
             "epoch": epoch,
@@ -192,17 +236,19 @@ def admit(trainer: Trainer, ledger: Ledger) -> None:
             "lead": new.lead,
             "step": trainer.step,
             "plan": trainer.plan.to_json(),
-            "out": {str(g): w for g, w in ledger.out.items()},
+            "out": {str(g): w for g, w in out.items()},
             "timeout": trainer.world.collective_timeout_s,
-            "admitted": {str(g): v for g, v in ledger.admitted.items()},
+            "admitted": {str(g): v for g, v in admitted.items()},
         }
         for g, nonce in found:
             seal.put(store, _admit_key(g, nonce), json.dumps(admission))
-        inbox = trainer.services.inbox
-        if inbox is not None:
-            inbox.replan(trainer.job.problem({g: None for g in ledger.out}))
     release_groups(trainer, None)
-    form_group(trainer.world, store, f"rec/{epoch}/", new, trainer.rank)
+    fault_point("admit", trainer.rank, store=store)  # fault injection (tests): dies here
+    form_group(trainer.world, store, _group_prefix(epoch), new, trainer.rank)
+    ledger.admitted, ledger.out = admitted, out
+    inbox = trainer.services.inbox
+    if trainer.rank == m.coordinator and inbox is not None:
+        inbox.replan(trainer.job.problem({g: None for g in ledger.out}))
     trainer.rebuild_pipeline()  # the groups in the same order as the joiner's Trainer makes them
     trainer.calibrator.restart()
     trainer.services.state.update(out=dict(ledger.out))

@@ -265,3 +265,33 @@ def test_a_third_rank_killed_during_the_rollbacks_checkpoint_read(
     assert r["out"] == {"0": "killed", "1": "killed", "2": "killed"}
     assert tc.rel_diff(full, reference(STEPS)) <= TOL  # the lost steps trained again
     assert read_manifest(latest(ckpt))["step"] == STEPS
+
+
+def test_a_second_rank_killed_while_a_replacement_is_admitted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd
+) -> None:
+    # GPU 3 dies at step 1; its replacement asks to join; at the step boundary that admits it,
+    # GPU 2 dies as the new group forms (`admit:2`, after it let go of the old group). The
+    # members' group cannot form: they recover without GPU 2 (and without GPU 3, whose
+    # admission did not happen), then admit the same request again at a later boundary.
+    from malleus.trainer.recovery.join import AWAIT_JOIN_ENV
+
+    monkeypatch.setenv("MALLEUS_FAULT", "admit:2")
+    monkeypatch.setenv(AWAIT_JOIN_ENV, "3")  # the coordinator waits for the request: no race
+    steps = 12
+    job = fc.fault_job([(1, 3, "kill")], steps=steps, layer_ms=10, hang_timeout=30)
+    codes, results, full, seconds = _train(tmp_path, job, REPLICAS, replace=3)
+    assert codes[2:4] == [-9, -9] and codes[:2] == [0, 0] and codes[4] == 0, codes
+    joined = [line for line in capfd.readouterr().out.splitlines() if "joined at step" in line]
+    assert len(joined) == 1 and joined[0].startswith("[malleus] rank 3 joined at step "), joined
+    at = int(joined[0].split()[-1])
+    assert sorted(results) == [0, 1, 3]
+    for r in results.values():
+        assert r["members"] == [0, 1, 3] and r["step"] == steps
+    first, second = results[0]["recoveries"]
+    assert first["failed"] == {"3": "killed"} and second["failed"] == {"2": "killed"}
+    assert first["steps_lost"] == second["steps_lost"] == 0
+    assert second["step"] <= at  # admitted after the recovery from the second failure
+    assert results[0]["out"] == {"2": "killed"}  # GPU 3 is back in the job, GPU 2 is not
+    assert tc.rel_diff(full, reference(steps, steps)) <= TOL
+    print(f"second failure during an admission: joined at {at}, run {seconds:.1f}s")

@@ -1,0 +1,361 @@
+"""Recovery cost benchmark: what one live recovery costs the job's store as the world grows.
+
+Run: .venv/bin/python bench/recovery_cost.py [--sizes 4,8,16,32] [--layer-ms 2] [--steps 4]
+     [--at 2] [--out DIR] [--reuse FILE] [--no-write]
+
+For each world size N, a real fault-tolerant job of N emulated ranks (gloo on this host, the
+launcher's store, `spawn_local`) trains a tiny model as N data-parallel replicas (tp 1, one
+stage each, layers of `--layer-ms` ms forward and twice that backward); rank N-1 is SIGKILLed
+in the middle of step `--at` (the job's own fault schedule), the N-1 survivors recover from
+replicas and finish. Every store call of each survivor's recovery is counted on its own client
+(trainer/recovery/tally.py `Tally`: calls by operation and key kind, round trips, bytes written
+and read; torch's rendezvous of the next process group included) and lands in its recovery
+record; this script reads the records and reports, per N, the leader's cost, a member's, the
+total through the one store, the decision's size, the leader's wait and decision times, and
+the recovery's seconds (fault to the first committed step after it). Then it fits each figure's
+growth (a power law over the sizes run) and extrapolates to 1,024 and 4,096 ranks.
+
+Only the store's side is counted: the data moved to restore the lost replica's pieces goes
+through the process group (as much as one rank holds, whatever N) and the alarm's polling and
+heartbeats are the steady price of detection (trainer/world/alarm.py bounds them per second).
+The runs go one after the other; every one starts N Python processes importing torch, which on
+a small machine is what limits N (memory: ~0.3 GB each).
+
+Writes the "Failures: recovery cost" section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from benchdoc import LoadSampler, machine, replace_section  # bench/ is on sys.path
+
+TITLE = "Failures: recovery cost"
+MODEL = {"layers": 2, "hidden": 32, "heads": 4, "ffn": 64, "vocab": 256, "sequence": 16}
+SCALES = (1024, 4096)
+"""The world sizes each figure is extrapolated to."""
+
+
+def job_for(n: int, *, steps: int, at: int, layer_ms: float) -> Any:
+    """N GPUs (nodes of up to 8), tp 1, a 2-layer model, rank N-1 killed mid-step `at`."""
+    from malleus.job import ResolvedJob
+
+    gpn = min(n, 8)
+    manifest = {
+        "apiVersion": "malleus.io/v1alpha1",
+        "kind": "MalleusJob",
+        "metadata": {"name": f"recovery-cost-{n}"},
+        "spec": {
+            "image": "malleus:bench",
+            "nodes": n // gpn,
+            "gpusPerNode": gpn,
+            "model": dict(MODEL),
+            "training": {
+                "globalBatchSize": n,
+                "microBatchSize": 1,
+                "steps": steps,
+                "learningRate": 3e-3,
+                "warmupSteps": 1,
+            },
+            "parallelism": {"tp": 1},
+            "emulation": {
+                "enabled": True,
+                "layerForwardMs": layer_ms,
+                "layerBackwardMs": 2 * layer_ms,
+                "schedule": [{"step": at, "rank": n - 1, "fail": "kill"}],
+            },
+            "failurePolicy": {"hangTimeoutSeconds": 120},
+        },
+    }
+    return ResolvedJob.load(manifest).check()
+
+
+def replicas(n: int) -> Any:
+    """N data-parallel replicas: one single-stage pipeline per GPU (every piece held N times)."""
+    from malleus.planner import Plan
+
+    stage = {"layers": [0, MODEL["layers"]]}
+    pipes = [{"micro_batches": 1, "stages": [{"ranks": [g], **stage}]} for g in range(n)]
+    return Plan.model_validate({"tp": 1, "pipelines": pipes, "excluded": []})
+
+
+def body(job: Any, plan: Any, out: str) -> int:
+    """One rank of the spawned job: train through the failure, write OUT/rank-G.json."""
+    from malleus.trainer.engine.services import Services
+    from malleus.trainer.launch.distributed import DistEnv, init_distributed
+    from malleus.trainer.recovery.ledger import Ledger
+    from malleus.trainer.recovery.protocol import hang_timeout_s
+    from malleus.trainer.run.loop import run_rank
+    from malleus.trainer.run.options import RunOptions
+    from malleus.trainer.world.world import World
+
+    env = DistEnv.from_env()
+    world = World(env.world_size)
+    timeout = hang_timeout_s(job)
+    world.set_collective_timeout(timeout)
+    device = init_distributed(env, world, init_timeout_s=600, collective_timeout_s=timeout)
+    ledger, seen = Ledger(), {}
+    opts = RunOptions()
+    services = Services.null(job, env.rank, steps=job.steps, coordinator=world.coordinator())
+    try:
+        run_rank(
+            job,
+            plan,
+            opts,
+            rank=env.rank,
+            world=world,
+            device=device,
+            services=services,
+            trainer_hook=lambda t: seen.setdefault("trainer", t),
+            ledger=ledger,
+        )
+        m = world.current
+        result = {
+            "rank": env.rank,
+            "step": seen["trainer"].step,
+            "members": list(m.members) if m else None,
+            "recoveries": ledger.recoveries,
+        }
+        (Path(out) / f"rank-{env.rank}.json").write_text(json.dumps(result))
+    finally:
+        services.close()
+    return 0
+
+
+def run_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """One job of `n` ranks through one kill; the recovery's cost as its survivors counted it."""
+    from malleus.trainer.launch.spawn import spawn_local
+
+    out = root / f"n{n}"
+    out.mkdir(parents=True, exist_ok=True)
+    job = job_for(n, steps=args.steps, at=args.at, layer_ms=args.layer_ms)
+    t0 = time.monotonic()
+    codes = spawn_local(n, body, (job, replicas(n), str(out)), fault_tolerant=True)
+    wall = time.monotonic() - t0
+    if codes[:-1] != [0] * (n - 1):
+        raise RuntimeError(f"N={n}: the survivors did not all finish: codes {codes}")
+    return summarize(n, read_records(out, n, args.steps), wall)
+
+
+def read_records(out: Path, n: int, steps: int) -> dict[int, dict[str, Any]]:
+    """Each survivor's record of the recovery, from the files its rank wrote."""
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
+    survivors = list(range(n - 1))
+    if sorted(r["rank"] for r in ranks) != survivors:
+        raise RuntimeError(f"N={n}: survivors {sorted(r['rank'] for r in ranks)} wrote results")
+    assert all(r["members"] == survivors and r["step"] == steps for r in ranks), ranks
+    return {r["rank"]: r["recoveries"][-1] for r in ranks}
+
+
+def summarize(n: int, records: dict[int, dict[str, Any]], wall: float) -> dict[str, Any]:
+    """The figures of one size from the survivors' recovery records."""
+    stores = {g: rec["store"] for g, rec in records.items()}
+    (leader,) = [g for g, s in stores.items() if s["led"]]
+    others = [s for g, s in stores.items() if g != leader]
+    lead = stores[leader]
+
+    def pg_calls(s: dict[str, Any]) -> int:
+        return sum(c for k, c in s["keys"].items() if "pg/" in k)
+
+    def calls(s: dict[str, Any], kinds: tuple[str, ...]) -> int:
+        return sum(c for k, c in s["keys"].items() if k in kinds)
+
+    def fixed(s: dict[str, Any], waiting: int) -> int:
+        # round trips that do not depend on how long the wait lasted
+        return s["round_trips"] - waiting
+
+    rec = records[leader]
+    member_wait = [calls(s, MEMBER_WAIT) for s in others]
+    lead_wait = calls(lead, LEADER_WAIT) + calls(lead, MEMBER_WAIT)
+    return {
+        "n": n,
+        "leader": leader,
+        "leader_fixed": fixed(lead, lead_wait),
+        "leader_polling": lead_wait,
+        "leader_arrivals_read": lead["keys"].get("get rec/#/alive/#", 0),
+        "member_fixed": statistics.median(
+            fixed(s, w) for s, w in zip(others, member_wait, strict=True)
+        ),
+        "member_polling": statistics.median(member_wait),
+        "total_fixed": sum(
+            fixed(s, calls(s, LEADER_WAIT) + calls(s, MEMBER_WAIT)) for s in stores.values()
+        ),
+        "leader_round_trips": lead["round_trips"],
+        "leader_bytes_read": lead["bytes_read"],
+        "leader_bytes_written": lead["bytes_written"],
+        "member_round_trips": statistics.median(s["round_trips"] for s in others),
+        "member_round_trips_max": max(s["round_trips"] for s in others),
+        "member_bytes_read": statistics.median(s["bytes_read"] for s in others),
+        "member_pg_calls": statistics.median(pg_calls(s) for s in others),
+        "total_round_trips": sum(s["round_trips"] for s in stores.values()),
+        "total_bytes": sum(s["bytes_read"] + s["bytes_written"] for s in stores.values()),
+        "decision_bytes": lead["decision_bytes"],
+        "leader_wait_s": sum(x["wait_s"] for x in lead["led"]),
+        "leader_decide_s": sum(x["decide_s"] for x in lead["led"]),
+        "seconds": rec["seconds"],
+        "epochs": lead["epochs"],
+        "mode": rec["mode"],
+        "steps_lost": rec["steps_lost"],
+        "wall_s": wall,
+        "leader_keys": lead["keys"],
+    }
+
+
+MEMBER_WAIT = ("check rec/#/decision", "check rec/dead/#", "add rec/beat/#")
+"""A survivor's calls while it waits for the decision (one `check` of the decision and of the
+leader's dead mark per poll, a heartbeat read now and then): they grow with the wait, not N."""
+LEADER_WAIT = ("check rec/#/alive/#", "get rec/dead/#", "check rec/#/released/#")
+"""The leader's calls while it waits for the arrivals, besides those of `MEMBER_WAIT` (its
+dead-mark checks and heartbeat reads of the members still missing are counted there)."""
+
+FIGURES: dict[str, str] = {
+    "leader_fixed": "leader: round trips besides polling",
+    "leader_arrivals_read": "leader: arrivals read (`get rec/E/alive/G`)",
+    "leader_polling": "leader: round trips polling the arrivals",
+    "leader_bytes_read": "leader: bytes read",
+    "member_fixed": "a member (median): round trips besides polling",
+    "member_pg_calls": "a member: of which the gloo group's rendezvous (`pg/`)",
+    "member_polling": "a member (median): round trips polling for the decision",
+    "member_bytes_read": "a member (median): bytes read",
+    "total_fixed": "all survivors: round trips besides polling",
+    "total_round_trips": "all survivors: round trips, polling included",
+    "total_bytes": "all survivors: bytes through the store",
+    "decision_bytes": "the decision (bytes)",
+    "leader_wait_s": "leader: waiting for the arrivals (s)",
+    "leader_decide_s": "leader: deciding, planning included (s)",
+    "seconds": "recovery: fault to first committed step (s)",
+}
+
+
+def power_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(a, k) of y = a * x**k by least squares in log-log (ys > 0)."""
+    lx = [math.log(x) for x in xs]
+    ly = [math.log(max(y, 1e-9)) for y in ys]
+    mx, my = statistics.mean(lx), statistics.mean(ly)
+    den = sum((x - mx) ** 2 for x in lx)
+    k = sum((x - mx) * (y - my) for x, y in zip(lx, ly, strict=True)) / den if den else 0.0
+    return math.exp(my - k * mx), k
+
+
+def _fmt(v: float) -> str:
+    if isinstance(v, float) and v < 100:
+        return f"{v:.2f}" if v < 10 else f"{v:.1f}"
+    v = float(v)
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if v >= div:
+            return f"{v / div:.1f}{unit}"
+    return f"{v:.0f}"
+
+
+def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    sizes = [r["n"] for r in rows]
+    head = "| figure | " + " | ".join(f"N={n}" for n in sizes)
+    head += " | growth (N^k) | " + " | ".join(f"N={s:,} (extrapolated)" for s in SCALES) + " |"
+    lines = [head, "|" + " --- |" * (len(sizes) + 2 + len(SCALES))]
+    for key, label in FIGURES.items():
+        ys = [float(r[key]) for r in rows]
+        cells = [_fmt(y) for y in ys]
+        if len(rows) >= 2 and min(ys) > 0:
+            a, k = power_fit([float(n) for n in sizes], ys)
+            grow = f"k = {k:.2f}"
+            ext = [_fmt(a * s**k) for s in SCALES]
+        else:
+            grow, ext = "-", ["-"] * len(SCALES)
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {grow} | " + " | ".join(ext) + " |")
+    keys = rows[-1]["leader_keys"]
+    top = sorted(keys.items(), key=lambda kv: -kv[1])[:8]
+    said = ", ".join(f"`{k}` {c}" for k, c in top)
+    return "\n".join(
+        [
+            f"## {TITLE}",
+            "",
+            "What one live recovery costs the job's store as the world grows "
+            "(`bench/recovery_cost.py`; how to read it: docs/reference/trainer.md, "
+            '"Recovery cost"). N emulated ranks as N data-parallel replicas (tp 1, a '
+            f"{MODEL['layers']}-layer tiny model, layers of {meta['layer_ms']:g} + "
+            f"{2 * meta['layer_ms']:g} ms), rank N-1 SIGKILLed mid-step {meta['at']}; every "
+            "store call of each survivor's recovery counted on its own client "
+            "(trainer/recovery/tally.py; a `set` is two round trips: it is confirmed). "
+            "Recovered from replicas, 0 steps lost, in one epoch at every size.",
+            "",
+            f"Command: `{meta['command']}`. Machine: {meta['machine']}. Load (1-min average "
+            f"while it ran): {meta['load']}. Date: {meta['date']}.",
+            "",
+            *lines,
+            "",
+            f"The leader's calls at N={rows[-1]['n']}, by key kind (the most): {said}.",
+            "",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="What one live recovery costs the job's store, by world size.",
+    )
+    parser.add_argument("--sizes", default="4,8,16,32", help="world sizes (comma-separated)")
+    parser.add_argument("--layer-ms", type=float, default=2.0, help="a layer's forward, ms")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--at", type=int, default=2, help="the step rank N-1 dies in")
+    parser.add_argument("--out", help="keep the runs' files here (default: a temporary folder)")
+    parser.add_argument(
+        "--reuse", help="render the runs kept in this folder (an earlier --out) instead of running"
+    )
+    parser.add_argument("--no-write", action="store_true", help="leave docs/benchmarks.md alone")
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    if args.reuse:
+        saved = json.loads((Path(args.reuse) / "rows.json").read_text())
+        meta = saved["meta"]
+        rows = [
+            summarize(
+                r["n"],
+                read_records(Path(args.reuse) / f"n{r['n']}", r["n"], meta["steps"]),
+                r["wall_s"],
+            )
+            for r in saved["rows"]
+        ]
+    else:
+        root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="recovery-cost-"))
+        rows = []
+        with LoadSampler() as load:
+            for n in sizes:
+                print(f"[recovery-cost] N={n}: starting {n} ranks ...", flush=True)
+                row = run_size(n, args, root)
+                rows.append(row)
+                print(
+                    f"[recovery-cost] N={n}: leader {row['leader_round_trips']} round trips, "
+                    f"{row['leader_bytes_read']} B read; a member {row['member_round_trips']}; "
+                    f"decision {row['decision_bytes']} B; recovery {row['seconds']:.2f} s "
+                    f"(run {row['wall_s']:.0f} s)",
+                    flush=True,
+                )
+        meta = {
+            "command": "python bench/recovery_cost.py " + " ".join(argv or sys.argv[1:]),
+            "machine": machine(),
+            "load": load.summary(),
+            "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "layer_ms": args.layer_ms,
+            "at": args.at,
+            "steps": args.steps,
+        }
+        (root / "rows.json").write_text(json.dumps({"rows": rows, "meta": meta}, indent=1))
+        print(f"[recovery-cost] rows: {root / 'rows.json'}", flush=True)
+    section = render(rows, meta)
+    print(section)
+    if not args.no_write:
+        replace_section(TITLE, section)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
