@@ -31,8 +31,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
 from malleus.trainer.world.errors import DEAD_KEY, LaunchError
 from malleus.trainer.world.faults import fault_point
 from malleus.trainer.world.membership import Membership
@@ -55,8 +53,8 @@ AWAIT_JOIN_ENV = "MALLEUS_AWAIT_JOIN"
 (at most `AWAIT_JOIN_S`) until a replacement of it has asked to join, so that a test of
 re-admission does not depend on how fast the replacement's interpreter starts on a loaded
 machine. A wait outside any compute charge (unlike stopping the process), so the emulated clock
-has nothing to catch up afterwards. Only where the coordinator is the only member: the others
-would wait for it in the world all-gather. Not before the first step after a recovery commits
+has nothing to catch up afterwards. Where the coordinator is not the only member, only for
+waits well within the hang timeout: the others wait for it in the world all-gather. Not before the first step after a recovery commits
 (`malleus run` starts a replacement only then)."""
 AWAIT_JOIN_S = 120.0
 
@@ -79,13 +77,16 @@ def await_admission(world: World, store: Any, gpu: int, timeout_s: float) -> Adm
     admits it at a step boundary, then form the process group with the members (installed
     into `world`, with `store` to recover by)."""
     seal = world.sealer
-    nonce = secrets.token_hex(8)
-    n = store.add(f"{JOIN_KEY}{gpu}/n", 1)
-    seal.put(store, f"{JOIN_KEY}{gpu}/{n}", json.dumps({"at": time.time(), "nonce": nonce}))
     deadline = time.monotonic() + timeout_s
-    failed = -1  # the epoch of an admission whose group could not be formed
     while True:
-        admit = _await_admit(store, seal, _admit_key(gpu, nonce), deadline, after=failed)
+        # A fresh request (nonce) each time: the members take a request they announced for
+        # answered, so a replacement that died after asking is not waited for again and again;
+        # one that is alive asks again when its admission's group could not be formed.
+        nonce = secrets.token_hex(8)
+        n = store.add(f"{JOIN_KEY}{gpu}/n", 1)
+        seal.put(store, f"{JOIN_KEY}{gpu}/{n}", json.dumps({"at": time.time(), "nonce": nonce}))
+        left = max(0.0, deadline - time.monotonic())
+        admit = wait_sealed(store, seal, _admit_key(gpu, nonce), left)
         if admit is None:
             raise LaunchError(f"rank {gpu}: the running job did not admit it within {timeout_s:g}s")
         # Its predecessor's death mark (`rec/dead/GPU`) must not outlive it: the recovery reads
@@ -97,16 +98,9 @@ def await_admission(world: World, store: Any, gpu: int, timeout_s: float) -> Adm
         world.install(m, store)
         try:
             form_group(world, store, _group_prefix(m.epoch), m, gpu)
-        except RuntimeError as e:
-            # A member died while the group formed: the members recover without it (and
-            # without this GPU, whose admission did not happen), then admit the same request
-            # again at a later step boundary, at a later epoch.
-            log.warning(
-                "rank %d: admission at epoch %d failed (%s); waiting again", gpu, m.epoch, e
-            )
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            failed = m.epoch
+        except RuntimeError as e:  # a member died while the group formed: the members
+            # recover without it and without this GPU, then admit its next request
+            log.warning("rank %d: admission at epoch %d failed (%s); asking again", gpu, m.epoch, e)
             continue
         break
     return Admission(
@@ -173,21 +167,6 @@ def _group_prefix(epoch: int) -> str:
     return f"rec/{epoch}/join/"
 
 
-def _await_admit(
-    store: Any, seal: Sealer, key: str, deadline: float, *, after: int
-) -> dict[str, Any] | None:
-    """The admission at `key` once its epoch is above `after` (an admission that failed is
-    replaced by the next one, at a later epoch); None at `deadline`."""
-    while time.monotonic() < deadline:
-        got = wait_sealed(store, seal, key, max(0.0, deadline - time.monotonic()))
-        if got is None:
-            return None
-        if int(got.get("epoch", -1)) > after:
-            return got
-        time.sleep(0.05)
-    return None
-
-
 def _pending(store: Any, seal: Sealer, gpu: int, admitted: dict[int, str]) -> str | None:
     """The nonce of `gpu`'s latest request to join when it is not admitted yet, else None.
 
@@ -223,11 +202,12 @@ def admit(trainer: Trainer, ledger: Ledger) -> None:
     listed = seal.open(name, store.get(name))  # waits for it, as before the seal
     found = json.loads(listed) if listed is not None else []
     new = Membership(epoch, tuple(sorted({*m.members, *(g for g, _ in found)})), m.coordinator)
-    # What the joiners change takes effect once their group is formed: a member may die while
-    # it forms, and the recovery that follows must still plan without the joiners and
-    # announce their requests again afterwards (their nonces not taken for admitted).
+    # A request announced is answered (its nonce taken for admitted) whatever comes of it;
+    # the joiners leave `out` only once their group is formed: a member may die while it
+    # forms, and the recovery that follows must plan without them (a live joiner asks again).
     entering = {int(g): str(nonce) for g, nonce in found}
-    admitted = {**ledger.admitted, **entering}
+    ledger.admitted.update(entering)
+    admitted = dict(ledger.admitted)
     out = {g: w for g, w in ledger.out.items() if g not in entering}
     if trainer.rank == m.coordinator:
         admission = {
@@ -245,7 +225,7 @@ def admit(trainer: Trainer, ledger: Ledger) -> None:
     release_groups(trainer, None)
     fault_point("admit", trainer.rank, store=store)  # fault injection (tests): dies here
     form_group(trainer.world, store, _group_prefix(epoch), new, trainer.rank)
-    ledger.admitted, ledger.out = admitted, out
+    ledger.out = out
     inbox = trainer.services.inbox
     if trainer.rank == m.coordinator and inbox is not None:
         inbox.replan(trainer.job.problem({g: None for g in ledger.out}))
