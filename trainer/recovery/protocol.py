@@ -18,8 +18,11 @@ the step's gradients and redoes it after recovery, with the same samples (a func
 step), so no sample is skipped or seen twice.
 
 Rendezvous (no rank hosts it: keys of the job's store, under `rec/EPOCH/`). Each survivor
-posts `alive/GPU` (its step, the vector it holds, the plan in force, the newest generation it
-knows, its rates), `arrive` (which the peers' alarms watch, trainer/world/alarm.py), lets
+posts `alive/GPU` (its step, whether it holds the vector, its plan's generation, the newest
+generation it knows, its `out` set: constant size whatever the world), the plan and the vector
+unless another survivor posted them (`plan/GEN`, `vec/STEP`, `_post_once`), its place in the
+order of arrivals (trainer/recovery/wait.py `announce`), `arrive` (which the peers' alarms
+watch, trainer/world/alarm.py), lets
 go of its process groups and posts `released/GPU`. The first to claim the lead (`compare_set`
 of `leader`: atomic, and names it), the leader, waits until every previous member has arrived
 or is known dead (`rec/dead/GPU`, written by a launcher that saw the process exit, or by

@@ -92,7 +92,28 @@ def test_a_rank_killed_mid_step_is_survived_from_replicas(tmp_path: Path) -> Non
     assert coord["out"] == {"3": "killed"} and coord["last_recovery"]["epoch"] == 1
     assert 3 not in {g for p in coord["plan"]["pipelines"] for s in p["stages"] for g in s["ranks"]}
     assert tc.rel_diff(full, reference(STEPS)) <= TOL
+    _counted_as_on_paper(results)
     print(f"kill mid-step: {rec}, run {seconds:.1f}s")
+
+
+def _counted_as_on_paper(results: dict[int, dict[str, Any]]) -> None:
+    """Each survivor's store calls of the recovery (trainer/recovery/tally.py) are those the
+    protocol says (docs/reference/trainer.md, "Recovery cost"): its own posts once each, every
+    arrival read once by the leader alone, the plan posted once (a second survivor may race
+    the first), arrivals of constant size."""
+    costs = {g: r["recoveries"][0]["store"] for g, r in results.items()}
+    (leader,) = [g for g, c in costs.items() if c["led"]]
+    own = ("set rec/#/alive/#", "add rec/#/arrivals", "set rec/#/arrival/#", "set rec/#/arrive")
+    own += ("set rec/#/released/#", "compare_set rec/#/leader")
+    for g, c in costs.items():
+        keys = c["keys"]
+        assert all(keys.get(k) == 1 for k in own), (g, keys)
+        assert keys.get("check rec/#/plan/#") == 1 + (g == leader), keys  # the leader reads it
+        assert keys.get("get rec/#/alive/#", 0) == (len(costs) if g == leader else 0), keys
+        assert keys.get("set rec/#/decision", 0) == (g == leader), keys
+        assert keys.get("get rec/#/decision", 0) == 1 and c["epochs"] == 1, keys
+    plans = sum(c["keys"].get("set rec/#/plan/#", 0) for c in costs.values())
+    assert 1 <= plans < len(costs), plans  # posted once, twice at most when two raced
 
 
 def test_the_leader_killed_before_deciding_the_others_go_on_at_the_next_epoch(
