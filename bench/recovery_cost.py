@@ -175,7 +175,9 @@ def summarize(n: int, records: dict[int, dict[str, Any]], wall: float) -> dict[s
 
     rec = records[leader]
     member_wait = [calls(s, MEMBER_WAIT) for s in others]
-    lead_wait = calls(lead, LEADER_WAIT) + calls(lead, MEMBER_WAIT)
+    # the leader's polls of the arrivals' count (its own arrival's `add` is not one)
+    counter = lead["keys"].get("add rec/#/arrivals", 1) - 1
+    lead_wait = calls(lead, LEADER_WAIT) + calls(lead, MEMBER_WAIT) + counter
     return {
         "n": n,
         "leader": leader,
@@ -186,9 +188,8 @@ def summarize(n: int, records: dict[int, dict[str, Any]], wall: float) -> dict[s
             fixed(s, w) for s, w in zip(others, member_wait, strict=True)
         ),
         "member_polling": statistics.median(member_wait),
-        "total_fixed": sum(
-            fixed(s, calls(s, LEADER_WAIT) + calls(s, MEMBER_WAIT)) for s in stores.values()
-        ),
+        "total_fixed": fixed(lead, lead_wait)
+        + sum(fixed(s, w) for s, w in zip(others, member_wait, strict=True)),
         "leader_round_trips": lead["round_trips"],
         "leader_bytes_read": lead["bytes_read"],
         "leader_bytes_written": lead["bytes_written"],
@@ -213,9 +214,10 @@ def summarize(n: int, records: dict[int, dict[str, Any]], wall: float) -> dict[s
 MEMBER_WAIT = ("check rec/#/decision", "check rec/dead/#", "add rec/beat/#")
 """A survivor's calls while it waits for the decision (one `check` of the decision and of the
 leader's dead mark per poll, a heartbeat read now and then): they grow with the wait, not N."""
-LEADER_WAIT = ("check rec/#/alive/#", "get rec/dead/#", "check rec/#/released/#")
+LEADER_WAIT = ("get rec/dead/#", "check rec/#/released/#")
 """The leader's calls while it waits for the arrivals, besides those of `MEMBER_WAIT` (its
-dead-mark checks and heartbeat reads of the members still missing are counted there)."""
+dead-mark checks and heartbeat reads of the members still missing are counted there) and its
+polls of the arrivals' count (`add rec/E/arrivals`, all but its own arrival's)."""
 
 FIGURES: dict[str, tuple[str, str | None]] = {
     "leader_fixed": ("leader: round trips besides polling", "linear"),
@@ -331,7 +333,7 @@ protocol first at scale (docs/reference/trainer.md, "Recovery cost": gloo's rend
 re-formed group, O(N) calls per rank, where NCCL needs one id; the decision, O(N) bytes, read
 by every member). The rows marked "not extrapolated" are set by how long the wait lasted on
 this host, at rates the protocol bounds: the leader polls one counter and one multi-key check
-per 20 ms however many members are missing (151 calls in a 1.5 s wait at N=32); a member polls
+per 20 ms however many members are missing (183 calls in a 1.5 s wait at N=32); a member polls
 the decision every max(20 ms, N/5,000 s), so all members together stay within 10,000 calls a
 second (at 4,096 ranks: one poll per 0.82 s each). The seconds are dominated by planning: the
 leader plans for the N-1 GPUs left within min(5 s, `planningTimeoutSeconds`), and from 16
@@ -343,7 +345,7 @@ Before the counts (same command and host, 2026-12-03, N = 4, 8, 16): every arriv
 plan, world vector and rates, and the decision every survivor's plan: the leader read 10.1k,
 36.1k, 137k bytes and the decision was 4.4k, 15.5k, 58.8k bytes (x4 per doubling: O(N^2)); the
 leader checked every member's dead mark and arrival at every poll (825 polling calls in a
-0.93 s wait at N=32, against 151 in 1.5 s now), and every member laid out every survivor's
+0.93 s wait at N=32, against 183 in 1.5 s now), and every member laid out every survivor's
 plan to find the pieces' holders (O(N^2) work). Now the leader reads 6.9k-54k bytes and the
 decision is 2.4k-15k bytes at 4-32 ranks, both linear."""
 
