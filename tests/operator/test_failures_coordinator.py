@@ -2,13 +2,19 @@
 job, and a suspension asks the coordinator that moved (the lowest survivor), not node 0.
 
 Against kmock (`tests/operator/kube.py`); the coordinator is a real control endpoint
-(`malleus.trainer.endpoint.server.ControlServer`) on the loopback address of its pod's IP.
+(`malleus.trainer.endpoint.server.ControlServer`) on the loopback address of its pod's IP, and
+in the last test the real trainers themselves: four gloo processes whose node 0 is killed,
+the survivors' coordinator on node 1's address, stopped by the operator's suspension.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import importlib
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import kopf
@@ -23,6 +29,7 @@ control = pytest.importorskip("malleus.trainer.endpoint.server")
 failures_cases = pytest.importorskip("tests.operator.test_failures_daemon")
 
 T0 = dt.datetime(2026, 3, 1, 12, 0, 0, tzinfo=dt.UTC)
+sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))  # fault_cases, trainer_cases
 
 
 def run(coro: Any) -> Any:
@@ -139,3 +146,91 @@ def test_suspending_after_rank_0_died_asks_the_coordinator_that_moved(
     assert len(asked) == 1 and asked[0].get("checkpoint") is True, asked
     # Asked, so node 1's pod is left to checkpoint and exit (not deleted at once).
     assert kube.get("Pod", "ml", "demo-node-1") is not None
+
+
+def test_suspending_a_job_whose_node_0_died_stops_the_real_trainers(
+    kube: Kube, ctx: Context, make_job: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same suspension with real trainer processes (gloo, the launcher's store): node 0's
+    two ranks are SIGKILLed mid-step 2, the survivors on node 1 recover and GPU 2 takes the
+    coordinator's office and endpoint (127.0.0.2, node 1's pod IP); the operator's
+    `reconcile` finds it there, asks it to stop with a checkpoint, and the trainers stop at
+    the next step boundary, the model the single-process reference's for the steps done."""
+    import json
+    import threading
+
+    from malleus.trainer.launch.spawn import spawn_local
+    from malleus.trainer.run.options import RunOptions
+    from malleus.trainer.run.reference import train_reference
+
+    fc = importlib.import_module("fault_cases")
+    tc = importlib.import_module("trainer_cases")
+    base = failures_cases._port_free_on_both()
+    ctx = Context(
+        ctx.cluster, ctx.settings.with_(endpoint_template="http://{pod_ip}:{port}"), ctx.metrics
+    )
+    memo = kopf.Memo({MEMO_KEY: ctx})
+    _create(
+        kube, memo, make_job(controlPort=base, gpusPerNode=2, checkpoint={"intervalSteps": 1000})
+    )
+    token = run(
+        ctx.cluster.read_secret_value("ml", resources.secret_name("demo"), resources.TOKEN_KEY)
+    )
+    monkeypatch.setenv("MALLEUS_CONTROL_TOKEN", token)  # the trainers' endpoints want the job's
+
+    steps = 400  # far more than run before the stop: the stop is what ends the job
+    job = fc.fault_job([(2, 0, "kill"), (2, 1, "kill")], steps=steps, layer_ms=4)
+    replicas = tc.plan([(4, [([0, 1], (0, 4))]), (4, [([2, 3], (0, 4))])])
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    opts = RunOptions(
+        float64=True, save_model=str(out / "model.pt"), checkpoint_dir=str(ckpt),
+        checkpoint_every=1000,
+    )  # fmt: skip
+    ports = [base, base + 1, base, base + 1]
+    hosts = ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]
+    codes: list[Any] = []
+    body = (job, replicas, opts, str(out), ports, None, hosts)
+    launcher = threading.Thread(
+        target=lambda: codes.extend(spawn_local(4, fc.run, body, fault_tolerant=True))
+    )
+    launcher.start()
+    try:
+        _fail(kube, memo, 0)  # node 0's pod failed with its ranks
+        deadline = time.monotonic() + 240
+        while not _recovered_at(f"http://127.0.0.2:{base}", token):
+            assert launcher.is_alive() and time.monotonic() < deadline, codes
+            time.sleep(0.2)
+        job_body = kube.job("ml", "demo")
+        job_body["spec"]["suspend"] = True
+        job_body["metadata"]["generation"] += 1
+        kube.put("MalleusJob", job_body)
+        assert run(admission.reconcile(ctx, kube.job("ml", "demo"), T0)) == "suspend"
+        launcher.join(timeout=240)
+        assert not launcher.is_alive()
+    finally:
+        launcher.join(timeout=1)
+    assert codes == [-9, -9, 0, 0], codes
+    results = {g: json.loads((out / f"rank-{g}.json").read_text()) for g in (2, 3)}
+    done = results[2]["step"]
+    assert results[3]["step"] == done and done < steps  # stopped, not finished
+    assert results[2]["served"]["/status"]["out"] == {"0": "killed", "1": "killed"}
+    assert (ckpt / f"step-{done:08d}").is_dir()  # the checkpoint the stop asked for
+    torch = pytest.importorskip("torch")
+    torch.set_num_threads(1)
+    want = train_reference(fc.fault_job(steps=steps), until=done, float64=True).full_state()
+    assert tc.rel_diff(torch.load(out / "model.pt"), want) <= 1e-4
+
+
+def _recovered_at(url: str, token: str) -> bool:
+    """Whether the endpoint at `url` answers and reports a completed recovery."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url + "/status", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as r:
+            return json.loads(r.read()).get("last_recovery") is not None
+    except (urllib.error.URLError, OSError, ValueError):
+        return False

@@ -268,6 +268,14 @@ def test_no_valid_plan_on_the_gpus_left_ends_the_run_with_that_reason(tmp_path: 
     assert "memory: no layout fits" in reason.splitlines()[0]  # the planner's own fault
     assert "rank 0 exited with code 4 (no valid plan)" in reason  # NO_PLAN_EXIT
     assert 3 <= out["steps"] < 12
+    # The survivor says it in one line: the GPUs left, the one lost, the planner's fault.
+    said = (work / "logs" / "launch-1" / "rank-0.log").read_text()
+    (line,) = [x for x in said.splitlines() if x.startswith("malleus trainer: no valid plan")]
+    assert line.startswith(
+        "malleus trainer: no valid plan on the GPUs left: 1 of 2 after losing GPU(s) 1 at "
+        "recovery epoch 1: memory: no layout fits"
+    ), said[-3000:]
+    assert "\n  - " not in said.split("malleus trainer: no valid plan", 1)[1][:2000]
     # The survivor's exit is the job's end, not one more failure to replace.
     (failure,) = out["failures"]
     assert failure["rank"] == 1 and failure["why"] == "killed by SIGKILL"

@@ -33,11 +33,13 @@ def run(
     out: str,
     ports: list[int] | None = None,
     replace: int | None = None,
+    hosts: list[str] | None = None,
 ) -> int:
     """Spawned-job body: `run_rank` under `plan`; every rank that finishes writes
     OUT/rank-G.json (its step, members, recoveries, the plan in force, the status' `out` and
     `last_recovery`; with `ports`, what its own control endpoint serves at /status and /plan
-    when it is the coordinator); the coordinator writes the final model to `opts.save_model`."""
+    when it is the coordinator, on `hosts[G]` when given, as a pod listens on its IP); the
+    coordinator writes the final model to `opts.save_model`."""
     env = DistEnv.from_env()
     timeout = hang_timeout_s(job)
     admission, joiner = None, False
@@ -68,6 +70,7 @@ def run(
             env.rank,
             control_port=ports[env.rank],
             steps=steps,
+            host=hosts[env.rank] if hosts is not None else None,
             serve_when_coordinator=True,
             coordinator=world.coordinator(),
         )

@@ -68,15 +68,31 @@ def _destroy() -> None:
 def form_group(world: World, store: Any, prefix: str, m: Membership, gpu: int) -> None:
     """Form the process group of membership `m` (collective among its members) and install
     `m` into `world`."""
-    dist.init_process_group(
-        "gloo" if not torch.cuda.is_available() else "nccl",
-        store=dist.PrefixStore(prefix + "pg/", store),
-        rank=m.pg(gpu),
-        world_size=m.size,
-        timeout=timedelta(seconds=world.collective_timeout_s),
-    )
+    try:
+        dist.init_process_group(
+            "gloo" if not torch.cuda.is_available() else "nccl",
+            store=dist.PrefixStore(prefix + "pg/", store),
+            rank=m.pg(gpu),
+            world_size=m.size,
+            timeout=timedelta(seconds=world.collective_timeout_s),
+        )
+    except BaseException:
+        _forget_failed_init()
+        raise
     world.install(m)
     log.info("rank %d: process group of epoch %d formed: %s", gpu, m.epoch, list(m.members))
+
+
+def _forget_failed_init() -> None:
+    """After a process group that could not be formed (a member died meanwhile): torch counted
+    it in the names it gives groups (`pg/N/` in the rendezvous keys) and resets the count only
+    when a formed group is destroyed; left so, this process would meet the next group under
+    another name than its peers (a replacement that failed an admission waited on `pg/1/` for
+    members on `pg/0/`)."""
+    from torch.distributed import distributed_c10d
+
+    if not dist.is_initialized():
+        distributed_c10d._world.group_count = 0
 
 
 def wait_sealed(store: Any, seal: Sealer, key: str, timeout_s: float) -> Any:

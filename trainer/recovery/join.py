@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from malleus.trainer.world.errors import DEAD_KEY, LaunchError
+from malleus.trainer.world.faults import fault_point
 from malleus.trainer.world.membership import Membership
 from malleus.trainer.world.sealed import Sealer
 from malleus.trainer.world.world import World
@@ -52,8 +53,8 @@ AWAIT_JOIN_ENV = "MALLEUS_AWAIT_JOIN"
 (at most `AWAIT_JOIN_S`) until a replacement of it has asked to join, so that a test of
 re-admission does not depend on how fast the replacement's interpreter starts on a loaded
 machine. A wait outside any compute charge (unlike stopping the process), so the emulated clock
-has nothing to catch up afterwards. Only where the coordinator is the only member: the others
-would wait for it in the world all-gather. Not before the first step after a recovery commits
+has nothing to catch up afterwards. Where the coordinator is not the only member, only for
+waits well within the hang timeout: the others wait for it in the world all-gather. Not before the first step after a recovery commits
 (`malleus run` starts a replacement only then)."""
 AWAIT_JOIN_S = 120.0
 
@@ -76,20 +77,32 @@ def await_admission(world: World, store: Any, gpu: int, timeout_s: float) -> Adm
     admits it at a step boundary, then form the process group with the members (installed
     into `world`, with `store` to recover by)."""
     seal = world.sealer
-    nonce = secrets.token_hex(8)
-    n = store.add(f"{JOIN_KEY}{gpu}/n", 1)
-    seal.put(store, f"{JOIN_KEY}{gpu}/{n}", json.dumps({"at": time.time(), "nonce": nonce}))
-    admit = wait_sealed(store, seal, _admit_key(gpu, nonce), timeout_s)
-    if admit is None:
-        raise LaunchError(f"rank {gpu}: the running job did not admit it within {timeout_s:g}s")
-    # Its predecessor's death mark (`rec/dead/GPU`) must not outlive it: the recovery reads it
-    # as "this GPU's process is gone" (the leader waits for no arrival of it, the others stop
-    # waiting for a decision of it), which is no longer true of this process.
-    store.delete_key(DEAD_KEY + str(gpu))
-    world.set_collective_timeout(admit["timeout"])
-    m = Membership(admit["epoch"], tuple(admit["members"]), admit["lead"])
-    world.install(m, store)
-    form_group(world, store, f"rec/{m.epoch}/", m, gpu)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        # A fresh request (nonce) each time: the members take a request they announced for
+        # answered, so a replacement that died after asking is not waited for again and again;
+        # one that is alive asks again when its admission's group could not be formed.
+        nonce = secrets.token_hex(8)
+        n = store.add(f"{JOIN_KEY}{gpu}/n", 1)
+        seal.put(store, f"{JOIN_KEY}{gpu}/{n}", json.dumps({"at": time.time(), "nonce": nonce}))
+        left = max(0.0, deadline - time.monotonic())
+        admit = wait_sealed(store, seal, _admit_key(gpu, nonce), left)
+        if admit is None:
+            raise LaunchError(f"rank {gpu}: the running job did not admit it within {timeout_s:g}s")
+        # Its predecessor's death mark (`rec/dead/GPU`) must not outlive it: the recovery reads
+        # it as "this GPU's process is gone" (the leader waits for no arrival of it, the others
+        # stop waiting for a decision of it), which is no longer true of this process.
+        store.delete_key(DEAD_KEY + str(gpu))
+        world.set_collective_timeout(admit["timeout"])
+        m = Membership(admit["epoch"], tuple(admit["members"]), admit["lead"])
+        world.install(m, store)
+        try:
+            form_group(world, store, _group_prefix(m.epoch), m, gpu)
+        except RuntimeError as e:  # a member died while the group formed: the members
+            # recover without it and without this GPU, then admit its next request
+            log.warning("rank %d: admission at epoch %d failed (%s); asking again", gpu, m.epoch, e)
+            continue
+        break
     return Admission(
         m.epoch,
         m.members,
@@ -147,6 +160,13 @@ def _admit_key(gpu: int, nonce: str) -> str:
     return f"{JOIN_KEY}{gpu}/admit/{nonce}"
 
 
+def _group_prefix(epoch: int) -> str:
+    """Where an admission's process group meets: apart from the keys of a recovery at the same
+    epoch (`rec/E/pg/`), which follows an admission whose group could not be formed (a member
+    died meanwhile): the membership in force is still the one before it."""
+    return f"rec/{epoch}/join/"
+
+
 def _pending(store: Any, seal: Sealer, gpu: int, admitted: dict[int, str]) -> str | None:
     """The nonce of `gpu`'s latest request to join when it is not admitted yet, else None.
 
@@ -182,9 +202,13 @@ def admit(trainer: Trainer, ledger: Ledger) -> None:
     listed = seal.open(name, store.get(name))  # waits for it, as before the seal
     found = json.loads(listed) if listed is not None else []
     new = Membership(epoch, tuple(sorted({*m.members, *(g for g, _ in found)})), m.coordinator)
-    for g, nonce in found:
-        ledger.admitted[g] = nonce
-        ledger.out.pop(g, None)
+    # A request announced is answered (its nonce taken for admitted) whatever comes of it;
+    # the joiners leave `out` only once their group is formed: a member may die while it
+    # forms, and the recovery that follows must plan without them (a live joiner asks again).
+    entering = {int(g): str(nonce) for g, nonce in found}
+    ledger.admitted.update(entering)
+    admitted = dict(ledger.admitted)
+    out = {g: w for g, w in ledger.out.items() if g not in entering}
     if trainer.rank == m.coordinator:
         admission = {
             "epoch": epoch,
@@ -192,17 +216,19 @@ def admit(trainer: Trainer, ledger: Ledger) -> None:
             "lead": new.lead,
             "step": trainer.step,
             "plan": trainer.plan.to_json(),
-            "out": {str(g): w for g, w in ledger.out.items()},
+            "out": {str(g): w for g, w in out.items()},
             "timeout": trainer.world.collective_timeout_s,
-            "admitted": {str(g): v for g, v in ledger.admitted.items()},
+            "admitted": {str(g): v for g, v in admitted.items()},
         }
         for g, nonce in found:
             seal.put(store, _admit_key(g, nonce), json.dumps(admission))
-        inbox = trainer.services.inbox
-        if inbox is not None:
-            inbox.replan(trainer.job.problem({g: None for g in ledger.out}))
     release_groups(trainer, None)
-    form_group(trainer.world, store, f"rec/{epoch}/", new, trainer.rank)
+    fault_point("admit", trainer.rank, store=store)  # fault injection (tests): dies here
+    form_group(trainer.world, store, _group_prefix(epoch), new, trainer.rank)
+    ledger.out = out
+    inbox = trainer.services.inbox
+    if trainer.rank == m.coordinator and inbox is not None:
+        inbox.replan(trainer.job.problem({g: None for g in ledger.out}))
     trainer.rebuild_pipeline()  # the groups in the same order as the joiner's Trainer makes them
     trainer.calibrator.restart()
     trainer.services.state.update(out=dict(ledger.out))

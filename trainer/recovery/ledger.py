@@ -35,6 +35,9 @@ class Pending:
     detected: float
     fault_at: dict[int, float] = field(default_factory=dict)
     at: int = 0  # the step the failure interrupted
+    store: dict[str, Any] | None = None
+    """What the recovery cost this rank's store client (trainer/recovery/tally.py `Tally`), and
+    `led`: the leader's wait and decision times, one per epoch it led."""
 
 
 @dataclass

@@ -18,8 +18,11 @@ the step's gradients and redoes it after recovery, with the same samples (a func
 step), so no sample is skipped or seen twice.
 
 Rendezvous (no rank hosts it: keys of the job's store, under `rec/EPOCH/`). Each survivor
-posts `alive/GPU` (its step, the vector it holds, the plan in force, the newest generation it
-knows, its rates), `arrive` (which the peers' alarms watch, trainer/world/alarm.py), lets
+posts `alive/GPU` (its step, whether it holds the vector, its plan's generation, the newest
+generation it knows, its `out` set: constant size whatever the world), the plan and the vector
+unless another survivor posted them (`plan/GEN`, `vec/STEP`, `_post_once`), its place in the
+order of arrivals (trainer/recovery/wait.py `announce`), `arrive` (which the peers' alarms
+watch, trainer/world/alarm.py), lets
 go of its process groups and posts `released/GPU`. The first to claim the lead (`compare_set`
 of `leader`: atomic, and names it), the leader, waits until every previous member has arrived
 or is known dead (`rec/dead/GPU`, written by a launcher that saw the process exit, or by
@@ -84,7 +87,8 @@ from malleus.trainer.world.world import DEFAULT_HANG_TIMEOUT_S, World
 from .groups import form_group, release_groups
 from .ledger import Ledger
 from .restore import apply_decision, redo, survivor_holders
-from .wait import gather, mark_released
+from .tally import Tally
+from .wait import announce, gather, mark_released, poll_s
 
 if TYPE_CHECKING:
     from malleus.trainer.engine.trainer import Trainer
@@ -148,8 +152,13 @@ def recover(
     """Collective among the survivors: re-form the job without the failed ranks and restore
     every piece; on return the trainer is at the step to run next (the failed one redone, or
     the one after it)."""
-    store, old = trainer.world.store, trainer.world.current
-    assert store is not None and old is not None
+    old = trainer.world.current
+    assert trainer.world.store is not None and old is not None
+    # Every store call of this recovery is counted (its record's `store`, bench/recovery_cost.py);
+    # the World holds the tally: the process group formed over it keeps only its C++ half.
+    store = tally = Tally(trainer.world.store)
+    trainer.world.hold(tally)
+    cost: dict[str, Any] = {"led": [], "epochs": 0}
     seal = trainer.world.sealer  # every value below is written sealed and read only if it opens
     log.warning("rank %d: %s; recovering", trainer.rank, failure)
     _dbg(trainer.rank, f"enter recovery: {failure}")
@@ -157,11 +166,16 @@ def recover(
     previous = old.members
     while True:
         prefix = f"rec/{epoch}/"
+        cost["epochs"] += 1
         # Counted in before letting go of the groups (which takes a collection: tenths of a
         # second on a busy host), so that the leader and the peers still computing (whose
         # alarm watches `arrive`, trainer/world/alarm.py) hear of this survivor at once.
         arrival = _arrival(trainer, ledger, failure)
-        seal.put(store, prefix + f"alive/{trainer.rank}", json.dumps(arrival))
+        _post_once(store, seal, prefix + f"plan/{trainer.plan.generation}", trainer.plan.to_json())
+        if arrival["vec"]:
+            vec = trainer.last_vec[1] if trainer.last_vec is not None else None
+            _post_once(store, seal, prefix + f"vec/{trainer.step - 1}", json.dumps(vec))
+        announce(store, seal, prefix, trainer.rank, json.dumps(arrival))
         seal.put(store, prefix + "arrive", "1")
         _dbg(trainer.rank, "arrived")
         release_groups(trainer, failure)
@@ -179,8 +193,10 @@ def recover(
         leader = int(claim)
         if leader == trainer.rank:
             at_lead(trainer.rank, epoch, store=store)  # fault injection (tests): dies here
-            _lead(store, prefix, previous, trainer)
-        decision = _await_decision(store, seal, prefix, leader, trainer.world.silence(store))
+            cost["led"].append(_lead(store, prefix, previous, trainer))
+        quiet = trainer.world.silence(store)
+        every = poll_s(len(previous))
+        decision = _await_decision(store, seal, prefix, leader, quiet, every)
         _dbg(trainer.rank, "decided")
         if decision is None:  # the leader died before deciding
             log.warning(
@@ -195,9 +211,10 @@ def recover(
         if trainer.rank not in members:
             _left_out(trainer.rank, epoch, "the others went on without it (it did not arrive)")
         if decision.get("no_plan"):
+            lost = ", ".join(str(g) for g in decision.get("lost", [])) or "?"
             raise NoValidPlan(
-                f"no valid plan exists on the GPUs left at recovery epoch {epoch}: "
-                f"{decision['error']}"
+                f"no valid plan on the GPUs left: {len(members)} of {trainer.world.size} "
+                f"after losing GPU(s) {lost} at recovery epoch {epoch}: {decision['error']}"
             ) from failure
         if decision.get("error"):
             raise RecoveryError(f"recovery epoch {epoch}: {decision['error']}") from failure
@@ -220,6 +237,7 @@ def recover(
             log.warning("rank %d: every rank is alive; redoing step %d", trainer.rank, trainer.step)
             redo(trainer, decision)
             return
+        cost["decision_bytes"] = len(json.dumps(decision))
         try:
             apply_decision(trainer, ledger, decision, epoch, checkpoint_dir)
         except RuntimeError as e:  # another failure while restoring: recover again
@@ -227,11 +245,13 @@ def recover(
             previous, epoch = members, epoch + 1
             continue
         _dbg(trainer.rank, "applied")
+        if ledger.recovering is not None:
+            ledger.recovering.store = {**tally.summary(), **cost}
         return
 
 
 def _await_decision(
-    store: Any, seal: Sealer, prefix: str, leader: int, quiet: Silence
+    store: Any, seal: Sealer, prefix: str, leader: int, quiet: Silence, every: float
 ) -> dict[str, Any] | None:
     """The leader's decision; None when it did not come within `DECISION_WAIT_S`, or as soon
     as the leader is known dead (a launcher wrote `rec/dead/LEADER`) or silent (its heartbeat
@@ -248,7 +268,7 @@ def _await_decision(
         if seal.get(store, dead) is not None or quiet.silent(leader):
             got = seal.get(store, key)
             return json.loads(got) if got is not None else None
-        time.sleep(0.02)
+        time.sleep(every)  # `poll_s`: the survivors together stay within the store's budget
     return None
 
 
@@ -267,7 +287,19 @@ def _left_out(gpu: int, epoch: int, why: str) -> None:
     os._exit(LEFT_OUT_EXIT)  # no cleanup: its process group is gone, the job goes on
 
 
+def _post_once(store: Any, seal: Sealer, key: str, value: str) -> None:
+    """`value` at `key`, sealed, unless a survivor posted it already: what every survivor
+    holds alike (the plan of a generation, the world vector of a step) is posted once per
+    recovery, not once per survivor, so the leader reads it once (bytes O(N), not O(N^2)).
+    A value there that does not open (a stranger's) is overwritten."""
+    if seal.get(store, key) is None:
+        seal.put(store, key, value)
+
+
 def _arrival(trainer: Trainer, ledger: Ledger, failure: PeerFailure) -> dict[str, Any]:
+    """This survivor's `alive/GPU` post: a few numbers and its `out` set, of constant size
+    whatever the world (its plan and vector are posted once per recovery, `_post_once`; the
+    leader reads its own rates, not the survivors')."""
     svc = trainer.services
     inbox = svc.inbox
     newest = trainer.plan.generation
@@ -275,38 +307,51 @@ def _arrival(trainer: Trainer, ledger: Ledger, failure: PeerFailure) -> dict[str
         newest = max(newest, inbox.newest())
         if inbox.last_failure is not None:
             newest = max(newest, inbox.last_failure.generation)
-    rates = svc.state.snapshot().rates
     return {
         "gpu": trainer.rank,
         "step": trainer.step,
-        "vec": trainer.last_vec[1]
-        if trainer.last_vec is not None and trainer.last_vec[0] == trainer.step - 1
-        else None,
-        "plan": trainer.plan.to_json(),
+        "vec": trainer.last_vec is not None and trainer.last_vec[0] == trainer.step - 1,
+        "generation": trainer.plan.generation,
         "newest": newest,
         "timeout": failure.timeout,
         "detected": failure.detected,
-        "rates": {str(g): r for g, r in rates.items()},
         "out": {str(g): w for g, w in ledger.out.items()},
     }
 
 
-def _lead(store: Any, prefix: str, previous: tuple[int, ...], trainer: Trainer) -> None:
-    """The first survivor to arrive decides who goes on, at which step, under which plan."""
+def _lead(store: Any, prefix: str, previous: tuple[int, ...], trainer: Trainer) -> dict[str, float]:
+    """The first survivor to arrive decides who goes on, at which step, under which plan.
+    Returns how long it waited for the others and how long it took to decide (seconds)."""
     seal = trainer.world.sealer
+    t0 = time.monotonic()
     seen = gather(store, seal, prefix, previous, trainer.world.silence(store))
+    t1 = time.monotonic()
     arrivals, dead, silent = seen.arrivals, seen.dead, seen.silent
     _dbg(trainer.rank, f"lead: waited, arrived {list(arrivals)} dead {dead} silent {silent}")
     try:
-        decision = _decide(trainer, arrivals, previous, store, seal)
+        decision = _decide(trainer, arrivals, previous, store, seal, prefix)
     except BadInput as e:  # the planner refused the survivors' problem: nothing fits them
-        log.error("no valid plan on the GPUs left: %s", e)
-        decision = {"members": sorted(arrivals), "error": str(e), "no_plan": True}
+        # One line (the planner's faults joined): what the trainer prints, its termination
+        # message in a pod and the runner's reason quote it whole.
+        why = "; ".join(" ".join(str(f).split()) for f in e.faults) or first_line(e)
+        lost = [g for g in previous if g not in arrivals]
+        log.error("no valid plan on the GPUs left: %s", why)
+        decision = {"members": sorted(arrivals), "error": why, "no_plan": True, "lost": lost}
     except Exception as e:
         log.exception("recovery decision failed")
         decision = {"members": sorted(arrivals), "error": f"{type(e).__name__}: {e}"}
     _dbg(trainer.rank, "lead: decided")
     seal.put(store, prefix + "decision", json.dumps(decision))
+    return {"wait_s": t1 - t0, "decide_s": time.monotonic() - t1}
+
+
+def _read_posted(store: Any, seal: Sealer, key: str) -> str:
+    """What a survivor posted at `key` before its arrival (`_post_once`): there, unless a
+    stranger overwrote it since (then the recovery cannot decide: RuntimeError)."""
+    got = seal.get(store, key)
+    if got is None:
+        raise RuntimeError(f"{key} is missing from the job's store, or not sealed by this job")
+    return got
 
 
 def _decide(
@@ -315,13 +360,16 @@ def _decide(
     previous: tuple[int, ...],
     store: Any,
     seal: Sealer,
+    prefix: str,
 ) -> dict[str, Any]:
     from malleus.planner.search import plan as planner
 
     members = sorted(arrivals)
     gone = [g for g in previous if g not in arrivals]
     step = max(a["step"] for a in arrivals.values())
-    vec = next((a["vec"] for a in arrivals.values() if a["step"] == step and a["vec"]), None)
+    vec = None
+    if any(a["step"] == step and a["vec"] for a in arrivals.values()):
+        vec = json.loads(_read_posted(store, seal, prefix + f"vec/{step - 1}"))
     if not gone:
         return {"members": members, "spurious": True, "step": step, "vec": vec}
     hung = any(a["timeout"] for a in arrivals.values())
@@ -333,12 +381,20 @@ def _decide(
     out.update(failed)
     for g in members:
         out.pop(g, None)
-    plans = {g: Plan.from_json(a["plan"]) for g, a in arrivals.items()}
-    in_force = max(plans.values(), key=lambda p: p.generation)
+    # One plan per generation in force among the survivors (one, but for a switch that
+    # failed half-way), read once each.
+    texts = {
+        gen: _read_posted(store, seal, prefix + f"plan/{gen}")
+        for gen in sorted({a["generation"] for a in arrivals.values()})
+    }
+    by_generation = {gen: Plan.from_json(t) for gen, t in texts.items()}
+    plans = {g: by_generation[a["generation"]] for g, a in arrivals.items()}
+    in_force = by_generation[max(by_generation)]
     job = trainer.job
+    own = trainer.services.state.snapshot().rates  # the leader's own view of the rates
     rates: dict[int, float | None] = {g: None for g in out}
     for g in members:
-        r = arrivals[trainer.rank]["rates"].get(str(g))
+        r = own.get(g)
         rates[g] = r if r is not None else 1.0
     problem = job.problem(rates, previous_plan=in_force)
     budget = min(5.0, float(job.policy.planning_timeout_seconds))
@@ -355,7 +411,8 @@ def _decide(
         "step": step,
         "vec": vec,
         "plan": new.to_json(),
-        "plans": {str(g): p.to_json() for g, p in plans.items()},
+        "plans": texts,  # generation -> the plan (JSON), each once
+        "plan_of": {str(g): a["generation"] for g, a in arrivals.items()},
         "mode": mode,
         "detected": min(a["detected"] for a in arrivals.values()),
     }

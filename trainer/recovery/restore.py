@@ -44,10 +44,16 @@ def redo(trainer: Trainer, decision: dict[str, Any]) -> None:
 
 
 def survivor_holders(job: Any, plans: dict[int, Plan]) -> dict[str, tuple[int, ...]]:
-    """Piece -> the survivors that hold it, each under the plan it has in force."""
-    roles = {g: Layout.from_plan(p, job.model, g, job.world).roles for g, p in plans.items()}
+    """Piece -> the survivors that hold it, each under the plan it has in force. The roles of
+    a plan are the same for every GPU, so each distinct plan is laid out once (one or two
+    among thousands of survivors): O(N) work, not a layout per survivor (O(N^2))."""
+    roles: dict[int, dict[str, frozenset[int]]] = {}  # id(plan) -> piece -> its holders
+    for g, p in plans.items():
+        if id(p) not in roles:
+            laid = Layout.from_plan(p, job.model, g, job.world).roles
+            roles[id(p)] = {n: frozenset(r.holders) for n, r in laid.items()}
     names = next(iter(roles.values())).keys()
-    return {n: tuple(g for g in sorted(plans) if g in roles[g][n].holders) for n in names}
+    return {n: tuple(g for g in sorted(plans) if g in roles[id(plans[g])][n]) for n in names}
 
 
 # ---- applying the decision (collective among the members) ---------------------------------------
@@ -68,7 +74,8 @@ def apply_decision(
     new = Layout.from_plan(plan, trainer.model, trainer.rank, trainer.world.size)
     width = trainer.precision.master_bytes
     if decision["mode"] == "replicas":
-        plans = {int(g): Plan.from_json(p) for g, p in decision["plans"].items()}
+        by_generation = {int(k): Plan.from_json(t) for k, t in decision["plans"].items()}
+        plans = {int(g): by_generation[int(k)] for g, k in decision["plan_of"].items()}
         have = survivor_holders(trainer.job, plans)
         old = {n: PieceRoles(h, h) for n, h in have.items()}
         moves = migrate.plan_transfers(
@@ -186,7 +193,9 @@ def settled(trainer: Trainer, ledger: Ledger) -> None:
         generation=pending.generation,
     )
     detect = {g: pending.detected - at for g, at in pending.fault_at.items()}
-    ledger.recoveries.append({**record.model_dump(), "detected_after_s": detect})
+    ledger.recoveries.append(
+        {**record.model_dump(), "detected_after_s": detect, "store": pending.store}
+    )
     trainer.services.state.update(recovery=record)
     if trainer.world.coordinator() != trainer.rank:
         return

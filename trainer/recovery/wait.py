@@ -38,8 +38,10 @@ __all__ = [
     "JOIN_WINDOW_S",
     "QUIET_MIN_S",
     "Gathered",
+    "announce",
     "gather",
     "mark_released",
+    "poll_s",
     "quiet_after_timeout_s",
 ]
 
@@ -57,9 +59,59 @@ def quiet_after_timeout_s(world: int) -> float:
     return max(QUIET_MIN_S, 2 * alarm.interval_s(world))
 
 
+def poll_s(world: int) -> float:
+    """Seconds between two polls of a survivor waiting for the leader's decision (two store
+    calls each), so that all of them together stay within the alarm's budget of store calls
+    (`alarm.STORE_CHECKS_PER_S`): 20 ms up to 100 ranks, 0.2 s at 1,024, 0.8 s at 4,096."""
+    return max(POLL_S, 2 * world / alarm.STORE_CHECKS_PER_S)
+
+
 def mark_released(store: Any, seal: Sealer, prefix: str, gpu: int) -> None:
     """Say that `gpu` let go of its process groups at this recovery epoch (`prefix`), sealed."""
     seal.put(store, prefix + f"released/{gpu}", "1")
+
+
+def announce(store: Any, seal: Sealer, prefix: str, gpu: int, body: str) -> None:
+    """A survivor's arrival at this recovery epoch (`prefix`): its post `alive/GPU` (sealed),
+    then its place in the order of arrivals: the count `arrivals` (one `add`) and `arrival/K`
+    = GPU (sealed), so that the leader reads each arrival once, found through one counter,
+    instead of checking every member's key at every poll."""
+    seal.put(store, prefix + f"alive/{gpu}", body)
+    k = store.add(prefix + "arrivals", 1)
+    seal.put(store, prefix + f"arrival/{k}", str(gpu))
+
+
+class _Book:
+    """The leader's reading of the arrivals in their order (`announce`): one `add(0)` of the
+    counter per poll, then the slots it has not read. A slot counted but not posted yet (the
+    survivor between its two calls), or one whose value does not open (a stranger's `add` or
+    value), stays unread and is tried again at the next poll: it holds no other slot back."""
+
+    def __init__(self, store: Any, seal: Sealer, prefix: str, members: set[int]) -> None:
+        self._store, self._seal, self._prefix, self._members = store, seal, prefix, members
+        self._counted = 0
+        self._unread: list[int] = []
+
+    def read(self, got: dict[int, dict[str, Any]]) -> bool:
+        """Add the arrivals posted since the last call to `got`; whether any was."""
+        count = int(self._store.add(self._prefix + "arrivals", 0))
+        self._unread += range(self._counted + 1, count + 1)
+        self._counted = max(self._counted, count)
+        new, still = False, []
+        for k in self._unread:
+            gpu = self._seal.get(self._store, self._prefix + f"arrival/{k}")
+            if gpu is None or not gpu.isdigit():
+                still.append(k)
+                continue
+            g = int(gpu)
+            if g in self._members and g not in got:
+                body = self._seal.get(self._store, self._prefix + f"alive/{g}")
+                if body is None:  # overwritten by a stranger since: as if absent
+                    continue
+                got[g] = json.loads(body)
+                new = True
+        self._unread = still
+        return new
 
 
 @dataclass
@@ -91,19 +143,32 @@ def gather(
     start = last = clock()
     got: dict[int, dict[str, Any]] = {}  # each arrival, read once (posted whole before `arrive`)
     released: set[int] = set()
+    book = _Book(store, seal, prefix, set(previous))
     while True:
-        for g in previous:
-            if g not in got and (body := seal.get(store, prefix + f"alive/{g}")) is not None:
-                got[g] = json.loads(body)
-                last = clock()
-        dead = [g for g in previous if seal.get(store, DEAD_KEY + str(g)) is not None]
-        silent = [g for g in previous if g not in got and g not in dead and silence.silent(g)]
+        if book.read(got):
+            last = clock()
+        missing = [g for g in previous if g not in got]
+        silent = [g for g in missing if silence.silent(g)]  # reads rate-limited by `Silence`
+        # One call says whether every missing member that still beats is marked dead; only
+        # then is each mark read (its seal checked). Reading every member's mark at every poll
+        # made the leader's calls grow as N x polls.
+        unknown = [g for g in missing if g not in silent]
+        dead: list[int] = []
+        if unknown and store.check([DEAD_KEY + str(g) for g in unknown]):
+            dead = [g for g in unknown if seal.get(store, DEAD_KEY + str(g)) is not None]
+        hang = any(a["timeout"] for a in got.values())  # some collective timed out
+        if hang:  # an arrival that died before letting go is not waited for
+            dead += [
+                g
+                for g in got
+                if g not in released and seal.get(store, DEAD_KEY + str(g)) is not None
+            ]
         if len(set(got) | set(dead) | set(silent)) >= len(previous):
             break
         now = clock()
         if now - start > JOIN_WINDOW_S:
             break
-        if any(a["timeout"] for a in got.values()):  # a hang: some collective timed out
+        if hang:
             for g in got:
                 if g not in released and seal.get(store, prefix + f"released/{g}") is not None:
                     released.add(g)

@@ -150,7 +150,6 @@ def _train(
             if code != 202:  # only a newer plan posted over HTTP can get in the way
                 log_.warning("--switch plan generation %d not applied: %s", due.generation, answer)
         r = _step(trainer, ledger)
-        settled(trainer, ledger)
         if not sized and trainer.step == CALIBRATE_STEP + 1 and trainer.world.store is not None:
             seconds = sized_hang_timeout(r.seconds)  # 10 measured steps, clamped
             trainer.world.set_collective_timeout(seconds, trainer.groups.groups())
@@ -185,6 +184,9 @@ def _step(trainer: Trainer, ledger: Ledger) -> StepReport:
     are survivable (`as_failure`)."""
     try:
         report = trainer.train_step()
+        # The step committed: a recovery it was the first step of is complete, whatever
+        # comes of an admission at its boundary (a member dying there starts another).
+        settled(trainer, ledger)
         if trainer.boundary.joins:  # replacements enter now, under the plan in force
             admit(trainer, ledger)
         return report

@@ -38,7 +38,9 @@ FAULT_ENV = "MALLEUS_FAULT"
 """Test hook: `POINT:RANK` (or `POINT:RANK:STEP`) makes GPU RANK kill itself (SIGKILL) at POINT:
 `migration` (in the middle of a migration), `checkpoint` (its checkpoint file written, the
 manifest not yet), `step` (mid-step, after its first layer forward; trainer/world/faults.py), `lead`
-(`lead:RANK:EPOCH`, RANK may be `*`: the leader of a recovery, before it decides; faults.py)."""
+(`lead:RANK:EPOCH`, RANK may be `*`: the leader of a recovery, before it decides; faults.py),
+`admit` (at a step boundary that admits a replacement, before the new group forms;
+trainer/recovery/join.py)."""
 FAULT_KEY = "rec/fault/"
 
 

@@ -11,8 +11,10 @@ Keys sealed (the name, epoch or nonce inside it bound into the MAC):
 - `rec/dead/GPU`: a launcher saw GPU's process end (trainer/launch/spawn.py, `malleus run`'s
   supervisor through its store process, malleus/runner/store_server.py). Believed, it makes
   the recovery leader stop waiting for that GPU and the survivors stop waiting for its decision.
-- `rec/E/alive/GPU` (a survivor's arrival: the step, the last world vector, the plan, its
-  rates), `rec/E/arrive` (a peer entered recovery: the alarm stops computing ranks,
+- `rec/E/alive/GPU` (a survivor's arrival: the step, whether it holds the last world vector,
+  its plan's generation), `rec/E/arrival/K` (the order of arrivals), `rec/E/plan/GEN` and
+  `rec/E/vec/STEP` (posted once per recovery), `rec/E/arrive` (a peer entered recovery: the
+  alarm stops computing ranks,
   trainer/world/alarm.py), `rec/E/released/GPU` (it let go of its groups: the leader of a hang
   stops waiting), `rec/E/leader` (who decides), `rec/E/decision` (members, step, vector, plan).
 - `join/GPU/K` (a replacement asks in, with its nonce), `rec/E/joiners` (whom the coordinator
@@ -27,7 +29,9 @@ Keys left unsealed, and why:
   signal, like deleting its arrival: sealed counts would be pinned the same way by replaying an
   old one. Denial, not belief: see "What the seal does not stop" below.
 - `join/GPU/n`, the count of requests: a forged bump can hide a real request (the replacement
-  waits out its timeout and is started again); what it points to is sealed.
+  waits out its timeout and is started again); what it points to is sealed. `rec/E/arrivals`,
+  the count of arrivals: a forged bump adds a slot that never opens, which the leader tries
+  again at each poll without holding back the real ones (trainer/recovery/wait.py).
 - `joined/GPU` (the start's barrier) and torch's own `pg/` keys: the process group's
   rendezvous, read by torch itself; a forged `joined/` only sends a rank into torch's
   rendezvous sooner, where it waits for the real peers.

@@ -93,7 +93,30 @@ def test_a_rank_killed_mid_step_is_survived_from_replicas(tmp_path: Path) -> Non
     assert coord["out"] == {"3": "killed"} and coord["last_recovery"]["epoch"] == 1
     assert 3 not in {g for p in coord["plan"]["pipelines"] for s in p["stages"] for g in s["ranks"]}
     assert tc.rel_diff(full, reference(STEPS)) <= TOL
+    _counted_as_on_paper(results)
     print(f"kill mid-step: {rec}, run {seconds:.1f}s")
+
+
+def _counted_as_on_paper(results: dict[int, dict[str, Any]]) -> None:
+    """Each survivor's store calls of the recovery (trainer/recovery/tally.py) are those the
+    protocol says (docs/reference/trainer.md, "Recovery cost"): its own posts once each, every
+    arrival read once by the leader alone, the plan posted once (a second survivor may race
+    the first), arrivals of constant size."""
+    costs = {g: r["recoveries"][0]["store"] for g, r in results.items()}
+    (leader,) = [g for g, c in costs.items() if c["led"]]
+    own = ("set rec/#/alive/#", "set rec/#/arrival/#", "set rec/#/arrive")
+    own += ("set rec/#/released/#", "compare_set rec/#/leader")
+    for g, c in costs.items():
+        keys = c["keys"]
+        assert all(keys.get(k) == 1 for k in own), (g, keys)
+        # its place in the order of arrivals; the leader also reads the count once per poll
+        assert keys["add rec/#/arrivals"] == 1 if g != leader else keys["add rec/#/arrivals"] >= 2
+        assert keys.get("check rec/#/plan/#") == 1 + (g == leader), keys  # the leader reads it
+        assert keys.get("get rec/#/alive/#", 0) == (len(costs) if g == leader else 0), keys
+        assert keys.get("set rec/#/decision", 0) == (g == leader), keys
+        assert keys.get("get rec/#/decision", 0) == 1 and c["epochs"] == 1, keys
+    plans = sum(c["keys"].get("set rec/#/plan/#", 0) for c in costs.values())
+    assert 1 <= plans < len(costs), plans  # posted once, twice at most when two raced
 
 
 def test_the_leader_killed_before_deciding_the_others_go_on_at_the_next_epoch(
@@ -256,3 +279,33 @@ def test_a_third_rank_killed_during_the_rollbacks_checkpoint_read(
     assert r["out"] == {"0": "killed", "1": "killed", "2": "killed"}
     assert tc.rel_diff(full, reference(STEPS)) <= TOL  # the lost steps trained again
     assert read_manifest(latest(ckpt))["step"] == STEPS
+
+
+def test_a_second_rank_killed_while_a_replacement_is_admitted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd
+) -> None:
+    # GPU 3 dies at step 1; its replacement asks to join; at the step boundary that admits it,
+    # GPU 2 dies as the new group forms (`admit:2`, after it let go of the old group). The
+    # members' group cannot form: they recover without GPU 2 (and without GPU 3, whose
+    # admission did not happen), then admit the same request again at a later boundary.
+    from malleus.trainer.recovery.join import AWAIT_JOIN_ENV
+
+    monkeypatch.setenv("MALLEUS_FAULT", "admit:2")
+    monkeypatch.setenv(AWAIT_JOIN_ENV, "3")  # the coordinator waits for the request: no race
+    steps = 12
+    job = fc.fault_job([(1, 3, "kill")], steps=steps, layer_ms=10, hang_timeout=30)
+    codes, results, full, seconds = _train(tmp_path, job, REPLICAS, replace=3)
+    assert codes[2:4] == [-9, -9] and codes[:2] == [0, 0] and codes[4] == 0, codes
+    joined = [line for line in capfd.readouterr().out.splitlines() if "joined at step" in line]
+    assert len(joined) == 1 and joined[0].startswith("[malleus] rank 3 joined at step "), joined
+    at = int(joined[0].split()[-1])
+    assert sorted(results) == [0, 1, 3]
+    for r in results.values():
+        assert r["members"] == [0, 1, 3] and r["step"] == steps
+    first, second = results[0]["recoveries"]
+    assert first["failed"] == {"3": "killed"} and second["failed"] == {"2": "killed"}
+    assert first["steps_lost"] == second["steps_lost"] == 0
+    assert second["step"] <= at  # admitted after the recovery from the second failure
+    assert results[0]["out"] == {"2": "killed"}  # GPU 3 is back in the job, GPU 2 is not
+    assert tc.rel_diff(full, reference(steps, steps)) <= TOL
+    print(f"second failure during an admission: joined at {at}, run {seconds:.1f}s")

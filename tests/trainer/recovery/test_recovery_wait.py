@@ -13,6 +13,7 @@ import torch.distributed as dist
 from malleus.trainer.recovery.wait import (
     JOIN_WINDOW_S,
     QUIET_MIN_S,
+    announce,
     gather,
     mark_released,
     quiet_after_timeout_s,
@@ -40,7 +41,7 @@ class Scenario:
 
     def arrive(self, t: float, gpu: int, *, timeout: bool, released_after: float | None) -> None:
         body = json.dumps({"gpu": gpu, "timeout": timeout})
-        self.at(t, lambda: self.seal.put(self.store, PREFIX + f"alive/{gpu}", body))
+        self.at(t, lambda: announce(self.store, self.seal, PREFIX, gpu, body))
         if released_after is not None:
             self.at(t + released_after, lambda: mark_released(self.store, self.seal, PREFIX, gpu))
 
@@ -152,6 +153,10 @@ def test_planted_arrivals_dead_marks_and_releases_change_nothing() -> None:
     s.at(0.0, lambda: s.store.set(DEAD_KEY + "2", "killed"))
     s.at(0.0, lambda: s.store.set(DEAD_KEY + "1", s.seal.seal(DEAD_KEY + "0", "killed")))
     s.at(0.0, lambda: s.store.set(PREFIX + "released/2", "1"))
+    # a slot of the order of arrivals counted and filled by the stranger: it holds no real
+    # arrival back (those take the slots after it) and adds nobody
+    s.at(0.0, lambda: s.store.add(PREFIX + "arrivals", 1))
+    s.at(0.0, lambda: s.store.set(PREFIX + "arrival/1", "3"))
     s.arrive(0.0, 0, timeout=True, released_after=0.0)
     s.arrive(0.0, 1, timeout=True, released_after=0.0)
     s.arrive(0.0, 2, timeout=True, released_after=0.3)
