@@ -73,7 +73,7 @@ KWOK_CIDR = "127.100.0.0/16"
 """kwok's pod IPs: loopback, so the stubs can bind them and nothing leaves the machine."""
 OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NS}:{ACCOUNT}"
 CONTROL_PORT = 29600
-STRAGGLER_RATE = 3.0
+STRAGGLER_RATE = 4.0
 _LOOPBACK = re.compile(r"^127\.\d+\.\d+\.\d+$")
 
 
@@ -300,11 +300,12 @@ class StubFleet:
                 if headers.get("connection", "").lower() == "close":
                     break
         except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError, ValueError):
-            pass
-        finally:
             writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+        except asyncio.CancelledError:  # the fleet stops: no goodbye to a peer still there
+            writer.transport.abort()
+            raise
+        else:
+            writer.close()
 
     def _answer(
         self, job: JobStub, method: str, path: str, headers: dict[str, str], body: bytes
@@ -330,6 +331,10 @@ class StubFleet:
         async def close() -> None:
             for server in self._servers.values():
                 server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks, timeout=5)
 
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(close(), self.loop).result(10)
@@ -551,7 +556,7 @@ def run(scale: Scale, workdir: Path) -> dict[str, Any]:
         apply_chart_rbac(cluster)
         kwok = Kwok(assets / "kwok", kwok_stages(), cluster.admin, workdir / "kwok.log")
         stoppers.append(kwok.stop)
-        total_nodes = scale.job_nodes * scale.jobs + scale.spare_nodes
+        total_nodes = scale.job_nodes * scale.jobs + scale.spare_nodes + 1  # 1: the warm-up
         _say(f"creating {total_nodes} kwok nodes of {scale.gpus_per_node} GPUs")
         http = cluster.http()
         for i in range(total_nodes):
@@ -571,19 +576,19 @@ def run(scale: Scale, workdir: Path) -> dict[str, Any]:
             return True if ready == total_nodes else None
 
         wait_until(nodes_ready, 120, "kwok nodes Ready", interval=0.5, alive=kwok.dead)
+        fleet = StubFleet(workdir)
+        stoppers.append(fleet.stop)  # after the operator: its connections end first
         kubeconfig = token_kubeconfig(cluster, workdir / "operator.kubeconfig")
         operator = Operator(kubeconfig, OPERATOR_NS, workdir / "operator.log")
         stoppers.append(operator.stop)
         assert operator.process is not None
         sampler = Sampler(operator.process.pid)
         stoppers.append(sampler.stop)
-        fleet = StubFleet(workdir)
-        stoppers.append(fleet.stop)
-        time.sleep(3)  # the operator's watches are set up before the first job (not measured)
+        jobs_url = f"/apis/malleus.io/v1alpha1/namespaces/{OPERATOR_NS}/malleusjobs"
+        _warm_up(http, jobs_url, operator, scale)
         result["setup_s"] = round(time.monotonic() - began, 1)
 
         names = [f"scale-{k}" for k in range(scale.jobs)]
-        jobs_url = f"/apis/malleus.io/v1alpha1/namespaces/{OPERATOR_NS}/malleusjobs"
         api_before = apiserver_requests(cluster)
         created_wall = _utcnow()
         t0 = time.monotonic()
@@ -708,6 +713,30 @@ def run(scale: Scale, workdir: Path) -> dict[str, Any]:
         for stop in reversed(stoppers):
             with contextlib.suppress(Exception):
                 stop()
+
+
+def _warm_up(http: Any, jobs_url: str, operator: Operator, scale: Scale) -> None:
+    """One 1-node job to Running and deleted, so the measured jobs meet an operator that has
+    started (kopf's first watch, its planner processes), as a long-running one would be."""
+    _say("warming the operator up with a 1-node job")
+    warm = job_manifest("warm-up", Scale(job_nodes=1, gpus_per_node=scale.gpus_per_node))
+    made = http.post(jobs_url, json=warm)
+    if made.status_code != 201:
+        raise RuntimeError(f"warm-up job: {made.status_code} {made.text}")
+
+    def running() -> bool | None:
+        st = http.get(f"{jobs_url}/warm-up").json().get("status") or {}
+        return True if st.get("phase") == "Running" else None
+
+    wait_until(running, scale.timeout, "the warm-up job Running", 0.5, alive=operator.dead)
+    http.delete(f"{jobs_url}/warm-up")
+    wait_until(
+        lambda: True if http.get(f"{jobs_url}/warm-up").status_code == 404 else None,
+        scale.timeout,
+        "the warm-up job deleted",
+        0.5,
+        alive=operator.dead,
+    )
 
 
 def _job_stub(http: Any, name: str, scale: Scale) -> JobStub | None:
