@@ -56,9 +56,7 @@ if str(ROOT) not in sys.path:  # run as a script: the repository's tests package
 
 from malleus.control import ControlStatus, MigrationRecord  # noqa: E402
 from malleus.operator.identity import (  # noqa: E402
-    JobRef,
     configmap_name,
-    pod_name,
     secret_name,
 )
 from malleus.operator.resources import PLAN_KEY, TOKEN_KEY  # noqa: E402
@@ -675,9 +673,7 @@ def run(scale: Scale, workdir: Path) -> dict[str, Any]:
         end_wall = _utcnow()
         result["replan_operator"] = sampler.window(t_steady, t_end)
         result["operator_rss_mib_max"] = round(max(s[2] for s in sampler.samples) / 2**20, 1)
-        result["operator_tree_rss_mib_max"] = round(
-            max(s[3] for s in sampler.samples) / 2**20, 1
-        )
+        result["operator_tree_rss_mib_max"] = round(max(s[3] for s in sampler.samples) / 2**20, 1)
         time.sleep(3)  # the audit log is written in batches
         windows = {
             "startup": (created_wall, started_wall),
@@ -747,9 +743,7 @@ def _job_stub(http: Any, name: str, scale: Scale) -> JobStub | None:
         return None
     plan = json.loads(cm.json()["data"][PLAN_KEY])
     token = base64.b64decode(secret.json()["data"][TOKEN_KEY]).decode()
-    stub = JobStub(
-        name, scale.job_nodes, scale.gpus_per_node, token, scale.step_seconds, plan=plan
-    )
+    stub = JobStub(name, scale.job_nodes, scale.gpus_per_node, token, scale.step_seconds, plan=plan)
     stub.generation = int(plan["generation"])
     return stub
 
