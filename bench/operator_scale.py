@@ -73,6 +73,7 @@ OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NS}:{ACCOUNT}"
 CONTROL_PORT = 29600
 STRAGGLER_RATE = 4.0
 _LOOPBACK = re.compile(r"^127\.\d+\.\d+\.\d+$")
+_PLANNED = re.compile(r"planned in ([0-9.]+) s")
 
 
 # -- kwok ------------------------------------------------------------------------------------
@@ -464,6 +465,7 @@ class Scale:
     steady_seconds: float = 30.0
     timeout: float = 600.0
     replan: bool = True
+    replan_stall: float = 90.0
 
 
 def job_manifest(name: str, scale: Scale) -> dict[str, Any]:
@@ -701,7 +703,13 @@ def run(scale: Scale, workdir: Path) -> dict[str, Any]:
         result["operator_log"] = {
             "tracebacks": log.count("Traceback"),
             "errors": sum(" ERROR " in line or "[ERROR" in line for line in log.splitlines()),
+            "warnings": sum("[WARNING" in line for line in log.splitlines()),
             "lines": log.count("\n"),
+            # the decision loop's own account: how long each plan took (a planner slot's wait
+            # included) and how many re-plans it judged not worth their cost
+            "planned_s": _stats([float(x) for x in _PLANNED.findall(log)]),
+            "replans_published": log.count("Replanned at step"),
+            "replans_skipped": log.count("ReplanSkipped at step"),
         }
         result["machine"]["load_after"] = [round(x, 1) for x in os.getloadavg()]
         return result
@@ -760,6 +768,7 @@ def _replan(
         stub.straggler_rank, stub.straggler_since = 3, onset
     shown: dict[str, float] = {}
     deadline = onset + scale.timeout
+    progress = onset  # the last new post or status: a re-plan skipped is not tried again
     while len(shown) < len(stubs) and time.monotonic() < deadline:
         if dead := operator.dead():
             raise RuntimeError(dead)
@@ -768,6 +777,11 @@ def _replan(
             generation = (st.get("plan") or {}).get("generation") or 0
             if name in before and generation > before[name] and name not in shown:
                 shown[name] = time.monotonic() - onset
+                progress = time.monotonic()
+        progress = max([progress, *(s.posted_at[-1] for s in stubs.values() if s.posted_at)])
+        if time.monotonic() - progress > scale.replan_stall:
+            _say(f"no re-plan for {scale.replan_stall:.0f} s: {len(shown)}/{len(stubs)} done")
+            break
         time.sleep(0.25)
     posted = [s.posted_at[0] - onset for s in stubs.values() if s.posted_at]
     applied = [s.applied_at[0] - onset for s in stubs.values() if s.applied_at]
@@ -812,6 +826,14 @@ def table(result: dict[str, Any]) -> str:
         ("machine load before / after", f"{result['machine']['load_before']} / "
          f"{result['machine'].get('load_after', '-')}"),
     ]  # fmt: skip
+    log = result.get("operator_log", {})
+    rows.append(
+        (
+            "re-plans published / skipped; planning s (median / max)",
+            f"{log.get('replans_published', '-')} / {log.get('replans_skipped', '-')}; "
+            f"{fig(log.get('planned_s', {}))} / {fig(log.get('planned_s', {}), 'max')}",
+        )
+    )
     if "broke" in result:
         rows.append(("BROKE", result["broke"]))
     width = max(len(r[0]) for r in rows)
@@ -829,6 +851,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steady-seconds", type=float, default=30.0)
     parser.add_argument("--timeout", type=float, default=600.0, help="per phase")
     parser.add_argument("--no-replan", action="store_true", help="skip the straggler phase")
+    parser.add_argument(
+        "--replan-stall",
+        type=float,
+        default=90.0,
+        help="end the straggler phase after this long with no new re-plan",
+    )
     parser.add_argument("--workdir", type=Path, help="keep logs here (default: a temp folder)")
     parser.add_argument("--out", type=Path, help="write the JSON result here")
     args = parser.parse_args(argv)
@@ -840,6 +868,7 @@ def main(argv: list[str] | None = None) -> int:
         steady_seconds=args.steady_seconds,
         timeout=args.timeout,
         replan=not args.no_replan,
+        replan_stall=args.replan_stall,
     )
     with contextlib.ExitStack() as stack:
         workdir = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
