@@ -620,6 +620,7 @@ def run(scale: Scale, workdir: Path) -> dict[str, Any]:
                     running[name] = now - created[name]
                 if _ready(st) and name not in ready:
                     ready[name] = now - created[name]
+            secrets: dict[str, dict[str, str]] = {}
             for pod in pods:
                 meta, st = pod["metadata"], pod.get("status") or {}
                 job_name = meta["labels"].get("malleus.io/job", "")
@@ -634,9 +635,11 @@ def run(scale: Scale, workdir: Path) -> dict[str, Any]:
                     continue
                 stubs[job_name] = stub
                 fleet.jobs[job_name] = stub
-                secret = http.get(
-                    f"/api/v1/namespaces/{OPERATOR_NS}/secrets/{secret_name(job_name)}"
-                ).json()["data"]
+                if job_name not in secrets:  # once a sweep: it holds every worker's pair
+                    secrets[job_name] = http.get(
+                        f"/api/v1/namespaces/{OPERATOR_NS}/secrets/{secret_name(job_name)}"
+                    ).json()["data"]
+                secret = secrets[job_name]
                 cert = base64.b64decode(secret[worker_cert_key(index)]).decode()
                 key = base64.b64decode(secret[worker_key_key(index)]).decode()
                 fleet.serve(stub, index, ip, cert, key)
