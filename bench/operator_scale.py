@@ -126,15 +126,13 @@ def kwok_node(name: str, gpus: int) -> dict[str, Any]:
     }
 
 
-def kwok_stages() -> Path:
-    """kwok's stages: ``MALLEUS_KWOK_STAGES`` or shared/k8s/kwok/stages.yaml beside the tree."""
+def kwok_stages() -> Path | None:
+    """kwok's stages: ``MALLEUS_KWOK_STAGES`` or shared/k8s/kwok/stages.yaml in a folder above
+    the tree (its fast stages, and pods held by a finalizer terminated); None if neither."""
     named = os.environ.get("MALLEUS_KWOK_STAGES")
     candidates = [Path(named)] if named else []
     candidates += [p / "shared" / "k8s" / "kwok" / "stages.yaml" for p in ROOT.parents]
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise SystemExit("kwok's stages.yaml not found: set MALLEUS_KWOK_STAGES")
+    return next((path for path in candidates if path.is_file()), None)
 
 
 # -- the stubs -------------------------------------------------------------------------------
@@ -527,6 +525,9 @@ def run(scale: Scale, workdir: Path) -> dict[str, Any]:
         raise SystemExit(reason)
     if not os.access(assets / "kwok", os.X_OK):
         raise SystemExit(f"{assets} has no kwok (scripts/k8s-assets.sh unpacks it)")
+    stages = kwok_stages()
+    if stages is None:
+        raise SystemExit("kwok's stages.yaml not found: set MALLEUS_KWOK_STAGES")
     audit_log = workdir / "audit.log"
     (workdir / "audit-policy.yaml").write_text(AUDIT_POLICY)
     result: dict[str, Any] = {
@@ -554,7 +555,7 @@ def run(scale: Scale, workdir: Path) -> dict[str, Any]:
         result["control_plane_start_s"] = round(cluster.start_seconds, 1)
         AdminApi(cluster).apply_crd(__import__("yaml").safe_load(CRD_FILE.read_text()))
         apply_chart_rbac(cluster)
-        kwok = Kwok(assets / "kwok", kwok_stages(), cluster.admin, workdir / "kwok.log")
+        kwok = Kwok(assets / "kwok", stages, cluster.admin, workdir / "kwok.log")
         stoppers.append(kwok.stop)
         total_nodes = scale.job_nodes * scale.jobs + scale.spare_nodes + 1  # 1: the warm-up
         _say(f"creating {total_nodes} kwok nodes of {scale.gpus_per_node} GPUs")
