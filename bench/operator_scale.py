@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the repository's tests package is the harness
     sys.path.insert(0, str(ROOT))
@@ -553,7 +555,7 @@ def run(scale: Scale, workdir: Path) -> dict[str, Any]:
         _say("starting the control plane")
         cluster.start()
         result["control_plane_start_s"] = round(cluster.start_seconds, 1)
-        AdminApi(cluster).apply_crd(__import__("yaml").safe_load(CRD_FILE.read_text()))
+        AdminApi(cluster).apply_crd(yaml.safe_load(CRD_FILE.read_text()))
         apply_chart_rbac(cluster)
         kwok = Kwok(assets / "kwok", stages, cluster.admin, workdir / "kwok.log")
         stoppers.append(kwok.stop)
