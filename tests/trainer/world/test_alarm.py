@@ -15,7 +15,9 @@ from malleus.trainer.world.alarm import (
     Alarm,
     PeerRecovering,
     Silence,
+    beat,
     beat_s,
+    dead_after_s,
     interval_s,
 )
 from malleus.trainer.world.sealed import Sealer
@@ -103,11 +105,12 @@ def test_a_worlds_alarm_follows_the_membership_it_installs() -> None:
 def test_a_beating_rank_is_never_silent_and_a_stopped_one_is_after_the_window() -> None:
     server, client = _store()
     now = [0.0]
-    quiet = Silence(client, 3.0, clock=lambda: now[0])
+    quiet = Silence(client, 3.0, sealer=SEAL, clock=lambda: now[0])
     alarm = Alarm(client, 0.01, lambda: 0, rank=5, beat=0.01, sealer=SEAL).start()
 
     def count() -> int:
-        return int(client.add(f"{BEAT_KEY}5", 0))
+        got = SEAL.get(client, f"{BEAT_KEY}5")
+        return int(got.rpartition(":")[2]) if got is not None else 0
 
     try:
         seen = 0
@@ -140,21 +143,25 @@ def test_survivors_stop_waiting_for_a_silent_leader_that_never_decided() -> None
     from malleus.trainer.world.world import World
 
     server, client = _store()
-    client.add(f"{BEAT_KEY}2", 1)  # the leader beat once, then died with no launcher to say so
+    beat(client, SEAL, 2, "n", 1)  # the leader beat once, then died with no launcher to say so
+    world = World(4)
+    world.seal_with(SEAL)
     t0 = time.monotonic()
-    assert _await_decision(client, SEAL, "rec/1/", 2, World(4).silence(client)) is None
+    assert _await_decision(client, SEAL, "rec/1/", 2, world.silence(client)) is None
     took = time.monotonic() - t0
     assert SILENT_BEATS * beat_s(4) <= took < DECISION_WAIT_S / 4
     # A decision written before it went silent is still taken; a planted one never
     client.set("rec/1/decision", '{"members": [0]}')
-    assert _await_decision(client, SEAL, "rec/1/", 2, World(4).silence(client)) is None
+    assert _await_decision(client, SEAL, "rec/1/", 2, world.silence(client)) is None
     SEAL.put(client, "rec/1/decision", '{"members": [0, 1]}')
-    got = _await_decision(client, SEAL, "rec/1/", 2, World(4).silence(client))
+    got = _await_decision(client, SEAL, "rec/1/", 2, world.silence(client))
     assert got == {"members": [0, 1]}
     del server
 
 
 def test_heartbeats_keep_the_store_load_bounded_at_any_world() -> None:
     for world in (4, 1024, 8192, 65536):
-        assert world / beat_s(world) <= 2_000 + 1e-6
+        assert world / beat_s(world) <= 4_000 + 1e-6
         assert SILENT_BEATS * beat_s(world) >= 3.0
+        assert dead_after_s(world) >= 2.0
+    assert dead_after_s(4) == dead_after_s(1000) == pytest.approx(2.0)
