@@ -187,7 +187,8 @@ class Trainer:
     def _batch(self, micro: int) -> tuple[Tensor, Tensor]:
         tr = self.training
         with self.world.progress.outside():  # the data source: bounded by the hang timeout
-            pause_point("data", self.rank, self.step)
+            if micro == 0:
+                pause_point("data", self.rank, self.step)
             x, y = micro_batch(
                 self.source, self.step, micro, tr.global_batch_size, tr.micro_batch_size
             )

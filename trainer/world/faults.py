@@ -10,7 +10,7 @@ declares it dead (trainer/world/alarm.py). `$MALLEUS_FAULT=stall:RANK:STEP` is a
 the training thread blocks for good at that point while the process and its other threads live
 on (its heartbeat goes on): only its progress tells (trainer/world/progress.py).
 
-`$MALLEUS_PAUSE=POINT:RANK:STEP:SECONDS` (`pause_point`) makes GPU RANK wait SECONDS at POINT of
+`$MALLEUS_PAUSE=POINT:RANK:STEP:SECONDS[,...]` (`pause_point`) makes GPU RANK wait SECONDS at POINT of
 step STEP: `data` (the first micro-batch's samples: a data stall) or `checkpoint` (the
 checkpoint written after STEP steps): work that is slow, not stuck, and must not be declared
 hung (tests).
@@ -79,13 +79,14 @@ def die(rank: int, how: str, where: str, *, store: Any) -> None:
 
 
 def pause_point(name: str, rank: int, step: int) -> None:
-    """Wait here when `$MALLEUS_PAUSE` is `name:rank:step:SECONDS` (tests: slow, not stuck)."""
-    want = os.environ.get(PAUSE_ENV, "").split(":")
-    if want[:3] == [name, str(rank), str(step)] and len(want) == 4:
-        log.warning(
-            "pause injection: rank %d waits %s s at %s of step %d", rank, want[3], name, step
-        )
-        time.sleep(float(want[3]))
+    """Wait here when `$MALLEUS_PAUSE` holds `name:rank:step:SECONDS` (tests: slow, not stuck)."""
+    for item in os.environ.get(PAUSE_ENV, "").split(","):
+        want = item.split(":")
+        if want[:3] == [name, str(rank), str(step)] and len(want) == 4:
+            log.warning(
+                "pause injection: rank %d waits %s s at %s of step %d", rank, want[3], name, step
+            )
+            time.sleep(float(want[3]))
 
 
 def fault_point(name: str, rank: int, step: int | None = None, *, store: Any) -> None:

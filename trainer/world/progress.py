@@ -14,9 +14,9 @@ and exits (trainer/world/alarm.py), so its sockets close and every peer blocked 
 once, the path of a killed rank; the recovery (trainer/recovery/protocol.py) is the same.
 
 What is judged, and what is not:
-- Only inside a step (`World.step_deadline` arms it), and only once the layout in force has
-  been measured for `MEASURED_STEPS` steps (`relayout` after a switch, a recovery or an
-  admission: the first steps of a layout pay allocations, new groups, a new shard shape).
+- Only inside a step (`World.step_deadline` arms it), and not in the first `MEASURED_STEPS`
+  steps of a layout (`relayout` after a switch, a recovery or an admission): those pay
+  allocations, new groups, a new shard shape, and are neither judged nor measured.
 - Never while waiting in a collective: a rank blocked on a slow or stuck peer is not the one
   stuck (the peer is judged by its own watchdog, or by its heartbeat if it stopped). A
   straggler is therefore never declared hung by its peers; its own marks come once per layer,
@@ -49,7 +49,7 @@ FLOOR_S = 3.0
 RECENT_STEPS = 20
 """The measured steps whose longest gap sets the bound."""
 MEASURED_STEPS = 1
-"""Steps of a layout measured before it is judged (its first steps are not)."""
+"""The first steps of a layout, neither judged nor measured (its warm-up)."""
 
 
 class Progress:
@@ -71,7 +71,7 @@ class Progress:
     # ---- the training thread --------------------------------------------------------------------
     @contextlib.contextmanager
     def in_step(self, step: int | None = None) -> Iterator[None]:
-        """Inside: a step; judged when its layout has been measured, measured in any case."""
+        """Inside: a step; judged and measured past the layout's first `MEASURED_STEPS`."""
         self.step, self._gap = step, 0.0
         self._last = self._clock()
         self._measuring = True
@@ -82,8 +82,10 @@ class Progress:
             ended = True
         finally:
             self._armed = self._measuring = False
-            if ended:  # a failed step's gaps are not the layout's
+            if ended and self._steps >= MEASURED_STEPS:  # a failed step's gaps, or those
+                # of a layout's first steps (its warm-up), are not the layout's
                 self._recent.append(max(self._gap, self._clock() - self._last))
+            if ended:
                 self._steps += 1
 
     def mark(self) -> None:
@@ -106,8 +108,8 @@ class Progress:
             self._last = self._clock()
 
     def relayout(self) -> None:
-        """A new layout is in force: its first `MEASURED_STEPS` steps are measured, not judged
-        (the gaps measured before still count toward the bound)."""
+        """A new layout is in force: its first `MEASURED_STEPS` steps are neither judged nor
+        measured (the gaps measured before still count toward the bound)."""
         self._steps = 0
 
     # ---- the alarm thread -----------------------------------------------------------------------
