@@ -210,6 +210,7 @@ class Alarm:
         after = dead_after if dead_after is not None else DEAD_BEATS * beat
         self._watch_beats = Silence(self._store, after, sealer=sealer)
         self._watched: int | None = None
+        self._looked = 0.0  # when this watcher last looked at its peer
         self._declared: dict[int, int] = {}  # GPU -> the epoch at which it was declared dead
         self._raised: int | None = None  # the epoch a peer entered; None while none did
         self._silent: tuple[int, int, float] | None = None  # (epoch, peer, seconds silent)
@@ -266,7 +267,12 @@ class Alarm:
         if len(alive) < 2:
             return
         peer = alive[(alive.index(self._rank) + 1) % len(alive)]
-        if peer != self._watched:
+        now = time.monotonic()
+        # A watcher that was itself away (the store lost and dialed again, this process
+        # stopped) judges afresh: the peer's beats it missed say nothing of the peer.
+        away = now - self._looked > 2 * self._beat
+        self._looked = now
+        if peer != self._watched or away:
             self._watched = peer
             self._watch_beats.forget(peer)
         if not self._watch_beats.silent(peer) or peer not in self._watch_beats.beating:
