@@ -219,8 +219,7 @@ class PipelineStage:
             members = (self.place.group[self.place.index], *sorted(set(peers)))
             self.world.bound()  # point-to-point goes over the job's group
             with self.timer.meter.timed("p2p", members, nbytes):
-                for work in dist.batch_isend_irecv(ops):
-                    self.world.wait(work)
+                self.world.wait_p2p(dist.batch_isend_irecv(ops))
         return buf
 
     # ---- compute ----------------------------------------------------------------------------

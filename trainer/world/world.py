@@ -16,6 +16,7 @@ nothing: GPU ids are then process-group ranks and GPU 0 coordinates.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
 import time
 from collections.abc import Iterable, Iterator
@@ -67,6 +68,8 @@ class World:
         self._sealer: Sealer | None = None
         self._abandoned: list[Any] = []  # collectives left pending by `wait` (the alarm rang)
         self._graves: list[tuple[list[Any], list[Any]]] = []  # (groups, their pending works)
+        self._p2p: concurrent.futures.ThreadPoolExecutor | None = None  # waits for `wait_p2p`
+        self._p2p_abandoned: list[concurrent.futures.Future[None]] = []
         self.progress = Progress(lambda: self._timeout_s)
         """This rank's progress marks (trainer/world/progress.py), judged by its alarm."""
 
@@ -209,6 +212,42 @@ class World:
                     self._abandoned.append(work)  # still pending on a peer that will not answer
                     raise
 
+    def wait_p2p(self, works: Iterable[Any]) -> None:
+        """Wait for point-to-point `works` like `wait` does for a collective. A gloo send or
+        receive cannot be waited for in slices (a wait that times out breaks the whole group)
+        nor polled (it completes only in its wait), so a thread of this World waits for them
+        and this one waits for that thread in slices, looking at the alarm between two; when
+        the alarm rings, the thread is left to its wait (it ends with the group's timeout) and
+        the next waits get a new one."""
+        works = list(works)
+        if self._alarm is None or not works:
+            for work in works:
+                work.wait()
+            return
+        import torch
+
+        if torch.cuda.is_available():
+            for work in works:
+                work.wait()
+            return
+        if self._p2p is None:
+            self._p2p = concurrent.futures.ThreadPoolExecutor(1, "malleus-p2p")
+        done = self._p2p.submit(_wait_all, works)
+        with self.progress.outside():
+            while True:
+                try:
+                    done.result(WAIT_SLICE.total_seconds())
+                    return
+                except concurrent.futures.TimeoutError:
+                    pass
+                try:
+                    self._alarm.check()
+                except RuntimeError:
+                    self._p2p_abandoned.append(done)
+                    self._p2p.shutdown(wait=False)  # its thread is stuck in the wait
+                    self._p2p = None
+                    raise
+
     def bury(self, groups: list[Any]) -> bool:
         """Keep `groups` (every process group of a failed epoch) alive while collectives that
         `wait` left pending on them are not done: tearing such a group down waits for them, that
@@ -217,7 +256,8 @@ class World:
         groups buried earlier whose collectives are done by now are let go."""
         self._graves = [(g, w) for g, w in self._graves if not all(x.is_completed() for x in w)]
         pending = [w for w in self._abandoned if not w.is_completed()]
-        self._abandoned = []
+        pending += [_Waited(f) for f in self._p2p_abandoned if not f.done()]
+        self._abandoned, self._p2p_abandoned = [], []
         if pending:
             self._graves.append((list(groups), pending))
         return bool(pending)
@@ -263,3 +303,18 @@ class World:
         """A `Silence` over the job's store, its window `SILENT_BEATS` of this process's beats."""
         beat = self._alarm.beat if self._alarm is not None else MIN_BEAT_S
         return Silence(store, SILENT_BEATS * beat, sealer=self.sealer)
+
+
+def _wait_all(works: list[Any]) -> None:
+    for work in works:
+        work.wait()
+
+
+class _Waited:
+    """A `wait_p2p` left pending, seen as a work (`is_completed`) by `World.bury`."""
+
+    def __init__(self, future: concurrent.futures.Future[None]) -> None:
+        self._future = future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
