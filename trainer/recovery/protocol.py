@@ -7,7 +7,8 @@ so its peers' collectives fail at once; a rank that stops (SIGSTOP, a frozen nod
 heartbeat, and the rank watching it declares it dead within seconds and leaves its wait
 (`PeerSilent`, trainer/world/alarm.py); a rank stuck inside a step declares itself hung and
 exits (trainer/world/progress.py), which closes its sockets; the timeout is the upper bound
-behind both. Either way the collective raises on the survivors, which turn it into a `PeerFailure` (only when
+behind both. Either way the collective raises on the survivors, which turn it into a
+`PeerFailure` (only when
 failures are survivable: a store no rank hosts, trainer/launch/distributed.py `fault_tolerant`); the first
 survivor out destroys its process group, which breaks its peers' collectives in turn, so
 every survivor is in recovery within moments.

@@ -10,8 +10,8 @@ declares it dead (trainer/world/alarm.py). `$MALLEUS_FAULT=stall:RANK:STEP` is a
 the training thread blocks for good at that point while the process and its other threads live
 on (its heartbeat goes on): only its progress tells (trainer/world/progress.py).
 
-`$MALLEUS_PAUSE=POINT:RANK:STEP:SECONDS[,...]` (`pause_point`) makes GPU RANK wait SECONDS at POINT of
-step STEP: `data` (the first micro-batch's samples: a data stall) or `checkpoint` (the
+`$MALLEUS_PAUSE=POINT:RANK:STEP:SECONDS[,...]` (`pause_point`) makes GPU RANK wait SECONDS at
+POINT of step STEP: `data` (the first micro-batch's samples: a data stall) or `checkpoint` (the
 checkpoint written after STEP steps): work that is slow, not stuck, and must not be declared
 hung (tests).
 

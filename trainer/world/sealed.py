@@ -43,10 +43,10 @@ epochs cannot keep a recovery leaderless.
 
 What the seal does not stop: a writer can still delete or overwrite keys (stall a recovery,
 hide a request, make the leader decide without a rank that then exits and is replaced, fail the
-job); it can replay a sealed value under its own name (a live rank's old heartbeat, again and again,
-so that its watcher declares it dead: it is left out and replaced; a GPU's dead mark after its replacement
-was admitted: the replacement is then taken for dead at the next recovery and replaced once
-more). Keeping strangers off the store is the NetworkPolicy's job and the loopback bind's.
+job); it can replay a sealed value under its own name (a live rank's old heartbeat, again and
+again, so that its watcher declares it dead: it is left out and replaced; a GPU's dead mark
+after its replacement was admitted: the replacement is then taken for dead at the next recovery
+and replaced once more). Keeping strangers off the store is the NetworkPolicy's job and the loopback bind's.
 
 The key: `MALLEUS_STORE_KEY` (hex; `spawn_local` draws a random one per launch for its
 children), else derived from the job's control token (the file `MALLEUS_CONTROL_TOKEN_FILE`,
