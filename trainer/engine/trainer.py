@@ -240,8 +240,9 @@ class Trainer:
         row[3] = self.timer.seconds
         payload = b""
         if self.coordinator is not None:  # a plan posted after this line waits a step
-            announce, payload = self.coordinator.take()
-            announce = replace(announce, joins=self.joiners() if self.joiners else 0)
+            with self.world.progress.outside():  # the inbox and the store: not compute
+                announce, payload = self.coordinator.take()
+                announce = replace(announce, joins=self.joiners() if self.joiners else 0)
             row[OWN_WORDS:] = torch.tensor(announce.words(), dtype=torch.float64)
         self.world.bound()
         with self.meter.timed():
