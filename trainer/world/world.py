@@ -204,8 +204,9 @@ class World:
                     work.wait(WAIT_SLICE)
                     return
                 except RuntimeError:
-                    if work.is_completed():  # failed, not just not done yet
-                        raise
+                    if work.is_completed():  # done meanwhile, or failed: its own verdict
+                        work.wait()
+                        return
                 try:
                     self._alarm.check()
                 except RuntimeError:
