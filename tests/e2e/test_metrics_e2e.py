@@ -120,8 +120,9 @@ def setup(
 
 def scrape_config(world: JobWorld, pods: list[dict[str, Any]], ca_file: Path) -> dict[str, Any]:
     """What the job's PodMonitor makes of its pods, written out: HTTPS verified against the
-    job's CA for the workers' stable name, the pod's own labels (never the series')."""
-    (first,) = tls.worker_names(JobRef(world.ns, JOB), 1)
+    job's CA for the job's metrics name (in every worker's certificate), the pod's own labels
+    (never the series')."""
+    name = tls.metrics_name(JobRef(world.ns, JOB))
     targets = [
         {
             "targets": [f"{p['status']['podIP']}:{port_of(p)}"],
@@ -138,7 +139,7 @@ def scrape_config(world: JobWorld, pods: list[dict[str, Any]], ca_file: Path) ->
         "scheme": "https",
         "metrics_path": "/metrics",
         "honor_labels": False,
-        "tls_config": {"ca_file": str(ca_file), "server_name": first},
+        "tls_config": {"ca_file": str(ca_file), "server_name": name},
         "static_configs": targets,
     }
 

@@ -102,7 +102,7 @@ def test_each_job_gets_its_own_random_token(kube: Kube, memo: kopf.Memo, make_jo
     [
         (
             {"parallelism": {"tp": 2, "dp": 1, "pp": 2}},
-            "spec.parallelism: dp(1) * pp(2) * tp(2) = 4 does not match the GPU count",
+            "spec.parallelism dp * pp * tp must equal the GPU count",
         ),
         (
             {

@@ -9,6 +9,7 @@ test sees.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -283,7 +284,14 @@ class Cluster:
         self.server = AdminApi(control_plane)
 
     def shell(self, script: str) -> str:
-        """Run a bash pipeline (``kubectl`` and ``helm`` on PATH) against this cluster."""
+        """Run a bash pipeline (``kubectl`` and ``helm`` on PATH) against this cluster; its
+        stdout (it must succeed)."""
+        done = self.run(script)
+        assert done.returncode == 0, f"{script}\n{done.stdout}\n{done.stderr}"
+        return done.stdout
+
+    def run(self, script: str) -> subprocess.CompletedProcess[str]:
+        """`shell` without the check."""
         bindir = Path(self.control_plane.workdir) / "bin"
         bindir.mkdir(exist_ok=True)
         for name, path in (("kubectl", _kubectl()), ("helm", helm_binary())):
@@ -299,8 +307,7 @@ class Cluster:
             timeout=60,
             check=False,
         )
-        assert done.returncode == 0, f"{script}\n{done.stdout}\n{done.stderr}"
-        return done.stdout
+        return done
 
     def job(self, namespace: str, name: str) -> dict[str, Any]:
         path = f"/apis/malleus.io/v1alpha1/namespaces/{namespace}/malleusjobs/{name}"
@@ -369,15 +376,22 @@ def test_documented_crd_upgrade_stores_new_fields(cluster: Cluster, tmp_path: Pa
     assert kept["metadata"]["uid"] == uid  # the job survived the upgrade
     assert kept["spec"]["training"]["precision"] == "fp32"  # new default applied on read
 
+    # The old job's spec cannot gain the field: what its pods are made from is fixed once it
+    # exists (the CRD's transition rule, which the upgrade brought).
+    refused = cluster.run(f"kubectl -n {ns} apply --validate=false -f {path}")
+    assert refused.returncode != 0 and "delete and re-create the job" in refused.stderr, refused
+    manifest["metadata"] = {"name": "after"}
+    path.write_text(yaml.safe_dump(manifest))
+
     def stored_precision() -> str | None:
-        cluster.shell(f"kubectl -n {ns} apply --validate=false -f {path}")
-        value: str | None = cluster.job(ns, "before")["spec"]["training"].get("precision")
+        out = cluster.shell(
+            f"kubectl -n {ns} create --dry-run=server -o json --validate=false -f {path}"
+        )
+        value: str | None = json.loads(out)["spec"]["training"].get("precision")
         return value if value == "bf16" else None
 
     # the CRD handler may serve the old schema for a moment after the update
     assert wait_until(stored_precision, 10, "precision stored", interval=0.2) == "bf16"
-    manifest["metadata"] = {"name": "after"}
-    path.write_text(yaml.safe_dump(manifest))
     cluster.shell(f"kubectl -n {ns} apply --validate=false -f {path}")
     assert cluster.job(ns, "after")["spec"]["training"]["precision"] == "bf16"
     # the CRD the cluster now has is the chart's (which the equality test pins to crds/)

@@ -36,13 +36,12 @@ def test_schema_and_cel_faults_are_bad_input(make_job: Any) -> None:
 
 
 def test_the_operator_reports_what_the_resolved_job_reports(make_job: Any) -> None:
-    body = make_job(parallelism={"tp": 2, "dp": 1, "pp": 2})
+    body = make_job(nodes=4, parallelism={"tp": 1, "pp": 16})  # the CRD's rules pass
     with pytest.raises(BadInput) as e:
         asyncio.run(jobs.initial_plan(jobs.resolve(body)))
     assert e.value.faults == ResolvedJob.load(body, strict=False).faults()
     assert [str(f) for f in e.value.faults] == [
-        "spec.parallelism: dp(1) * pp(2) * tp(2) = 4 does not match the GPU count "
-        "nodes(2) * gpusPerNode(4) = 8"
+        "spec.parallelism.pp: pp(16) exceeds the model's layers(8); every stage needs a layer"
     ]
 
 
@@ -56,7 +55,7 @@ def test_a_model_that_fits_no_layout_is_bad_input(make_job: Any) -> None:
 
 
 def test_initial_plan_runs_the_semantic_checks_first(make_job: Any) -> None:
-    job = jobs.resolve(make_job(parallelism={"tp": 2, "dp": 1, "pp": 2}))
+    job = jobs.resolve(make_job(nodes=4, parallelism={"tp": 1, "pp": 16}))
 
     def planner(problem: Any, *, time_limit: float | None = None) -> Any:  # pragma: no cover
         raise AssertionError("the planner must not run for an invalid spec")

@@ -64,7 +64,7 @@ PROBE_WINDOW = 0.5
 """A job's own planning time is the slowest of its problem's plans alone (before the storm) and
 of the probe's plans that ran between this many seconds before its straggler's onset and its
 re-plan's publication."""
-MARGIN = 1.0
+MARGIN = 2.0
 """What a re-plan may take beyond its own planning time: one scrape (the observation with the
 straggler is read at its tick), a process's turn (the pool has the operator's default number
 of processes: the hostile job holds at most one, and the jobs' onsets are `SPACING` apart), the
