@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the repository's tests package is the harness
     sys.path.insert(0, str(ROOT))
 
-from malleus.control import ControlStatus, MigrationRecord  # noqa: E402
+from malleus.control import JOB_METRICS_PATH, ControlStatus, MigrationRecord  # noqa: E402
 from malleus.operator.identity import (  # noqa: E402
     configmap_name,
     secret_name,
@@ -317,7 +317,7 @@ class StubFleet:
             return 401, b'{"error": "unauthorized"}', as_json
         if method == "GET" and path == "/status":
             return 200, job.status(), as_json
-        if method == "GET" and path == "/metrics":
+        if method == "GET" and path in ("/metrics", JOB_METRICS_PATH):  # every rank: enough
             return 200, job.metrics(), "text/plain; version=0.0.4"
         if method == "GET" and path == "/plan":
             return 200, json.dumps(job.plan).encode(), as_json
