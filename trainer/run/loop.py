@@ -16,6 +16,7 @@ import torch
 from malleus.job import ResolvedJob
 from malleus.notation import size, step_progress
 from malleus.planner import Plan
+from malleus.trainer.checkpoint.directory import latest
 from malleus.trainer.engine.figures import CALIBRATE_STEP
 from malleus.trainer.engine.services import Services
 from malleus.trainer.engine.state import gather_full, resume, save_atomic, save_checkpoint
@@ -220,10 +221,14 @@ def _finish(trainer: Trainer, job: ResolvedJob, opts: RunOptions, saved: list[in
     """The last checkpoint and the final model (collectives: a failure here is recovered)."""
     speak = _speaks(trainer, opts)
     stop = trainer.boundary
-    if opts.checkpoint_dir and saved[0] != trainer.step and (not stop.stopping or stop.checkpoint):
-        where, directory = f"the checkpoint of step {trainer.step}", opts.checkpoint_dir
-        path = _collective(trainer, where, lambda: save_checkpoint(trainer, directory))
-        saved[0] = trainer.step
+    if opts.checkpoint_dir and (not stop.stopping or stop.checkpoint):
+        directory = opts.checkpoint_dir
+        if saved[0] != trainer.step:
+            where = f"the checkpoint of step {trainer.step}"
+            path = _collective(trainer, where, lambda: save_checkpoint(trainer, directory))
+            saved[0] = trainer.step
+        else:  # the periodic checkpoint of this very step is the one the stop leaves
+            path = latest(directory)
         if speak and stop.stopping:
             _say(f"[malleus] saved checkpoint {path}")
     if opts.save_model or opts.save_hf:
