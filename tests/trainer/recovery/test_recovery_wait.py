@@ -46,10 +46,9 @@ class Scenario:
             self.at(t + released_after, lambda: mark_released(self.store, self.seal, PREFIX, gpu))
 
     def beat(self, gpu: int, every: float, until: float) -> None:
-        t, count = 0.0, 0
+        t = 0.0
         while t < until:
-            count += 1
-            self.at(t, lambda n=count: alarm.beat(self.store, self.seal, gpu, "n", n))
+            self.at(t, lambda: self.store.add(f"{alarm.BEAT_KEY}{gpu}", 1))
             t += every
 
     def clock(self) -> float:
@@ -65,7 +64,7 @@ class Scenario:
             item[1]()
 
     def gather(self):
-        silence = alarm.Silence(self.store, 3.0, sealer=self.seal, clock=self.clock)
+        silence = alarm.Silence(self.store, 3.0, clock=self.clock)
         return gather(
             self.store, self.seal, PREFIX, PREVIOUS, silence, clock=self.clock, sleep=self.sleep
         )
