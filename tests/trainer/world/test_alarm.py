@@ -142,14 +142,14 @@ def test_survivors_stop_waiting_for_a_silent_leader_that_never_decided() -> None
     server, client = _store()
     client.add(f"{BEAT_KEY}2", 1)  # the leader beat once, then died with no launcher to say so
     t0 = time.monotonic()
-    assert _await_decision(client, SEAL, "rec/1/", 2, World(4).silence(client)) is None
+    assert _await_decision(client, SEAL, "rec/1/", 2, World(4).silence(client), 0.02) is None
     took = time.monotonic() - t0
     assert SILENT_BEATS * beat_s(4) <= took < DECISION_WAIT_S / 4
     # A decision written before it went silent is still taken; a planted one never
     client.set("rec/1/decision", '{"members": [0]}')
-    assert _await_decision(client, SEAL, "rec/1/", 2, World(4).silence(client)) is None
+    assert _await_decision(client, SEAL, "rec/1/", 2, World(4).silence(client), 0.02) is None
     SEAL.put(client, "rec/1/decision", '{"members": [0, 1]}')
-    got = _await_decision(client, SEAL, "rec/1/", 2, World(4).silence(client))
+    got = _await_decision(client, SEAL, "rec/1/", 2, World(4).silence(client), 0.02)
     assert got == {"members": [0, 1]}
     del server
 
