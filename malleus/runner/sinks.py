@@ -9,7 +9,10 @@ the checkpoint written and read back. Same controller, same decisions: only the 
 `CoordinatorClient` is the one control client of a run (controller source, sink, runner): every
 rank has its own control port and serves it while it is the coordinator (the lowest GPU of the
 current membership), so the client follows the lowest rank whose process is alive and answers
-`GET /healthz`, looking again when its endpoint stops answering or a lower rank comes back.
+`GET /status`, looking again when its endpoint stops answering or a lower rank comes back.
+`/status`, not `/healthz`: a rank that rejoined while another coordinates serves its node's
+metrics page (trainer/engine/services.py, as in a pod) and answers `/healthz` but not `/status`,
+which is how the operator's search passes it by too (operator/trainers.py).
 """
 
 from __future__ import annotations
@@ -62,14 +65,15 @@ class CoordinatorClient(AsyncControlClient):
         return self.current_url + path
 
     async def _answers(self, rank: int) -> bool:
+        """Whether `rank` coordinates: its ``GET /status`` answers 200."""
         try:
-            response = await self._probe.get(self.procs.url_of(rank) + "/healthz")
+            response = await self._probe.get(self.procs.url_of(rank) + "/status", headers=self._auth())
         except httpx.HTTPError:
             return False
         return response.status_code == 200
 
     async def locate(self) -> int | None:
-        """Follow the lowest live rank that answers /healthz; its rank (None: none answers)."""
+        """Follow the lowest live rank that answers /status; its rank (None: none answers)."""
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:

@@ -4,14 +4,12 @@ moves, the report a resumed run appends to. Torch-free and fast."""
 from __future__ import annotations
 
 import asyncio
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from malleus.control import RecoveryRecord
+from malleus.control import AsyncControlClient, ControlStatus, RecoveryRecord
 from malleus.job import FailurePolicy
 from malleus.runner.failures import (
     FailureLog,
@@ -23,6 +21,8 @@ from malleus.runner.failures import (
 )
 from malleus.runner.resume import append_report, checkpoint_generation
 from malleus.runner.sinks import CoordinatorClient
+from malleus.trainer.endpoint.metrics import TrainerMetrics
+from malleus.trainer.endpoint.server import ControlServer
 
 
 def test_backoff_doubles_per_failure_of_a_rank_and_is_capped() -> None:
@@ -84,16 +84,35 @@ def test_a_recovery_is_timed_from_the_fault_and_recorded_once() -> None:
     assert summary_lines({"failures": [], "recoveries": []}) == []
 
 
-class _Endpoint(BaseHTTPRequestHandler):
-    answer = 200
+TOKEN = "t0ken"
 
-    def do_GET(self) -> None:
-        self.send_response(self.server.answer)  # type: ignore[attr-defined]
-        self.end_headers()
-        self.wfile.write(b"ok")
 
-    def log_message(self, *args: Any) -> None:
-        pass
+def _status() -> ControlStatus:
+    return ControlStatus(
+        job="demo",
+        world=3,
+        generation=1,
+        pending_generation=None,
+        step=4,
+        steps=10,
+        done=False,
+        stopping=False,
+        rates={},
+        step_seconds=None,
+        tokens_per_second=None,
+        last_migration=None,
+        last_failure=None,
+    )
+
+
+def _endpoint(port: int = 0, *, coordinator: bool = True) -> ControlServer:
+    """A real trainer endpoint: the coordinator's, or a rejoined rank's metrics-only one."""
+    status = _status if coordinator else None
+    metrics = TrainerMetrics("demo", 0, 0)
+    server = ControlServer(
+        "127.0.0.1", port, TOKEN, status=status, inbox=None, metrics=metrics, inject=None
+    )
+    return server.start()
 
 
 class _Procs:
@@ -114,50 +133,39 @@ class _Procs:
         return sorted(self.live)
 
 
-def _serve() -> ThreadingHTTPServer:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Endpoint)
-    server.answer = 200  # type: ignore[attr-defined]
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
-def test_the_client_follows_the_lowest_live_rank_that_answers() -> None:
-    servers = [_serve() for _ in range(3)]
-    ports = [s.server_address[1] for s in servers]
+def test_the_client_follows_the_lowest_live_rank_that_coordinates() -> None:
+    servers = [_endpoint() for _ in range(3)]
+    ports = [s.port for s in servers]
     procs = _Procs(ports)
+    rejoined: list[ControlServer] = []
 
     async def scenario() -> list[Any]:
-        client = CoordinatorClient(procs, "token")  # type: ignore[arg-type]
-        seen: list[Any] = [await client.healthz(), client.rank]
-        servers[0].shutdown()
-        servers[0].server_close()  # rank 0 gone: its port refuses
+        client = CoordinatorClient(procs, TOKEN)  # type: ignore[arg-type]
+        seen: list[Any] = [(await client.status()).step, client.rank]
+        servers[0].stop()  # rank 0 gone: its port refuses
         procs.live.discard(0)
-        seen += [await client.healthz(), client.rank]  # found rank 1 on the failed call
-        procs.live.add(0)  # a replacement of rank 0 (not serving yet)
+        seen += [(await client.status()).step, client.rank]  # found rank 1 on the failed call
+        procs.live.add(0)  # a replacement of rank 0, not serving yet
         await client.follow()
         seen.append(client.rank)
-        again = _serve_on(ports[0])  # now it is the coordinator again
+        # It joined while rank 1 coordinates: it serves its node's metrics page and answers
+        # /healthz, but it is not the coordinator (a plan posted there would be refused).
+        rejoined.append(_endpoint(ports[0], coordinator=False))
+        assert await AsyncControlClient(procs.url_of(0)).healthz()
         await client.follow()
         seen.append(client.rank)
-        again.shutdown()
-        again.server_close()
+        rejoined[0].stop()
+        rejoined.append(_endpoint(ports[0]))  # a later plan re-admitted it: it coordinates
+        await client.follow()
+        seen.append(client.rank)
         await client.aclose()
         return seen
 
     try:
-        assert asyncio.run(scenario()) == [True, 0, True, 1, 1, 0]
+        assert asyncio.run(scenario()) == [4, 0, 4, 1, 1, 1, 0]
     finally:
-        for s in servers[1:]:
-            s.shutdown()
-            s.server_close()
-
-
-def _serve_on(port: int) -> ThreadingHTTPServer:
-    ThreadingHTTPServer.allow_reuse_address = True
-    server = ThreadingHTTPServer(("127.0.0.1", port), _Endpoint)
-    server.answer = 200  # type: ignore[attr-defined]
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+        for s in [*servers[1:], *rejoined[1:]]:
+            s.stop()
 
 
 def test_a_resumed_report_keeps_the_steps_before_the_checkpoint_and_appends() -> None:

@@ -202,12 +202,6 @@ def test_resume_needs_a_checkpoint(tmp_path: Path) -> None:
     assert "is not the work directory of a malleus run" in proc.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="regression from the per-worker metrics change (kueue-metrics merge, 7b7760b; passes at "
-    "884012a): the replaced rank 0 joins but no later plan re-admits it. Not yet diagnosed; "
-    "issue 31 stays open on it",
-)
 def test_killing_the_coordinator_rank_replaces_it_and_a_later_plan_readmits_it(
     tmp_path: Path,
 ) -> None:
