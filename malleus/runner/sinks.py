@@ -67,7 +67,9 @@ class CoordinatorClient(AsyncControlClient):
     async def _answers(self, rank: int) -> bool:
         """Whether `rank` coordinates: its ``GET /status`` answers 200."""
         try:
-            response = await self._probe.get(self.procs.url_of(rank) + "/status", headers=self._auth())
+            response = await self._probe.get(
+                self.procs.url_of(rank) + "/status", headers=self._auth()
+            )
         except httpx.HTTPError:
             return False
         return response.status_code == 200
