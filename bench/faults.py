@@ -6,9 +6,11 @@ Run: .venv/bin/python bench/faults.py [--steps 24] [--at 12] [--kinds replica,ra
 Each fault kind is injected into a real local job (`malleus run`, 4 emulated GPUs: tp 2, two
 data-parallel replicas, a checkpoint every 5 steps) by this script itself, with a real signal to
 the trainer's process once the job has committed step `--at`: SIGKILL (`kill`) or SIGSTOP
-(`hang`, detected by the survivors after spec.failurePolicy.hangTimeoutSeconds). Then the same
+(`hang`: its heartbeat stops, and the survivors know it dead within ~2 s). Then the same
 job and fault again with `malleus run --mode restart`: every process is stopped and started
-again from the latest checkpoint (what TorchElastic and DLRover do). Reported per run, from the
+again from the latest checkpoint (what TorchElastic and DLRover do; a stopped process is
+noticed there by the runner's watch after the job's hang timeout, as a watchdog would: unset,
+30 s). Reported per run, from the
 run's report (`recoveries`, measured by the runner): seconds from the fault (the moment the
 runner saw the process end, or first saw it stopped) to the first step committed after the
 recovery, steps lost (committed steps trained again), bytes restored (copied from surviving
@@ -48,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 KINDS: dict[str, tuple[str, list[int], int]] = {
     "replica": ("kill GPU 3 (a replica holds its shards)", [3], signal.SIGKILL),
     "rank0": ("kill GPU 0 (the coordinator)", [0], signal.SIGKILL),
-    "hang": ("hang GPU 3 (SIGSTOP)", [3], signal.SIGSTOP),
+    "hang": ("hang GPU 3 (SIGSTOP: its heartbeat stops)", [3], signal.SIGSTOP),
     "rollback": ("kill GPUs 1 and 3 (both holders of a shard)", [1, 3], signal.SIGKILL),
 }
 
@@ -60,7 +62,16 @@ JOBS: dict[str, tuple[str, int, int]] = {
 """Job name -> (title, layer forward ms, layer backward ms): the same job, other step times."""
 
 
-def manifest(steps: int, hang_timeout: int, forward_ms: int, backward_ms: int) -> dict[str, Any]:
+def manifest(
+    steps: int, hang_timeout: int | None, forward_ms: int, backward_ms: int
+) -> dict[str, Any]:
+    policy: dict[str, Any] = {
+        "maxRestarts": 2,
+        "restartBackoffSeconds": 0,
+        "gracePeriodSeconds": 30,
+    }
+    if hang_timeout is not None:  # unset: the job's default (10 measured steps, >= 30 s)
+        policy["hangTimeoutSeconds"] = hang_timeout
     return {
         "apiVersion": "malleus.io/v1alpha1",
         "kind": "MalleusJob",
@@ -78,12 +89,7 @@ def manifest(steps: int, hang_timeout: int, forward_ms: int, backward_ms: int) -
                 "warmupSteps": 2,
             },
             "parallelism": {"tp": 2},
-            "failurePolicy": {
-                "hangTimeoutSeconds": hang_timeout,
-                "maxRestarts": 2,
-                "restartBackoffSeconds": 0,
-                "gracePeriodSeconds": 30,
-            },
+            "failurePolicy": policy,
             "checkpoint": {"intervalSteps": 5},
             "emulation": {
                 "enabled": True,
@@ -205,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--at", type=int, default=12, help="inject after this step")
-    parser.add_argument("--hang-timeout", type=int, default=10)
+    parser.add_argument(
+        "--hang-timeout", type=int, default=None, help="hangTimeoutSeconds (default: unset)"
+    )
     parser.add_argument(
         "--kinds", type=lambda s: s.split(","), default=list(KINDS), help=",".join(KINDS)
     )

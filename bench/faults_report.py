@@ -93,9 +93,25 @@ def _summary(rows: list[dict[str, Any]]) -> list[str]:
     if ratios:
         out.append(
             f"From the fault, live recovery is {_span(ratios, '.1f', 'x')} faster than restarting "
-            f"every process ({_span(kills, '.1f', 'x') if kills else '-'} for the kills; a hang "
-            "costs both modes the hang timeout first); from detection on, "
+            f"every process ({_span(kills, '.1f', 'x') if kills else '-'} for the kills); "
+            "from detection on, "
             f"{_span(afters, '.1f', 'x') if afters else '-'}. Target: at least 10x."
+        )
+    short = [(r, x) for r in rows if (x := _ratio(r["live"], r["restart"])) is not None and x < 10]
+    floors = [
+        (r["restart"]["seconds"] / r["live"]["first_step"])
+        for r, _ in short
+        if r["live"].get("first_step")
+    ]
+    if short and floors:
+        out.append(
+            f"Below 10x ({', '.join(r['kind'] for r, _ in short)}): a live recovery cannot take "
+            "less than its first step on the GPUs left, "
+            f"{_span([r['live']['first_step'] for r, _ in short if r['live'].get('first_step')], '.2f', ' s')}"
+            " here, and the restart it is compared with takes "
+            f"{_span([r['restart']['seconds'] for r, _ in short], '.2f', ' s')} on this host "
+            "(4 processes starting on 2 CPUs), so no live recovery can be more than "
+            f"{_span(floors, '.1f', 'x')} faster on it, whatever its detection and down time."
         )
     parts = [
         (live["first_step"], down)
@@ -143,11 +159,16 @@ def render(
         "CPUs are shared with other work)",
         "",
         f"Job: 1 node x 4 emulated GPUs, tp 2 (two data-parallel replicas), {args.steps} steps, "
-        f"a checkpoint every 5 steps, hangTimeoutSeconds {args.hang_timeout}; the fault is a "
+        "a checkpoint every 5 steps, hangTimeoutSeconds "
+        f"{args.hang_timeout if args.hang_timeout is not None else 'unset (the default)'}; "
+        "the fault is a "
         f"real signal to the trainer process(es) right after step {args.at} is committed. "
         "live = `malleus run` (the survivors recover in place; the dead rank's process is "
         "replaced and rejoins); restart = `malleus run --mode restart` (every process stopped "
-        "and started again from the latest checkpoint). Seconds: from the fault (the process "
+        "and started again from the latest checkpoint; a stopped process is noticed by the "
+        "runner's watch after the hang timeout, 30 s unset, as a watchdog would: the trainers "
+        "of a restart-based job do not detect hangs). Live, a stopped process is known dead "
+        "by its heartbeat (~2 s). Seconds: from the fault (the process "
         "seen ended, or first seen stopped) to the first step committed after recovery; "
         "steps lost: committed steps trained again; KiB restored: copied from replicas or read "
         "back from the checkpoint; down s: after detection, to that first step, less the "

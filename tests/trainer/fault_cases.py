@@ -5,6 +5,7 @@ Not collected by pytest (no test_ prefix); imported by path so spawned children 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -12,17 +13,21 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from rank_cases import start_rank, stop_rank
+from trainer_cases import plan as make_plan
 
 from malleus.job import ResolvedJob
 from malleus.planner import Plan
 from malleus.trainer.engine.services import Services
 from malleus.trainer.launch.distributed import DistEnv, init_distributed
+from malleus.trainer.launch.spawn import spawn_local
 from malleus.trainer.recovery.ledger import Ledger
 from malleus.trainer.recovery.protocol import hang_timeout_s
 from malleus.trainer.run.loop import join_job, run_rank
 from malleus.trainer.run.options import RunOptions
+from malleus.trainer.run.reference import train_reference
 from malleus.trainer.world.world import World
 
 
@@ -156,9 +161,11 @@ def fault_job(
     hang_timeout: int | None = None,
     steps: int = 5,
     layer_ms: float = 2,
+    slow: list[tuple[int, int, float]] = (),  # type: ignore[assignment]
 ) -> ResolvedJob:
     """2 nodes x 2 GPUs, tp 2, a 4-layer model, emulated clock (2/4 ms per layer-shard) with
-    these (step, rank, kill|hang) failures, and spec.failurePolicy.hangTimeoutSeconds."""
+    these (step, rank, kill|hang) failures and (step, rank, factor) slowdowns, and
+    spec.failurePolicy.hangTimeoutSeconds."""
     import yaml
 
     manifest = yaml.safe_load(TINY.read_text())
@@ -171,8 +178,59 @@ def fault_job(
         "enabled": True,
         "layerForwardMs": layer_ms,
         "layerBackwardMs": 2 * layer_ms,
-        "schedule": [{"step": s, "rank": r, "fail": f} for s, r, f in failures],
+        "schedule": [{"step": s, "rank": r, "fail": f} for s, r, f in failures]
+        + [{"step": s, "rank": r, "factor": x} for s, r, x in slow],
     }
     if hang_timeout is not None:
         spec["failurePolicy"] = {"hangTimeoutSeconds": hang_timeout}
     return ResolvedJob.load(manifest).check()
+
+
+STEPS = 5
+REPLICAS = make_plan([(4, [([0, 1], (0, 4))]), (4, [([2, 3], (0, 4))])])
+"""Two data-parallel copies of the whole model: GPUs 0-1 and 2-3."""
+
+
+@functools.cache
+def reference(until: int, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """The single-process model after `until` of `steps` steps (float64)."""
+    torch.set_num_threads(1)
+    return train_reference(fault_job(steps=steps), until=until, float64=True).full_state()
+
+
+def train_job(
+    tmp: Path,
+    job: Any,
+    plan: Any,
+    *,
+    ports: list[int] | None = None,
+    replace: int | None = None,
+    **options: Any,
+) -> tuple[list[int | None], dict[int, dict[str, Any]], dict[str, torch.Tensor], float]:
+    """Spawn the 4-rank fault-tolerant job (5 with `replace`: a replacement for that GPU) and
+    return the exit codes, each finishing rank's OUT/rank-G.json, the final model, the seconds."""
+    out = tmp / "out"
+    out.mkdir()
+    opts = RunOptions(float64=True, save_model=str(out / "model.pt"), **options)
+    t0 = time.monotonic()
+    n = 4 if replace is None else 5
+    body = (job, plan, opts, str(out), ports, replace)
+    codes = spawn_local(n, run, body, fault_tolerant=True)
+    seconds = time.monotonic() - t0
+    results = {
+        int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out.glob("rank-*.json")
+    }
+    return codes, results, torch.load(out / "model.pt"), seconds
+
+
+def one_recovery(
+    results: dict[int, dict[str, Any]], survivors: list[int], steps: int = STEPS
+) -> dict[str, Any]:
+    """The one recovery every survivor went through (the same on all), checked."""
+    assert sorted(results) == survivors
+    for r in results.values():
+        assert r["members"] == survivors and r["step"] == steps
+        assert len(r["recoveries"]) == 1, r["recoveries"]
+    rec = results[survivors[0]]["recoveries"][0]
+    assert all(r["recoveries"][0]["generation"] == rec["generation"] for r in results.values())
+    return rec

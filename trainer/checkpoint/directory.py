@@ -47,7 +47,7 @@ from malleus.job import ResolvedJob
 from malleus.trainer.model.decoder import pieces
 from malleus.trainer.parallel.optim import AdamState
 from malleus.trainer.world.exchange import PayloadError, decode_json, encode_json, gather_bytes
-from malleus.trainer.world.faults import fault_point
+from malleus.trainer.world.faults import fault_point, pause_point
 from malleus.trainer.world.world import World
 
 from . import files
@@ -129,7 +129,8 @@ def save(
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-    dist.barrier()
+    world.wait(dist.barrier(async_op=True))
+    pause_point("checkpoint", rank, step)  # tests: a slow write is not a hang
     written: dict[str, Any] = {}  # file name -> {sha256, bytes}
     described: dict[str, Any] = {}  # piece name -> {file, shape, dtypes, finite}
     mine = sorted(name for name, owner in owners.items() if owner == rank)
@@ -177,7 +178,7 @@ def save(
             _prune(directory, step, job.spec.checkpoint.keep)
         else:
             log.warning("checkpoint %s holds non-finite values: older ones are kept", final)
-    dist.barrier()
+    world.wait(dist.barrier(async_op=True))
     return final
 
 

@@ -120,7 +120,7 @@ def exchange_injections(trainer: TrainerView) -> None:
             if 0 <= rank < trainer.world.size:
                 vec[rank] = factor
     with trainer.meter.timed():
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+        trainer.world.wait(dist.all_reduce(vec, op=dist.ReduceOp.MAX, async_op=True))
     factor = float(vec[trainer.rank])
     if 1.0 <= factor <= MAX_FACTOR:
         trainer.services.clock.inject(factor)

@@ -48,7 +48,7 @@ from malleus.trainer.switching.protocol import (
     settle,
 )
 from malleus.trainer.world.exchange import broadcast_bytes, rows
-from malleus.trainer.world.faults import Faults, fault_point
+from malleus.trainer.world.faults import Faults, fault_point, pause_point
 from malleus.trainer.world.world import World
 
 from .calibrator import Calibrator
@@ -149,6 +149,7 @@ class Trainer:
         """The process groups of the layout in force (collective when one is missing: every
         rank, same order) and this rank's pipeline stage over them (None: excluded)."""
         self.groups.ensure(self.layout.member_sets())
+        self.world.progress.relayout()  # its first step is measured, not judged
         place = self.layout.place
         self.pipeline = self._pipeline(place) if place is not None else None
 
@@ -185,7 +186,12 @@ class Trainer:
 
     def _batch(self, micro: int) -> tuple[Tensor, Tensor]:
         tr = self.training
-        x, y = micro_batch(self.source, self.step, micro, tr.global_batch_size, tr.micro_batch_size)
+        with self.world.progress.outside():  # the data source: bounded by the hang timeout
+            if micro == 0:
+                pause_point("data", self.rank, self.step)
+            x, y = micro_batch(
+                self.source, self.step, micro, tr.global_batch_size, tr.micro_batch_size
+            )
         if self.device.type == "cuda":  # from pinned memory the copy needs no wait for the GPU
             x, y = x.pin_memory(), y.pin_memory()
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -196,7 +202,7 @@ class Trainer:
         takes it for a peer's failure when failures are survivable (trainer/run/loop.py), and the
         step then commits or is redone after recovery. Replacements announced at this step's
         boundary (`boundary.joins`) are admitted by the loop, after it."""
-        with self.world.step_deadline():  # a hang fails every survivor at once
+        with self.world.step_deadline(self.step):  # a hang fails every survivor at once
             stats, payload, t0 = self._train_step()
         self.last_vec = (self.step, stats)  # the step commits: recovery may hand it to others
         report = self.commit(stats, t0)
@@ -234,8 +240,9 @@ class Trainer:
         row[3] = self.timer.seconds
         payload = b""
         if self.coordinator is not None:  # a plan posted after this line waits a step
-            announce, payload = self.coordinator.take()
-            announce = replace(announce, joins=self.joiners() if self.joiners else 0)
+            with self.world.progress.outside():  # the inbox and the store: not compute
+                announce, payload = self.coordinator.take()
+                announce = replace(announce, joins=self.joiners() if self.joiners else 0)
             row[OWN_WORDS:] = torch.tensor(announce.words(), dtype=torch.float64)
         self.world.bound()
         with self.meter.timed():

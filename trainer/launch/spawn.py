@@ -193,7 +193,9 @@ def _watch(
             how = f"signal {_signal_name(-code)}" if code < 0 else f"exit code {code}"
             why = "killed" if code < 0 else ("left" if code == LEFT_OUT_EXIT else "failed")
             with contextlib.suppress(RuntimeError, OSError):
-                sealer.put(store, f"{DEAD_KEY}{i}", why)
+                # a rank declared hung (by itself or its watcher) keeps that word
+                if sealer.get(store, f"{DEAD_KEY}{i}") != "hung":
+                    sealer.put(store, f"{DEAD_KEY}{i}", why)
             # one write per message: the ranks write to the same stderr (output.py)
             if code != LEFT_OUT_EXIT:
                 sys.stderr.write(f"malleus train: rank {i} died ({how}); the others go on\n")

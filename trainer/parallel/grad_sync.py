@@ -42,7 +42,7 @@ def sync_gradients(
         group = groups.get(bucket.members)
         groups.world.bound(group)  # ends at the step's deadline
         with meter.timed("grad", bucket.members, flat.numel() * flat.element_size()):
-            dist.all_reduce(flat, group=group)
+            groups.world.wait(dist.all_reduce(flat, group=group, async_op=True))
         offset = 0
         for name in bucket.pieces:
             p = params[name]

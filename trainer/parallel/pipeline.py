@@ -109,6 +109,7 @@ class LayerTimer:
 
     def __call__(self, kind: str, shards: int, fn: Callable[[], Tensor]) -> Tensor:
         self.world.check_alarm()  # a peer entered recovery: this step is lost anyway
+        self.world.progress.mark()  # this rank's training thread got somewhere
         self.sync()
         t0, c0 = time.perf_counter(), self.meter.seconds
         out = fn()
@@ -218,8 +219,7 @@ class PipelineStage:
             members = (self.place.group[self.place.index], *sorted(set(peers)))
             self.world.bound()  # point-to-point goes over the job's group
             with self.timer.meter.timed("p2p", members, nbytes):
-                for work in dist.batch_isend_irecv(ops):
-                    work.wait()
+                self.world.wait_p2p(dist.batch_isend_irecv(ops))
         return buf
 
     # ---- compute ----------------------------------------------------------------------------

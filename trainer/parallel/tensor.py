@@ -128,7 +128,7 @@ def _all_reduce(x: Tensor, tp: TPGroup) -> Tensor:
     out = x.contiguous().clone()
     tp.world.bound(tp.group)
     with tp.meter.timed("tp", tp.members, out.numel() * out.element_size()):
-        dist.all_reduce(out, group=tp.group)
+        tp.world.wait(dist.all_reduce(out, group=tp.group, async_op=True))
     return out
 
 
@@ -161,7 +161,7 @@ class _GatherFromGroup(torch.autograd.Function):
         parts = [torch.empty_like(x) for _ in range(tp.size)]  # in process-group (rank) order
         tp.world.bound(tp.group)
         with tp.meter.timed("tp", tp.members, x.numel() * x.element_size() * tp.size):
-            dist.all_gather(parts, x, group=tp.group)
+            tp.world.wait(dist.all_gather(parts, x, group=tp.group, async_op=True))
         by_rank = dict(zip(sorted(tp.members), parts, strict=True))
         return torch.cat([by_rank[r] for r in tp.members], dim=-1)  # shard order
 

@@ -45,8 +45,40 @@ def release_groups(trainer: Trainer, failure: BaseException | None) -> None:
         if e.__traceback__ is not None:
             traceback.clear_frames(e.__traceback__)
         e = e.__cause__ or e.__context__
-    _destroy()
+    if not _forget(trainer.world):
+        _destroy()
     gc.collect()  # cheap: the imports are frozen out of its sight (trainer/launch/distributed.py)
+
+
+def _forget(world: World) -> bool:
+    """When collectives this rank left pending (its alarm rang while it waited, trainer/world/world.py
+    `World.wait`) still wait on a peer: take every process group out of torch's registry without
+    tearing it down (which would wait for them, the hang timeout when that peer is stopped), and
+    let `world` keep them until those collectives are done. False (nothing done) otherwise.
+    Their sockets then close later, not now: the peers do not need them to, their alarms tell
+    them (trainer/world/alarm.py)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return False
+    reg = c10d._world
+    if not world.bury(list(reg.pg_map)):
+        return False
+    # What torch's own _abort_process_group does for the whole world, less the abort.
+    c10d._update_default_pg(None)
+    for table in (
+        reg.pg_map,
+        reg.pg_names,
+        reg.pg_group_ranks,
+        reg.pg_backend_config,
+        reg.pg_to_tag,
+        reg.tags_to_pg,
+        reg.pg_coalesce_state,
+    ):
+        table.clear()
+    c10d._unregister_all_process_groups()
+    reg.group_count = 0
+    return True
 
 
 def _destroy() -> None:

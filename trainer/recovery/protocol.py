@@ -3,8 +3,12 @@
 Detection. Every collective is bounded by the process group's timeout (the hang timeout,
 counted from the step's start inside a step: trainer/world/world.py `step_deadline`, so that
 the survivors blocked on a hung rank time out together); a rank that dies closes its sockets,
-so its peers' collectives fail at once, and a rank that hangs makes them time out. Either way
-the collective raises on the survivors, which turn it into a `PeerFailure` (only when
+so its peers' collectives fail at once; a rank that stops (SIGSTOP, a frozen node) stops its
+heartbeat, and the rank watching it declares it dead within seconds and leaves its wait
+(`PeerSilent`, trainer/world/alarm.py); a rank stuck inside a step declares itself hung and
+exits (trainer/world/progress.py), which closes its sockets; the timeout is the upper bound
+behind both. Either way the collective raises on the survivors, which turn it into a
+`PeerFailure` (only when
 failures are survivable: a store no rank hosts, trainer/launch/distributed.py `fault_tolerant`); the first
 survivor out destroys its process group, which breaks its peers' collectives in turn, so
 every survivor is in recovery within moments.

@@ -112,13 +112,13 @@ def broadcast_bytes(
     data = payload if sending and payload is not None else b""
     if length is None:
         word = torch.tensor([len(data)], dtype=torch.int64, device=device)
-        dist.broadcast(word, src=src)
+        world.wait(dist.broadcast(word, src=src, async_op=True))
         length = int(word.item())
     _check_lengths([length], [source], what, limit)
     if sending and len(data) != length:
         raise ValueError(f"{what}: {len(data)} bytes to send, {length} announced")
     buf = _padded(data, length, device)
-    dist.broadcast(buf, src=src)
+    world.wait(dist.broadcast(buf, src=src, async_op=True))
     return data if sending else buf.cpu().numpy().tobytes()
 
 
@@ -187,5 +187,5 @@ def rows(row: Tensor, world: World) -> dict[int, Tensor]:
     whoever reads a slot takes it from the row of the GPU it belongs to."""
     gpus = members(world)
     out = [torch.empty_like(row) for _ in gpus]
-    dist.all_gather(out, row.contiguous())
+    world.wait(dist.all_gather(out, row.contiguous(), async_op=True))
     return dict(zip(gpus, out, strict=True))

@@ -5,7 +5,15 @@ the `$MALLEUS_FAULT` hook `step:RANK[:STEP]` (`fault_point`) act in the
 middle of a step: right after the rank's first layer forward of that step (an excluded rank's
 benchmark forward included), so its peers are left inside the step's collectives. `kill` is
 SIGKILL (the process is gone, its sockets close at once); `hang` is SIGSTOP (the process stays,
-silent, until someone sends SIGCONT or SIGKILL): the survivors detect it only by timeout.
+silent, until someone sends SIGCONT or SIGKILL): its heartbeat stops, and the peer watching it
+declares it dead (trainer/world/alarm.py). `$MALLEUS_FAULT=stall:RANK:STEP` is a hang in Python:
+the training thread blocks for good at that point while the process and its other threads live
+on (its heartbeat goes on): only its progress tells (trainer/world/progress.py).
+
+`$MALLEUS_PAUSE=POINT:RANK:STEP:SECONDS[,...]` (`pause_point`) makes GPU RANK wait SECONDS at
+POINT of step STEP: `data` (the first micro-batch's samples: a data stall) or `checkpoint` (the
+checkpoint written after STEP steps): work that is slow, not stuck, and must not be declared
+hung (tests).
 
 `$MALLEUS_FAULT=lead:RANK:EPOCH` (`at_lead`; RANK may be `*`, any rank) kills the survivor that
 took the lead of recovery epoch EPOCH right after it claimed it, before it decides: who leads
@@ -26,11 +34,22 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["FAULT_ENV", "FAULT_KEY", "Faults", "at_lead", "at_rollback", "die", "fault_point"]
+__all__ = [
+    "FAULT_ENV",
+    "FAULT_KEY",
+    "PAUSE_ENV",
+    "Faults",
+    "at_lead",
+    "at_rollback",
+    "die",
+    "fault_point",
+    "pause_point",
+]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +61,8 @@ manifest not yet), `step` (mid-step, after its first layer forward; trainer/worl
 `admit` (at a step boundary that admits a replacement, before the new group forms;
 trainer/recovery/join.py)."""
 FAULT_KEY = "rec/fault/"
+PAUSE_ENV = "MALLEUS_PAUSE"
+"""Test hook: `POINT:RANK:STEP:SECONDS` (`pause_point`)."""
 
 
 def die(rank: int, how: str, where: str, *, store: Any) -> None:
@@ -54,7 +75,20 @@ def die(rank: int, how: str, where: str, *, store: Any) -> None:
     log.error(
         "fault injection: rank %d %s at %s", rank, "dies" if how == "kill" else "hangs", where
     )
+    if how == "stall":  # a hang in Python: this thread never goes on, the others do
+        threading.Event().wait()
     os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+
+
+def pause_point(name: str, rank: int, step: int) -> None:
+    """Wait here when `$MALLEUS_PAUSE` holds `name:rank:step:SECONDS` (tests: slow, not stuck)."""
+    for item in os.environ.get(PAUSE_ENV, "").split(","):
+        want = item.split(":")
+        if want[:3] == [name, str(rank), str(step)] and len(want) == 4:
+            log.warning(
+                "pause injection: rank %d waits %s s at %s of step %d", rank, want[3], name, step
+            )
+            time.sleep(float(want[3]))
 
 
 def fault_point(name: str, rank: int, step: int | None = None, *, store: Any) -> None:
@@ -94,8 +128,9 @@ class Faults:
         self.rank, self.store = rank, store
         self.due = {step: how for step, r, how in failures if r == rank}
         env = os.environ.get(FAULT_ENV, "").split(":")
-        if len(env) == 3 and env[0] == "step" and env[1] == str(rank) and env[2].isdigit():
-            self.due.setdefault(int(env[2]), "kill")
+        ours = len(env) == 3 and env[0] in ("step", "stall") and env[1] == str(rank)
+        if ours and env[2].isdigit():
+            self.due.setdefault(int(env[2]), "kill" if env[0] == "step" else "stall")
         self.armed: str | None = None
         self.step = -1
 

@@ -19,15 +19,13 @@ Keys sealed (the name, epoch or nonce inside it bound into the MAC):
   stops waiting), `rec/E/leader` (who decides), `rec/E/decision` (members, step, vector, plan).
 - `join/GPU/K` (a replacement asks in, with its nonce), `rec/E/joiners` (whom the coordinator
   admits), `join/GPU/admit/NONCE` (the admission: epoch, members, step, plan).
+- `rec/beat/GPU`, heartbeats: the process's nonce and a growing count (trainer/world/alarm.py).
+  A watcher declares a peer dead when its beat stops advancing: a forged beat would keep a
+  stopped rank alive, so only one that opens and advances (a higher count, a new nonce) counts,
+  and a replayed old one is no news.
 
 Keys left unsealed, and why:
 
-- `rec/beat/GPU`, heartbeats: counts that ranks `add` to and readers compare for change. A
-  forged add only makes a rank look alive longer: the leader waits out at most its join window,
-  a survivor at most `DECISION_WAIT_S`, as when no launcher can see a death. A writer who pins
-  the count (sets it again and again) makes a live rank look silent, which only suppresses a
-  signal, like deleting its arrival: sealed counts would be pinned the same way by replaying an
-  old one. Denial, not belief: see "What the seal does not stop" below.
 - `join/GPU/n`, the count of requests: a forged bump can hide a real request (the replacement
   waits out its timeout and is started again); what it points to is sealed. `rec/E/arrivals`,
   the count of arrivals: a forged bump adds a slot that never opens, which the leader tries
@@ -49,9 +47,10 @@ epochs cannot keep a recovery leaderless.
 
 What the seal does not stop: a writer can still delete or overwrite keys (stall a recovery,
 hide a request, make the leader decide without a rank that then exits and is replaced, fail the
-job); it can replay a sealed value under its own name (a GPU's dead mark after its replacement
-was admitted: the replacement is then taken for dead at the next recovery and replaced once
-more). Keeping strangers off the store is the NetworkPolicy's job and the loopback bind's.
+job); it can replay a sealed value under its own name (a live rank's old heartbeat, again and
+again, so that its watcher declares it dead: it is left out and replaced; a GPU's dead mark
+after its replacement was admitted: the replacement is then taken for dead at the next recovery
+and replaced once more). Keeping strangers off the store is the NetworkPolicy's job and the loopback bind's.
 
 The key: `MALLEUS_STORE_KEY` (hex; `spawn_local` draws a random one per launch for its
 children), else derived from the job's control token (the file `MALLEUS_CONTROL_TOKEN_FILE`,

@@ -16,14 +16,16 @@ nothing: GPU ids are then process-group ranks and GPU 0 coordinates.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
 import time
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
-from .alarm import MIN_BEAT_S, SILENT_BEATS, Alarm, Silence, beat_s, interval_s
+from .alarm import MIN_BEAT_S, SILENT_BEATS, Alarm, Silence, beat_s, dead_after_s, interval_s
 from .membership import Membership
+from .progress import Progress
 from .sealed import Sealer
 
 __all__ = [
@@ -42,6 +44,8 @@ HANG_STEPS, HANG_MIN_S, HANG_MAX_S = 10, 30.0, 600.0
 """Unset `hangTimeoutSeconds`: 10 measured steps, clamped to [30, 600] s."""
 STEP_FLOOR = 0.5
 """Inside a step a collective's timeout is at least this share of the hang timeout."""
+WAIT_SLICE = timedelta(seconds=0.05)
+"""How long a collective wait blocks before it looks at the alarm again (`World.wait`)."""
 
 
 def sized_hang_timeout(step_seconds: float) -> float:
@@ -62,6 +66,12 @@ class World:
         self._alarm: Alarm | None = None
         self._held: list[Any] = []  # store connections kept alive (`hold`)
         self._sealer: Sealer | None = None
+        self._abandoned: list[Any] = []  # collectives left pending by `wait` (the alarm rang)
+        self._graves: list[tuple[list[Any], list[Any]]] = []  # (groups, their pending works)
+        self._p2p: concurrent.futures.ThreadPoolExecutor | None = None  # waits for `wait_p2p`
+        self._p2p_abandoned: list[concurrent.futures.Future[None]] = []
+        self.progress = Progress(lambda: self._timeout_s)
+        """This rank's progress marks (trainer/world/progress.py), judged by its alarm."""
 
     # ---- the membership ---------------------------------------------------------------------
     def install(self, membership: Membership, rendezvous: Any = None) -> None:
@@ -127,7 +137,7 @@ class World:
                 _set_pg_timeout(limit, group)
 
     @contextlib.contextmanager
-    def step_deadline(self) -> Iterator[None]:
+    def step_deadline(self, step: int | None = None) -> Iterator[None]:
         """Inside: every collective passed through `bound` times out at one deadline, the hang
         timeout after the step started, rather than the hang timeout after it was entered.
 
@@ -143,7 +153,8 @@ class World:
         checkpoints)."""
         self._step_start = time.monotonic()
         try:
-            yield
+            with self.progress.in_step(step):
+                yield
             for group, seconds in list(self._bounds.values()):
                 if seconds != self._timeout_s:
                     self._set(group, self._timeout_s)
@@ -175,9 +186,87 @@ class World:
             return
         self._bounds[id(group)] = (group, seconds)
 
+    def wait(self, work: Any) -> None:
+        """Wait for a collective posted with `async_op=True`, looking at the alarm every
+        `WAIT_SLICE`: a peer declared dead (its heartbeat stopped) or a peer in recovery ends
+        the wait with the alarm's error (`check_alarm`) rather than the hang timeout; the
+        collective's own failure (a peer's socket closed, its timeout) is raised as it comes.
+        While waiting this rank's progress is not judged (trainer/world/progress.py). With no
+        alarm (failures fatal) or on a GPU, the plain `work.wait()`."""
+        import torch
+
+        if self._alarm is None or torch.cuda.is_available():
+            work.wait()
+            return
+        with self.progress.outside():
+            while True:
+                try:
+                    work.wait(WAIT_SLICE)
+                    return
+                except RuntimeError:
+                    if work.is_completed():  # done meanwhile, or failed: its own verdict
+                        work.wait()
+                        return
+                try:
+                    self._alarm.check()
+                except RuntimeError:
+                    self._abandoned.append(work)  # still pending on a peer that will not answer
+                    raise
+
+    def wait_p2p(self, works: Iterable[Any]) -> None:
+        """Wait for point-to-point `works` like `wait` does for a collective. A gloo send or
+        receive cannot be waited for in slices (a wait that times out breaks the whole group)
+        nor polled (it completes only in its wait), so a thread of this World waits for them
+        and this one waits for that thread in slices, looking at the alarm between two; when
+        the alarm rings, the thread is left to its wait (it ends with the group's timeout) and
+        the next waits get a new one."""
+        works = list(works)
+        if self._alarm is None or not works:
+            for work in works:
+                work.wait()
+            return
+        import torch
+
+        if torch.cuda.is_available():
+            for work in works:
+                work.wait()
+            return
+        if self._p2p is None:
+            self._p2p = concurrent.futures.ThreadPoolExecutor(1, "malleus-p2p")
+        done = self._p2p.submit(_wait_all, works)
+        with self.progress.outside():
+            while True:
+                try:
+                    done.result(WAIT_SLICE.total_seconds())
+                    return
+                except concurrent.futures.TimeoutError:
+                    pass
+                try:
+                    self._alarm.check()
+                except RuntimeError:
+                    self._p2p_abandoned.append(done)
+                    self._p2p.shutdown(wait=False)  # its thread is stuck in the wait
+                    self._p2p = None
+                    raise
+
+    def bury(self, groups: list[Any]) -> bool:
+        """Keep `groups` (every process group of a failed epoch) alive while collectives that
+        `wait` left pending on them are not done: tearing such a group down waits for them, that
+        is, for the hang timeout when the peer they wait on is stopped. True when there were
+        such collectives (the caller then must not tear the groups down, only forget them);
+        groups buried earlier whose collectives are done by now are let go."""
+        self._graves = [(g, w) for g, w in self._graves if not all(x.is_completed() for x in w)]
+        pending = [w for w in self._abandoned if not w.is_completed()]
+        pending += [_Waited(f) for f in self._p2p_abandoned if not f.done()]
+        self._abandoned, self._p2p_abandoned = [], []
+        if pending:
+            self._graves.append((list(groups), pending))
+        return bool(pending)
+
     # ---- the recovery alarm -----------------------------------------------------------------
     def start_alarm(self, store: Any, rank: int) -> None:
-        """Watch the job's store and beat for `rank` from now on (once per World)."""
+        """Watch the job's store, beat for `rank`, watch the next member's beat and judge this
+        rank's progress from now on (once per World)."""
         if self._alarm is None:
             self._alarm = Alarm(
                 store,
@@ -186,8 +275,15 @@ class World:
                 rank=rank,
                 beat=beat_s(self.size),
                 sealer=self.sealer,
+                members=self._members,
+                dead_after=dead_after_s(self.size),
+                progress=self.progress,
             ).start()
             atexit.register(self._alarm.close)
+
+    def _members(self) -> tuple[int, ...]:
+        m = self._current
+        return tuple(range(self.size)) if m is None else m.members
 
     def _epoch(self) -> int | None:
         m = self._current
@@ -207,4 +303,19 @@ class World:
     def silence(self, store: Any) -> Silence:
         """A `Silence` over the job's store, its window `SILENT_BEATS` of this process's beats."""
         beat = self._alarm.beat if self._alarm is not None else MIN_BEAT_S
-        return Silence(store, SILENT_BEATS * beat)
+        return Silence(store, SILENT_BEATS * beat, sealer=self.sealer)
+
+
+def _wait_all(works: list[Any]) -> None:
+    for work in works:
+        work.wait()
+
+
+class _Waited:
+    """A `wait_p2p` left pending, seen as a work (`is_completed`) by `World.bury`."""
+
+    def __init__(self, future: concurrent.futures.Future[None]) -> None:
+        self._future = future
+
+    def is_completed(self) -> bool:
+        return self._future.done()

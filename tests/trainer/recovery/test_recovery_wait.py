@@ -46,9 +46,10 @@ class Scenario:
             self.at(t + released_after, lambda: mark_released(self.store, self.seal, PREFIX, gpu))
 
     def beat(self, gpu: int, every: float, until: float) -> None:
-        t = 0.0
+        t, count = 0.0, 0
         while t < until:
-            self.at(t, lambda: self.store.add(f"{alarm.BEAT_KEY}{gpu}", 1))
+            count += 1
+            self.at(t, lambda n=count: alarm.beat(self.store, self.seal, gpu, "n", n))
             t += every
 
     def clock(self) -> float:
@@ -64,7 +65,7 @@ class Scenario:
             item[1]()
 
     def gather(self):
-        silence = alarm.Silence(self.store, 3.0, clock=self.clock)
+        silence = alarm.Silence(self.store, 3.0, sealer=self.seal, clock=self.clock)
         return gather(
             self.store, self.seal, PREFIX, PREVIOUS, silence, clock=self.clock, sleep=self.sleep
         )

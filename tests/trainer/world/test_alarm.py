@@ -15,7 +15,9 @@ from malleus.trainer.world.alarm import (
     Alarm,
     PeerRecovering,
     Silence,
+    beat,
     beat_s,
+    dead_after_s,
     interval_s,
 )
 from malleus.trainer.world.sealed import Sealer
@@ -103,11 +105,12 @@ def test_a_worlds_alarm_follows_the_membership_it_installs() -> None:
 def test_a_beating_rank_is_never_silent_and_a_stopped_one_is_after_the_window() -> None:
     server, client = _store()
     now = [0.0]
-    quiet = Silence(client, 3.0, clock=lambda: now[0])
+    quiet = Silence(client, 3.0, sealer=SEAL, clock=lambda: now[0])
     alarm = Alarm(client, 0.01, lambda: 0, rank=5, beat=0.01, sealer=SEAL).start()
 
     def count() -> int:
-        return int(client.add(f"{BEAT_KEY}5", 0))
+        got = SEAL.get(client, f"{BEAT_KEY}5")
+        return int(got.rpartition(":")[2]) if got is not None else 0
 
     try:
         seen = 0
@@ -140,21 +143,96 @@ def test_survivors_stop_waiting_for_a_silent_leader_that_never_decided() -> None
     from malleus.trainer.world.world import World
 
     server, client = _store()
-    client.add(f"{BEAT_KEY}2", 1)  # the leader beat once, then died with no launcher to say so
+    beat(client, SEAL, 2, "n", 1)  # the leader beat once, then died with no launcher to say so
+    world = World(4)
+    world.seal_with(SEAL)
     t0 = time.monotonic()
-    assert _await_decision(client, SEAL, "rec/1/", 2, World(4).silence(client), 0.02) is None
+    assert _await_decision(client, SEAL, "rec/1/", 2, world.silence(client), 0.02) is None
     took = time.monotonic() - t0
     assert SILENT_BEATS * beat_s(4) <= took < DECISION_WAIT_S / 4
     # A decision written before it went silent is still taken; a planted one never
     client.set("rec/1/decision", '{"members": [0]}')
-    assert _await_decision(client, SEAL, "rec/1/", 2, World(4).silence(client), 0.02) is None
+    assert _await_decision(client, SEAL, "rec/1/", 2, world.silence(client), 0.02) is None
     SEAL.put(client, "rec/1/decision", '{"members": [0, 1]}')
-    got = _await_decision(client, SEAL, "rec/1/", 2, World(4).silence(client), 0.02)
+    got = _await_decision(client, SEAL, "rec/1/", 2, world.silence(client), 0.02)
     assert got == {"members": [0, 1]}
     del server
 
 
 def test_heartbeats_keep_the_store_load_bounded_at_any_world() -> None:
     for world in (4, 1024, 8192, 65536):
-        assert world / beat_s(world) <= 2_000 + 1e-6
+        assert world / beat_s(world) <= 4_000 + 1e-6
         assert SILENT_BEATS * beat_s(world) >= 3.0
+        assert dead_after_s(world) >= 2.0
+    assert dead_after_s(4) == dead_after_s(1000) == pytest.approx(2.0)
+
+
+def test_the_next_rank_is_declared_dead_when_its_sealed_beat_stops_advancing() -> None:
+    """The ring watch (`Alarm` with `members`): rank 0 watches rank 1. While rank 1 beats,
+    nothing; once its beats stop, rank 0 writes its sealed dead mark and raises `PeerSilent`
+    within the window, whatever a stranger writes meanwhile: unsealed beats that count up, or
+    rank 1's last genuine beat written again and again (a replay is no news)."""
+    from malleus.trainer.world.alarm import PeerSilent
+    from malleus.trainer.world.errors import DEAD_KEY
+
+    server, client = _store()
+    window = 0.6
+    alarm = Alarm(
+        client,
+        0.01,
+        lambda: 0,
+        rank=0,
+        beat=0.02,
+        sealer=SEAL,
+        members=lambda: (0, 1),
+        dead_after=window,
+    ).start()
+    try:
+        count = 0
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3 * window:  # rank 1 beats: never declared
+            count += 1
+            beat(client, SEAL, 1, "r1", count)
+            alarm.check()
+            time.sleep(0.02)
+        assert SEAL.get(client, f"{DEAD_KEY}1") is None
+        last = SEAL.seal(f"{BEAT_KEY}1", f"r1:{count}")
+        stopped = time.monotonic()
+        n = 0
+        with pytest.raises(PeerSilent, match="rank 1 has not beaten"):
+            while time.monotonic() - stopped < 20 * window:
+                n += 1
+                client.set(f"{BEAT_KEY}1", f"r1:{count + n}")  # forged: not sealed
+                client.set(f"{BEAT_KEY}1", last)  # replayed: sealed, but old
+                alarm.check()
+                time.sleep(0.01)
+        took = time.monotonic() - stopped
+        assert window <= took < 10 * window, took
+        assert SEAL.get(client, f"{DEAD_KEY}1") == "hung"
+    finally:
+        alarm.close()
+    del server
+
+
+def test_a_peer_never_seen_beating_is_not_declared() -> None:
+    """A process not started yet (no beat) is not dead: the hang timeout covers it."""
+    from malleus.trainer.world.errors import DEAD_KEY
+
+    server, client = _store()
+    alarm = Alarm(
+        client,
+        0.01,
+        lambda: 0,
+        rank=0,
+        beat=0.02,
+        sealer=SEAL,
+        members=lambda: (0, 1),
+        dead_after=0.2,
+    ).start()
+    try:
+        time.sleep(1.0)  # five windows
+        alarm.check()
+        assert SEAL.get(client, f"{DEAD_KEY}1") is None
+    finally:
+        alarm.close()
+    del server
