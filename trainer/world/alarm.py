@@ -278,7 +278,9 @@ class Alarm:
         if not self._watch_beats.silent(peer) or peer not in self._watch_beats.beating:
             return
         self._declared[peer] = epoch
-        self._sealer.put(self._store, f"{DEAD_KEY}{peer}", "hung")
+        # Claimed, not set: a launcher that saw the process end first ("killed", "left")
+        # knows more than a silence does, and its word stays.
+        self._sealer.claim(self._store, f"{DEAD_KEY}{peer}", "hung")
         silent_for = self._watch_beats.after
         log.warning(
             "rank %d: rank %d has not beaten for %.1f s (stopped, frozen or gone): declared dead",
