@@ -325,15 +325,15 @@ class Trainer:
             )
             fault_point("migration", self.rank, store=self.world.store)
             received = exchange.wait(self.migration_timeout_s)
-            settle(self.migration_timeout_s)
+            settle(self.migration_timeout_s, self.world)
             self.groups.ensure(new.member_sets())  # collective: all ranks, same order
             self.adopt(plan, new, received)
             # Measured, not derived: the bytes that went over the wire, the slowest rank's time.
             totals = torch.tensor(
                 [float(exchange.sent_bytes), time.perf_counter() - t0], dtype=torch.float64
             ).to(self.device)
-            dist.all_reduce(totals[:1])
-            dist.all_reduce(totals[1:], op=dist.ReduceOp.MAX)
+            self.world.wait(dist.all_reduce(totals[:1], async_op=True))
+            self.world.wait(dist.all_reduce(totals[1:], op=dist.ReduceOp.MAX, async_op=True))
         except Exception as e:
             raise MigrationError(f"rank {self.rank}: {doing} failed: {e}") from e
         moved, seconds = totals.tolist()

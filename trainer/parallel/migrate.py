@@ -18,10 +18,10 @@ nothing waits on anything before everything is posted: no ordering can deadlock.
 from __future__ import annotations
 
 import functools
+import time
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from math import prod
 
 import torch
@@ -221,20 +221,24 @@ class Exchange:
     """The posted transfers of one rank; `wait` completes them and returns what arrived."""
 
     def __init__(
-        self, ops: list[tuple[str, int, list[Transfer], Tensor]], works: list[object]
+        self,
+        ops: list[tuple[str, int, list[Transfer], Tensor]],
+        works: list[object],
+        world: World,
     ) -> None:
-        self._ops, self._works = ops, works
+        self._ops, self._works, self._world = ops, works, world
         self.sent_bytes = sum(b.numel() * b.element_size() for k, _, _, b in ops if k == "send")
         self.received_bytes = sum(b.numel() * b.element_size() for k, _, _, b in ops if k == "recv")
 
     def wait(self, timeout_s: float) -> dict[str, tuple[Tensor, AdamState]]:
         """Piece name -> (parameter, Adam state) for every piece received. Raises TransferError
-        naming the peer when a transfer fails or does not complete within `timeout_s`."""
-        limit = timedelta(seconds=timeout_s)
+        naming the peer when a transfer fails or does not complete within `timeout_s`; waited
+        for through the World (`wait_p2p`), so that a peer known dead or stopped by its
+        heartbeat ends the wait in seconds, not at the timeout."""
+        deadline = time.monotonic() + timeout_s
         for (kind, peer, _, _), work in zip(self._ops, self._works, strict=True):
             try:
-                if not work.wait(limit):  # type: ignore[attr-defined]
-                    raise TimeoutError(f"no completion within {timeout_s:g}s")
+                self._world.wait_p2p([work], max(0.0, deadline - time.monotonic()))
             except (RuntimeError, TimeoutError) as e:
                 what = "sending to" if kind == "send" else "receiving from"
                 raise TransferError(peer, what, e) from e
@@ -274,4 +278,4 @@ def post(
             ops.append(("recv", src, ts, buf))
             p2p.append(dist.P2POp(dist.irecv, buf, world.pg(src), tag=MIGRATE_TAG))
     works = list(dist.batch_isend_irecv(p2p)) if p2p else []
-    return Exchange(ops, works)
+    return Exchange(ops, works, world)

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from malleus.trainer.world.world import World
+
 from .plan_inbox import PlanInbox
 
 __all__ = [
@@ -122,10 +124,14 @@ class Coordinator:
         return Boundary(len(payload), self.stop.code), payload
 
 
-def settle(timeout_s: float) -> None:
-    """Collective: every rank has finished its transfers. With gloo a monitored barrier, so a
-    rank that never arrives is named (and the wait bounded) instead of hanging the job."""
-    if dist.get_backend() == "gloo":
+def settle(timeout_s: float, world: World) -> None:
+    """Collective: every rank has finished its transfers, within `timeout_s`. With the recovery
+    alarm, a barrier waited for through the World (a peer known dead or stopped by its
+    heartbeat ends the wait in seconds, named by the alarm); without it, with gloo, a monitored
+    barrier, so a rank that never arrives is named instead of hanging the job."""
+    if world.watched:
+        world.wait(dist.barrier(async_op=True), timeout_s)
+    elif dist.get_backend() == "gloo":
         dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
     else:
         dist.barrier()

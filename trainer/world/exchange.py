@@ -122,10 +122,10 @@ def broadcast_bytes(
     return data if sending else buf.cpu().numpy().tobytes()
 
 
-def _lengths(payload: bytes, device: torch.device) -> list[int]:
+def _lengths(payload: bytes, device: torch.device, world: World) -> list[int]:
     mine = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     out = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, mine)
+    world.wait(dist.all_gather(out, mine, async_op=True))
     return [int(t.item()) for t in out]
 
 
@@ -146,10 +146,10 @@ def all_gather_bytes(
 ) -> dict[int, bytes]:
     """Collective: every rank's `payload`, by GPU id, on every rank."""
     gpus = members(world)
-    lengths = _lengths(payload, device)
+    lengths = _lengths(payload, device, world)
     longest = _check_lengths(lengths, gpus, what, limit)
     out = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in gpus]
-    dist.all_gather(out, _padded(payload, longest, device))
+    world.wait(dist.all_gather(out, _padded(payload, longest, device), async_op=True))
     return {
         g: out[i][:n].cpu().numpy().tobytes()
         for i, (g, n) in enumerate(zip(gpus, lengths, strict=True))
@@ -168,11 +168,13 @@ def gather_bytes(
     """Collective: every rank's `payload`, by GPU id, on GPU `dst`; None elsewhere. Every rank
     learns the lengths first, so a length past the bound is refused by all ranks alike."""
     gpus = members(world)
-    lengths = _lengths(payload, device)
+    lengths = _lengths(payload, device, world)
     longest = _check_lengths(lengths, gpus, what, limit)
     here = dist.get_rank() == world.pg(dst)
     out = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in gpus] if here else None
-    dist.gather(_padded(payload, longest, device), out, dst=world.pg(dst))
+    world.wait(
+        dist.gather(_padded(payload, longest, device), out, dst=world.pg(dst), async_op=True)
+    )
     if out is None:
         return None
     return {

@@ -54,7 +54,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FAULT_ENV = "MALLEUS_FAULT"
-"""Test hook: `POINT:RANK` (or `POINT:RANK:STEP`) makes GPU RANK kill itself (SIGKILL) at POINT:
+"""Test hook: `POINT:RANK` (or `POINT:RANK:STEP`) makes GPU RANK kill itself (SIGKILL) at POINT
+(with `:hang` after it: stop itself, SIGSTOP, for `fault_point`'s points):
 `migration` (in the middle of a migration), `checkpoint` (its checkpoint file written, the
 manifest not yet), `step` (mid-step, after its first layer forward; trainer/world/faults.py), `lead`
 (`lead:RANK:EPOCH`, RANK may be `*`: the leader of a recovery, before it decides; faults.py),
@@ -93,10 +94,13 @@ def pause_point(name: str, rank: int, step: int) -> None:
 
 def fault_point(name: str, rank: int, step: int | None = None, *, store: Any) -> None:
     """Die here (SIGKILL, no cleanup) when `$MALLEUS_FAULT` is `name:rank` (or
-    `name:rank:step` at that step): failure tests."""
-    want = os.environ.get(FAULT_ENV)
+    `name:rank:step` at that step), or stop here (SIGSTOP) when it ends in `:hang`: failure
+    tests."""
+    want = os.environ.get(FAULT_ENV, "")
+    how = "hang" if want.endswith(":hang") else "kill"
+    want = want.removesuffix(":hang")
     if want == f"{name}:{rank}" or (step is not None and want == f"{name}:{rank}:{step}"):
-        die(rank, "kill", name, store=store)
+        die(rank, how, name, store=store)
 
 
 def _wanted(point: str, rank: int, epoch: int) -> bool:

@@ -186,18 +186,23 @@ class World:
             return
         self._bounds[id(group)] = (group, seconds)
 
-    def wait(self, work: Any) -> None:
+    def wait(self, work: Any, timeout_s: float | None = None) -> None:
         """Wait for a collective posted with `async_op=True`, looking at the alarm every
         `WAIT_SLICE`: a peer declared dead (its heartbeat stopped) or a peer in recovery ends
         the wait with the alarm's error (`check_alarm`) rather than the hang timeout; the
         collective's own failure (a peer's socket closed, its timeout) is raised as it comes.
         While waiting this rank's progress is not judged (trainer/world/progress.py). With no
-        alarm (failures fatal) or on a GPU, the plain `work.wait()`."""
+        alarm (failures fatal) or on a GPU, the plain `work.wait()`. `timeout_s`: a bound of the
+        caller's below the group's (a switch's `migrationTimeoutSeconds`): TimeoutError past it."""
         import torch
 
         if self._alarm is None or torch.cuda.is_available():
-            work.wait()
+            if timeout_s is None:
+                work.wait()
+            elif not work.wait(timedelta(seconds=timeout_s)):
+                raise TimeoutError(f"no completion within {timeout_s:g} s")
             return
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self.progress.outside():
             while True:
                 try:
@@ -209,31 +214,33 @@ class World:
                         return
                 try:
                     self._alarm.check()
-                except RuntimeError:
+                    _check_deadline(deadline, timeout_s)
+                except (RuntimeError, TimeoutError):
                     self._abandoned.append(work)  # still pending on a peer that will not answer
                     raise
 
-    def wait_p2p(self, works: Iterable[Any]) -> None:
+    def wait_p2p(self, works: Iterable[Any], timeout_s: float | None = None) -> None:
         """Wait for point-to-point `works` like `wait` does for a collective. A gloo send or
         receive cannot be waited for in slices (a wait that times out breaks the whole group)
         nor polled (it completes only in its wait), so a thread of this World waits for them
         and this one waits for that thread in slices, looking at the alarm between two; when
-        the alarm rings, the thread is left to its wait (it ends with the group's timeout) and
-        the next waits get a new one."""
+        the alarm rings (or `timeout_s` passes), the thread is left to its wait (it ends with
+        the group's timeout) and the next waits get a new one."""
         works = list(works)
-        if self._alarm is None or not works:
-            for work in works:
-                work.wait()
-            return
         import torch
 
-        if torch.cuda.is_available():
+        if self._alarm is None or not works or torch.cuda.is_available():
+            limit = None if timeout_s is None else timedelta(seconds=timeout_s)
             for work in works:
-                work.wait()
+                if limit is None:
+                    work.wait()
+                elif not work.wait(limit):
+                    raise TimeoutError(f"no completion within {timeout_s:g} s")
             return
         if self._p2p is None:
             self._p2p = concurrent.futures.ThreadPoolExecutor(1, "malleus-p2p")
         done = self._p2p.submit(_wait_all, works)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self.progress.outside():
             while True:
                 try:
@@ -243,7 +250,8 @@ class World:
                     pass
                 try:
                     self._alarm.check()
-                except RuntimeError:
+                    _check_deadline(deadline, timeout_s)
+                except (RuntimeError, TimeoutError):
                     self._p2p_abandoned.append(done)
                     self._p2p.shutdown(wait=False)  # its thread is stuck in the wait
                     self._p2p = None
@@ -289,6 +297,11 @@ class World:
         m = self._current
         return None if m is None else m.epoch
 
+    @property
+    def watched(self) -> bool:
+        """Whether the recovery alarm runs (failures survivable: heartbeats, `wait` in slices)."""
+        return self._alarm is not None
+
     def check_alarm(self) -> None:
         """`Alarm.check`: raise `PeerRecovering` when a peer entered a recovery this rank is
         not in yet; nothing when no alarm runs (failures are not survivable)."""
@@ -304,6 +317,11 @@ class World:
         """A `Silence` over the job's store, its window `SILENT_BEATS` of this process's beats."""
         beat = self._alarm.beat if self._alarm is not None else MIN_BEAT_S
         return Silence(store, SILENT_BEATS * beat, sealer=self.sealer)
+
+
+def _check_deadline(deadline: float | None, timeout_s: float | None) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        raise TimeoutError(f"no completion within {timeout_s:g} s")
 
 
 def _wait_all(works: list[Any]) -> None:

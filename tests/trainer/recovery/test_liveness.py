@@ -88,3 +88,26 @@ def test_slow_work_is_never_taken_for_a_hang(
         assert r["plan"]["generation"] == 1
     assert tc.rel_diff(full, fc.reference(steps, steps)) <= TOL
     print(f"slow, not stuck: no recovery, run {seconds:.1f} s")
+
+
+def test_a_rank_stopped_mid_migration_is_known_dead_in_seconds_not_at_the_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GPU 3 stops (SIGSTOP) right after posting its transfers of the switch at step 2. Its
+    # peers wait for those transfers and for the switch's barrier: 300 s (the migration
+    # timeout) before the waits were watched; now its heartbeat's silence ends them, and the
+    # recovery plan supersedes the switch.
+    monkeypatch.setenv("MALLEUS_FAULT", "migration:3:hang")
+    switch = tc.plan([(4, [([1, 0], (0, 4))]), (4, [([3, 2], (0, 4))])])
+    switch = switch.model_copy(update={"generation": 1})
+    codes, results, full, seconds = fc.train_job(
+        tmp_path, fc.fault_job(), fc.REPLICAS, switches=((2, switch),)
+    )
+    assert codes == [0, 0, 0, -9], codes  # the stopped process is killed once the job is done
+    rec = fc.one_recovery(results, [0, 1, 2])
+    assert rec["failed"] == {"3": "hung"} and rec["steps_lost"] == 0 and rec["step"] == 2
+    detected = rec["detected_after_s"]["3"]
+    assert dead_after_s(4) <= detected < dead_after_s(4) + DETECT_MARGIN_S, rec
+    assert results[0]["last_failure"] == {"generation": 1, "reason": "superseded by recovery"}
+    assert tc.rel_diff(full, fc.reference(fc.STEPS)) <= TOL
+    print(f"stopped mid-migration: detected after {detected:.2f} s, run {seconds:.1f} s")
