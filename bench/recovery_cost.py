@@ -89,20 +89,18 @@ def replicas(n: int) -> Any:
 
 
 def body(job: Any, plan: Any, out: str) -> int:
-    """One rank of the spawned job: train through the failure, write OUT/rank-G.json."""
+    """One rank of the spawned job: train through the failure, write OUT/rank-G.json. The
+    rank enters its job as `malleus-trainer` does (trainer/run/start.py)."""
     from malleus.trainer.engine.services import Services
-    from malleus.trainer.launch.distributed import DistEnv, init_distributed
+    from malleus.trainer.launch.distributed import DistEnv
     from malleus.trainer.recovery.ledger import Ledger
-    from malleus.trainer.recovery.protocol import hang_timeout_s
     from malleus.trainer.run.loop import run_rank
     from malleus.trainer.run.options import RunOptions
-    from malleus.trainer.world.world import World
+    from malleus.trainer.run.start import enter_job
 
     env = DistEnv.from_env()
-    world = World(env.world_size)
-    timeout = hang_timeout_s(job)
-    world.set_collective_timeout(timeout)
-    device = init_distributed(env, world, init_timeout_s=600, collective_timeout_s=timeout)
+    entered = enter_job(env, job, plan, init_timeout_s=600)
+    world, device, plan = entered.world, entered.device, entered.plan
     ledger, seen = Ledger(), {}
     opts = RunOptions()
     services = Services.null(job, env.rank, steps=job.steps, coordinator=world.coordinator())

@@ -246,47 +246,22 @@ def _run(
 ) -> int:
     import torch.distributed as dist
 
-    from malleus.planner import Plan
     from malleus.trainer.engine.services import Services
-    from malleus.trainer.launch.distributed import (
-        DEFAULT_COLLECTIVE_TIMEOUT_S,
-        fault_tolerant,
-        init_distributed,
-        note_writer,
-    )
-    from malleus.trainer.recovery.protocol import hang_timeout_s
-    from malleus.trainer.run.loop import join_job, run_rank
+    from malleus.trainer.launch.distributed import fault_tolerant, note_writer
+    from malleus.trainer.run.loop import run_rank
     from malleus.trainer.run.report import RunLog
-    from malleus.trainer.world.exchange import broadcast_bytes
-    from malleus.trainer.world.world import World
+    from malleus.trainer.run.start import enter_job
 
-    tolerant = fault_tolerant()
-    timeout = hang_timeout_s(job) if tolerant else DEFAULT_COLLECTIVE_TIMEOUT_S
-    world = World(env.world_size)  # this process's view of the job's process group
-    world.set_collective_timeout(timeout)
-    admission = None
-    if join:
-        device, store = init_distributed(env, world, init_timeout_s=init_timeout, join=True)
-        admission = join_job(store, env.rank, world, init_timeout)
-        plan = Plan.from_json(admission.plan)
-    else:
-        device = init_distributed(
-            env, world, init_timeout_s=init_timeout, collective_timeout_s=timeout
-        )
-        # Every rank validated its own plan; a planner need not be deterministic across
-        # processes, so all adopt the coordinator's (GPU 0 at the start): JSON bytes, never a
-        # pickle (trainer/world/exchange.py), validated again by `Plan.from_json`.
-        mine = plan.to_json().encode() if env.rank == world.coordinator() else None
-        plan = Plan.from_json(
-            broadcast_bytes(mine, world=world, device=device, what="the starting plan")
-        )
+    # Every rank validated its own plan; all adopt the coordinator's (`enter_job`).
+    entered = enter_job(env, job, plan, init_timeout_s=init_timeout, join=join)
+    world, device, plan, admission = entered.world, entered.device, entered.plan, entered.admission
     steps = opts.total_steps(job)
     services = Services.create(
         job,
         env.rank,
         control_port=port,
         steps=steps,
-        serve_when_coordinator=tolerant,
+        serve_when_coordinator=fault_tolerant(),
         coordinator=world.coordinator(),
         pod=pod,
     )

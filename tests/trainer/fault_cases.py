@@ -15,20 +15,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from rank_cases import start_rank, stop_rank
+from rank_cases import stop_rank
 from trainer_cases import plan as make_plan
 
 from malleus.job import ResolvedJob
 from malleus.planner import Plan
 from malleus.trainer.engine.services import Services
-from malleus.trainer.launch.distributed import DistEnv, init_distributed
+from malleus.trainer.launch.distributed import DistEnv
 from malleus.trainer.launch.spawn import spawn_local
 from malleus.trainer.recovery.ledger import Ledger
-from malleus.trainer.recovery.protocol import hang_timeout_s
-from malleus.trainer.run.loop import join_job, run_rank
+from malleus.trainer.run.loop import run_rank
 from malleus.trainer.run.options import RunOptions
 from malleus.trainer.run.reference import train_reference
-from malleus.trainer.world.world import World
+from malleus.trainer.run.start import enter_job
 
 
 def run(
@@ -46,24 +45,15 @@ def run(
     when it is the coordinator, on `hosts[G]` when given, as a pod listens on its IP); the
     coordinator writes the final model to `opts.save_model`."""
     env = DistEnv.from_env()
-    timeout = hang_timeout_s(job)
-    admission, joiner = None, False
+    joiner = False
     if replace is not None:  # spawned one more than the job: the last is GPU `replace` again
         joiner = env.rank == job.world
         os.environ.update(WORLD_SIZE=str(job.world), RANK=str(replace if joiner else env.rank))
         env = DistEnv.from_env()
-    if joiner:  # GPU `replace` again (its RANK)
-        world = World(env.world_size)
-        world.set_collective_timeout(timeout)
+    if joiner:  # GPU `replace` again (its RANK), once its predecessor is gone
         _wait_for_death(env, env.rank)
-        device, store = init_distributed(env, world, init_timeout_s=120, join=True)
-        admission = join_job(store, env.rank, world, 120)
-        plan = Plan.from_json(admission.plan)
-    else:
-        started = start_rank(
-            env, init_timeout_s=120, collective_timeout_s=timeout, shared_groups=False
-        )
-        world, device = started.world, started.device
+    entered = enter_job(env, job, plan, init_timeout_s=120, join=joiner)
+    world, device, plan, admission = entered.world, entered.device, entered.plan, entered.admission
     seen: dict[str, Any] = {}
     ledger = Ledger()
     steps = opts.total_steps(job)

@@ -1,7 +1,7 @@
 """One rank's run from start to end: the loop around the Trainer, its options, its inputs,
 its report and the single-process reference.
 
-Holds: `loop.py` (`run_rank`: resume, switches, recoveries and admissions at step boundaries,
+Holds: `start.py` (`enter_job`: the rank enters its job), `loop.py` (`run_rank`: resume, switches, recoveries and admissions at step boundaries,
 checkpoints, the end), `options.py` (`RunOptions`), `inputs.py` (judging `malleus train`'s
 inputs before any rank starts), `report.py` (the JSON report), `reference.py` (the same
 training in one process: the yardstick for exactness).

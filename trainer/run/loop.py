@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -24,7 +24,7 @@ from malleus.trainer.engine.step import StepReport
 from malleus.trainer.engine.trainer import Trainer
 from malleus.trainer.model.hf import save_hf
 from malleus.trainer.model.precision import Precision
-from malleus.trainer.recovery.join import Admission, admit, await_admission, joined, joiners
+from malleus.trainer.recovery.join import Admission, admit, joined, joiners
 from malleus.trainer.recovery.ledger import Ledger
 from malleus.trainer.recovery.protocol import PeerFailure, as_failure, recover
 from malleus.trainer.recovery.restore import settled
@@ -33,7 +33,7 @@ from malleus.trainer.world.world import World, sized_hang_timeout
 from .options import RunOptions
 from .report import RunLog
 
-__all__ = ["join_job", "run_rank"]
+__all__ = ["run_rank"]
 
 log = log_ = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -60,7 +60,7 @@ def run_rank(
     """Train this rank from step 0 (or the latest checkpoint) to `opts.until` or the end;
     `log` (rank 0, `--report`) records every step and switch; `trainer_hook` sees the Trainer
     once built (tests); `admission`: this rank is a replacement the running job admitted (it
-    starts at the job's step, holding nothing; `join_job`); `ledger`: recovery's record to keep
+    starts at the job's step, holding nothing; trainer/run/start.py `join_job`); `ledger`: recovery's record to keep
     (tests read it; a new one by default). A failed peer (`PeerFailure`, fault-tolerant jobs) is
     recovered from (trainer/recovery/protocol.py) and the run goes on, from the failed step or a
     checkpoint; replacements are admitted at the step boundaries that announce them."""
@@ -196,15 +196,6 @@ def _step(trainer: Trainer, ledger: Ledger) -> StepReport:
         if failure is e:
             raise
         raise failure from e
-
-
-def join_job(store: Any, gpu: int, world: World, timeout_s: float) -> Admission:
-    """A replacement for `gpu` (`--join`): ask the running job to admit it, wait until it
-    does at a step boundary, and form the process group with the members; then its alarm
-    listens like theirs (trainer/world/alarm.py)."""
-    admission = await_admission(world, store, gpu, timeout_s)
-    world.start_alarm(store, gpu)
-    return admission
 
 
 def _checkpoint_due(trainer: Trainer, opts: RunOptions, saved: list[int]) -> None:
