@@ -200,7 +200,8 @@ class StragglerPolicy(StrictModel):
     min_gain: float = 0.05
     """Minimum predicted relative step-time gain for a new plan to be adopted."""
     horizon_steps: int = 100
-    """Steps over which the predicted gain must repay the migration and the planning."""
+    """Steps over which the predicted gain must repay the migration (planning is not weighed:
+    it is spent by the time the plan is judged, and the trainers trained meanwhile)."""
     allow_exclusion: bool = True
     """Whether a plan may leave usable GPUs idle."""
     max_exclusion_share: float = 0.25
