@@ -1,6 +1,6 @@
 """Recovery cost benchmark: what one live recovery costs the job's store as the world grows.
 
-Run: .venv/bin/python bench/recovery_cost.py [--sizes 4,8,16,32] [--layer-ms 2] [--steps 4]
+Run: .venv/bin/python bench/recovery_cost.py [--sizes 4,8,16,32,64] [--layer-ms 2] [--steps 4]
      [--at 2] [--out DIR] [--reuse FILE] [--no-write]
 
 For each world size N, a real fault-tolerant job of N emulated ranks (gloo on this host, the
@@ -325,34 +325,37 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     )
 
 
-NOTES = """How to read it. Per rank, every count and byte figure grows linearly (k ~ 1) or less;
-the totals through the one store grow as N times that (k ~ 2), which is what limits the
-protocol first at scale (docs/reference/trainer.md, "Recovery cost": gloo's rendezvous of the
-re-formed group, O(N) calls per rank, where NCCL needs one id; the decision, O(N) bytes, read
-by every member). The rows marked "not extrapolated" are set by how long the wait lasted on
-this host, at rates the protocol bounds: the leader polls one counter and one multi-key check
-per 20 ms however many members are missing (183 calls in a 1.5 s wait at N=32); a member polls
-the decision every max(20 ms, N/5,000 s), so all members together stay within 10,000 calls a
-second (at 4,096 ranks: one poll per 0.82 s each). The seconds are dominated by planning: the
-leader plans for the N-1 GPUs left within min(5 s, `planningTimeoutSeconds`), and from 16
-ranks the search uses its whole budget (4.7 s; up to 8 GPUs it completes early); on this
-2-CPU host N processes share two cores, so the times (and the load) grow with N for reasons a
-cluster does not have.
+NOTES = """How to read it. Per rank, every count and byte figure grows linearly (k ~ 1) or
+close to it; the totals through the one store grow as N times that (k ~ 2), which is what limits
+the protocol first at scale (docs/reference/trainer.md, "Recovery cost": gloo's rendezvous of
+the re-formed groups, one address read per peer of each group a rank joins, where NCCL needs one
+id; the decision, O(N) bytes, read by every member). The rendezvous rows (and the bytes, mostly
+gloo's addresses) follow the sizes of the groups the recovery plan forms, which the planner
+chooses anew at each size: a plan with larger gradient-sync groups at one size moves their
+fitted k without the protocol doing more per peer (the leader's calls by key, below, show each
+group's reads). The rows marked "not extrapolated" are set by how long the wait lasted on this
+host, at rates the protocol bounds: the leader polls one counter and one multi-key check per
+20 ms however many members are missing; a member polls the decision every max(20 ms, N/5,000 s),
+so all members together stay within 10,000 calls a second (at 4,096 ranks: one poll per 0.82 s
+each). The seconds are dominated by planning: the leader plans for the N-1 GPUs left within
+min(5 s, `planningTimeoutSeconds`), a budget the search uses whole from a few tens of GPUs on;
+on this 2-CPU host N processes share two cores, so the times (and the load) grow with N for
+reasons a cluster does not have.
 
-Before the counts (same command and host, 2026-12-03, N = 4, 8, 16): every arrival carried its
-plan, world vector and rates, and the decision every survivor's plan: the leader read 10.1k,
-36.1k, 137k bytes and the decision was 4.4k, 15.5k, 58.8k bytes (x4 per doubling: O(N^2)); the
-leader checked every member's dead mark and arrival at every poll (825 polling calls in a
-0.93 s wait at N=32, against 183 in 1.5 s now), and every member laid out every survivor's
-plan to find the pieces' holders (O(N^2) work). Now the leader reads 6.9k-54k bytes and the
-decision is 2.4k-15k bytes at 4-32 ranks, both linear."""
+Before the counts were taken (2026-12-03, N = 4, 8, 16): every arrival carried its plan, world
+vector and rates, and the decision every survivor's plan: the leader read 10.1k, 36.1k, 137k
+bytes and the decision was 4.4k, 15.5k, 58.8k bytes (x4 per doubling: O(N^2)); the leader
+checked every member's dead mark and arrival at every poll (825 polling calls in a 0.93 s wait
+at N=32), and every member laid out every survivor's plan to find the pieces' holders (O(N^2)
+work). The same day after the fix, at 4-32 ranks: the leader read 6.9k-54k bytes and the
+decision was 2.4k-15k bytes, both linear, as in the table above."""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="What one live recovery costs the job's store, by world size.",
     )
-    parser.add_argument("--sizes", default="4,8,16,32", help="world sizes (comma-separated)")
+    parser.add_argument("--sizes", default="4,8,16,32,64", help="world sizes (comma-separated)")
     parser.add_argument("--layer-ms", type=float, default=2.0, help="a layer's forward, ms")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--at", type=int, default=2, help="the step rank N-1 dies in")
