@@ -9,7 +9,11 @@ from typing import Any
 
 __all__ = ["job_body", "manifest"]
 
-_SERVER_FIELDS = ("uid", "generation", "resourceVersion")
+_SERVER_FIELDS = ("uid", "generation", "resourceVersion", "creationTimestamp", "managedFields")
+"""The metadata the API server writes: `job_body` carries the first three (as kopf hands a job
+over); an object read back from the server carries them all. A create refuses a
+``resourceVersion``; the others are the server's to write, so a body sent with them is not what
+a user applies."""
 
 
 def job_body(
@@ -55,7 +59,9 @@ def job_body(
 
 
 def manifest(body: dict[str, Any]) -> dict[str, Any]:
-    """``body`` as a user would apply it: without the fields the API server sets."""
+    """``body`` as a user would apply it: without the fields the API server sets
+    (`_SERVER_FIELDS`); every test that sends a job body it built or read back goes through
+    here, not through a list of keys of its own."""
     out = copy.deepcopy(body)
     for key in _SERVER_FIELDS:
         out["metadata"].pop(key, None)
