@@ -50,6 +50,7 @@ __all__ = [
     "BINARIES",
     "CRD_ESTABLISHED_S",
     "NODE_GRACE_S",
+    "RESTRICTED",
     "ControlPlane",
     "ControlPlaneError",
     "Identity",
@@ -75,6 +76,10 @@ the create and on each status write. From the create's answer to Established, 10
 CPU (cgroup quota: it started in 64 s instead of 10, load average 49) 0.7-7.9 s (median 1.2).
 The bound only catches a server that never establishes it (a name conflict, a dead
 component fails at once): ~8x the worst seen starved."""
+
+RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted"}
+"""The labels that make a namespace enforce the restricted Pod Security Standard (the API server
+runs the PodSecurity admission plugin)."""
 
 NODE_GRACE_S = 6
 """kube-controller-manager's ``--node-monitor-grace-period``: a node whose Lease is older than

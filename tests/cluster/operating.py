@@ -21,14 +21,13 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
-from tests.cluster.controlplane import ControlPlane, ControlPlaneError, wait_until
+from tests.cluster.controlplane import RESTRICTED, ControlPlane, ControlPlaneError, wait_until
 from tests.cluster.fixtures import apply_chart_rbac
 from tests.cluster.kubelet import ProcessKubelet
 
 __all__ = [
     "ACCOUNT",
     "OPERATOR_NS",
-    "RESTRICTED",
     "JobWorld",
     "Operator",
     "exactly",
@@ -40,8 +39,6 @@ OPERATOR_NS = "malleus-system"
 """The chart's release namespace (its ServiceAccount's)."""
 ACCOUNT = "rel-malleus-operator"
 """The chart's ServiceAccount (release ``rel``)."""
-RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted"}
-"""The label that makes a namespace enforce the restricted Pod Security Standard."""
 
 _T = TypeVar("_T")
 
