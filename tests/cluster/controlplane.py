@@ -48,11 +48,14 @@ if TYPE_CHECKING:
 __all__ = [
     "ASSETS_ENV",
     "BINARIES",
+    "CRD_ESTABLISHED_S",
     "NODE_GRACE_S",
+    "RESTRICTED",
     "ControlPlane",
     "ControlPlaneError",
     "Identity",
     "assets_dir",
+    "established",
     "wait_until",
 ]
 
@@ -61,6 +64,22 @@ ASSETS_ENV = "MALLEUS_K8S_ASSETS"
 
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
 """What this harness runs from the assets folder."""
+
+CRD_ESTABLISHED_S = 60.0
+"""How long `ControlPlane.wait_established` waits for a CRD. kube-apiserver's
+EstablishingController establishes a CRD as soon as its names are accepted (queued with no
+delay on a single API server; the 5 s delay is for ``--apiserver-count`` > 1): what takes time
+is the CRD itself, the MalleusJob schema (85 kB, 28 CEL rules) being compiled and checked on
+the create and on each status write. From the create's answer to Established, 10 CRDs
+(scripts/measure_crd_established.py): a small schema 4-9 ms, the MalleusJob schema 40-155 ms
+(median 52) on the idle-ish 2-core machine (load ~7); with the control plane held to 8% of a
+CPU (cgroup quota: it started in 64 s instead of 10, load average 49) 0.7-7.9 s (median 1.2).
+The bound only catches a server that never establishes it (a name conflict, a dead
+component fails at once): ~8x the worst seen starved."""
+
+RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted"}
+"""The labels that make a namespace enforce the restricted Pod Security Standard (the API server
+runs the PodSecurity admission plugin)."""
 
 NODE_GRACE_S = 6
 """kube-controller-manager's ``--node-monitor-grace-period``: a node whose Lease is older than
@@ -113,6 +132,12 @@ def wait_until(
         if time.monotonic() >= deadline:
             raise ControlPlaneError(f"{what}: not so after {timeout:.0f} s")
         time.sleep(interval)
+
+
+def established(crd: dict[str, Any]) -> bool:
+    """Whether a CRD (as the API server returns it) has its ``Established`` condition True."""
+    conditions = (crd.get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
 
 def _tail(path: Path, lines: int = 30) -> str:
@@ -363,6 +388,27 @@ class ControlPlane:
                 return True
         return None
 
+    def wait_established(self, name: str, timeout: float = CRD_ESTABLISHED_S) -> dict[str, Any]:
+        """The CRD ``name`` as stored once its ``Established`` condition is True (the API server
+        serves its resource), polled every 0.1 s; fails at once if a component exits, and at the
+        deadline with the CRD's last status and the API server's log."""
+        url = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}"
+        last: list[Any] = [None]
+
+        def probe() -> dict[str, Any] | None:
+            got = self.http().get(url)
+            crd = got.json() if got.is_success else {}
+            last[0] = crd.get("status") if got.is_success else f"{got.status_code} {got.text}"
+            return dict(crd) if established(crd) else None
+
+        try:
+            return wait_until(probe, timeout, f"CRD {name} Established", alive=self.dead)
+        except ControlPlaneError as e:
+            apiserver = self.log("kube-apiserver")
+            raise ControlPlaneError(
+                f"{e}; its last status: {last[0]}\n--- kube-apiserver\n{apiserver}"
+            ) from None
+
     def log(self, component: str, lines: int = 40) -> str:
         """The last lines of a component's log (for failure messages)."""
         return _tail(self.workdir / f"{component}.log", lines)
@@ -496,7 +542,8 @@ class ControlPlane:
     def kubectl(
         self, *args: str, user: str = "admin", check: bool = True, stdin: str | None = None
     ) -> subprocess.CompletedProcess[str]:
-        """Run the cluster's kubectl as ``user``; raises with its stderr when ``check``."""
+        """Run the cluster's kubectl as ``user``; raises with its stderr when ``check``. Killed
+        after 60 s: a kubectl ``--timeout`` beyond that is not in force (wait in-process)."""
         done = subprocess.run(
             [str(self.assets / "kubectl"), *args],
             env=self.env(user),

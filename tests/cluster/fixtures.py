@@ -158,16 +158,10 @@ class AdminApi:
         assert got.status_code == 200, got.text
         return dict(got.json())
 
-    def apply_crd(self, crd: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+    def apply_crd(self, crd: dict[str, Any]) -> dict[str, Any]:
         """Apply ``crd`` (server side) and wait until it is Established; the stored CRD."""
-        name = crd["metadata"]["name"]
         self.cluster.apply([crd])
-        self.cluster.kubectl(
-            "wait", "--for=condition=Established", f"--timeout={int(timeout)}s", f"crd/{name}"
-        )
-        got = self.client.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
-        assert got.status_code == 200, got.text
-        return dict(got.json())
+        return self.cluster.wait_established(crd["metadata"]["name"])
 
 
 @pytest.fixture(scope="session")

@@ -36,7 +36,13 @@ from typing import Any
 
 import yaml
 
-from tests.cluster.controlplane import ControlPlane, ControlPlaneError, free_port, wait_until
+from tests.cluster.controlplane import (
+    ControlPlane,
+    ControlPlaneError,
+    established,
+    free_port,
+    wait_until,
+)
 
 __all__ = ["EXTERNAL_FRAMEWORK", "MANIFESTS", "Kueue", "kueue_assets"]
 
@@ -143,13 +149,7 @@ class Kueue:
         """Every Kueue CRD established (the manager exits when one is not served yet)."""
         got = self.cluster.http().get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions")
         ours = [c for c in got.json().get("items", []) if c["spec"]["group"] == "kueue.x-k8s.io"]
-        ok = ours and all(
-            any(
-                k["type"] == "Established" and k["status"] == "True"
-                for k in (c.get("status") or {}).get("conditions") or []
-            )
-            for c in ours
-        )
+        ok = ours and all(established(c) for c in ours)
         return (
             True if ok and len(ours) == len(list((self.manifests / "crd").glob("*.yaml"))) else None
         )

@@ -1,7 +1,9 @@
 """The operator on the real control plane, for tests: ``python -m malleus.operator`` as the Helm
-chart's ServiceAccount (`Operator`, `token_kubeconfig`), and `JobWorld`, a test's view of one
+chart's ServiceAccount (`Operator`, `token_kubeconfig`); `JobWorld`, a test's view of one
 namespace's MalleusJobs, their children and events, with waits that fail with the whole story
-(job status, events, the operator's log, the kubelets' pods)."""
+(job status, events, the operator's log, the kubelets' pods); and `operated_namespace`, the
+set-up every end-to-end module shares: a namespace of its own, the chart's RBAC for it, the
+operator watching it."""
 
 from __future__ import annotations
 
@@ -11,17 +13,27 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 import yaml
 
-from tests.cluster.controlplane import ControlPlane, ControlPlaneError, wait_until
+from tests.cluster.controlplane import RESTRICTED, ControlPlane, ControlPlaneError, wait_until
+from tests.cluster.fixtures import apply_chart_rbac
 from tests.cluster.kubelet import ProcessKubelet
 
-__all__ = ["ACCOUNT", "OPERATOR_NS", "JobWorld", "Operator", "token_kubeconfig"]
+__all__ = [
+    "ACCOUNT",
+    "OPERATOR_NS",
+    "JobWorld",
+    "Operator",
+    "exactly",
+    "operated_namespace",
+    "token_kubeconfig",
+]
 
 OPERATOR_NS = "malleus-system"
 """The chart's release namespace (its ServiceAccount's)."""
@@ -237,3 +249,30 @@ class JobWorld:
 def exactly(n: int, items: list[_T]) -> list[_T] | None:
     """``items`` when there are ``n`` of them, else None (for waits)."""
     return items if len(items) == n else None
+
+
+@contextlib.contextmanager
+def operated_namespace(
+    cluster: ControlPlane,
+    tmp_path_factory: pytest.TempPathFactory,
+    prefix: str,
+    kubelets: Sequence[ProcessKubelet] = (),
+    environ: Mapping[str, str] | None = None,
+) -> Iterator[JobWorld]:
+    """A namespace ``PREFIX-xxxxxx`` of the caller's own, enforcing the restricted Pod Security
+    Standard (every pod the operator makes must pass it, as in docs/security.md), watched by
+    the operator as the chart's ServiceAccount (``helm template``'s RBAC for that namespace,
+    applied for real; the operator with a token of that account, ``environ`` added to its
+    environment, logging to ``operator.log`` in a fresh folder); its `JobWorld` over
+    ``kubelets``. Afterwards the operator is stopped and the namespace deleted (with everything
+    in it)."""
+    ns = cluster.create_namespace(f"{prefix}-{uuid.uuid4().hex[:6]}", labels=RESTRICTED)
+    apply_chart_rbac(cluster, watch=(ns,))
+    folder = tmp_path_factory.mktemp("operator")
+    kubeconfig = token_kubeconfig(cluster, folder / "kubeconfig", ns)
+    op = Operator(kubeconfig, ns, folder / "operator.log", environ=environ)
+    try:
+        yield JobWorld(cluster, ns, op, kubelets)
+    finally:
+        op.stop()
+        cluster.http().delete(f"/api/v1/namespaces/{ns}")

@@ -1,6 +1,7 @@
 """The real control plane itself: namespaces and controllers, the MalleusJob CRD as the real API
-server applies it, the Helm chart's RBAC judged by the real RBAC authorizer, and the controllers
-that act on nodes and owners (node lifecycle, garbage collector)."""
+server applies it (and the harness's wait for a CRD to be Established), the Helm chart's RBAC
+judged by the real RBAC authorizer, and the controllers that act on nodes and owners (node
+lifecycle, garbage collector)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.cluster.controlplane import NODE_GRACE_S, ControlPlane, wait_until
+from tests.cluster.controlplane import (
+    NODE_GRACE_S,
+    ControlPlane,
+    ControlPlaneError,
+    established,
+    wait_until,
+)
 from tests.cluster.fixtures import node_ready
 from tests.cluster.kubelet import ProcessKubelet
 
@@ -78,6 +85,44 @@ def _can(cluster: ControlPlane, user: str, *args: str) -> bool:
     done = cluster.kubectl("auth", "can-i", *args, "--as", user, check=False)
     assert done.stdout.strip() in ("yes", "no"), done.stderr
     return done.stdout.strip() == "yes"
+
+
+def _crd(plural: str, kind: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.harness.example.com"},
+        "spec": {
+            "group": "harness.example.com",
+            "scope": "Namespaced",
+            "names": {"plural": plural, "singular": plural[:-1], "kind": kind},
+            "versions": [
+                {"name": "v1", "served": True, "storage": True,
+                 "schema": {"openAPIV3Schema": {"type": "object"}}}
+            ],
+        },
+    }  # fmt: skip
+
+
+def test_the_harness_waits_for_a_crd_established_and_says_why_one_never_is(
+    control_plane: ControlPlane,
+) -> None:
+    control_plane.apply([_crd("gadgets", "Gadget")])
+    stored = control_plane.wait_established("gadgets.harness.example.com")
+    assert established(stored), stored["status"]
+    # a second kind of the same name in the group: its names are refused, so it is never
+    # Established; the wait ends at its bound, naming the CRD and the server's reason
+    control_plane.apply([_crd("widgets", "Gadget")])
+    with pytest.raises(ControlPlaneError) as failed:
+        control_plane.wait_established("widgets.harness.example.com", timeout=3)
+    message = str(failed.value)
+    assert "CRD widgets.harness.example.com Established: not so after 3 s" in message, message
+    assert "KindConflict" in message, message
+    http = control_plane.http()
+    for name in ("gadgets", "widgets"):
+        http.delete(
+            f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}.harness.example.com"
+        )
 
 
 def test_the_charts_edit_role_lets_a_tenant_create_jobs_and_nothing_more(

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.controlplane import ControlPlane, ControlPlaneError, wait_until
+from tests.cluster.controlplane import RESTRICTED, ControlPlane, ControlPlaneError, wait_until
 from tests.cluster.fixtures import SHARED_NODES
 from tests.cluster.kubelet import ProcessKubelet
 from tests.cluster.operating import Operator, token_kubeconfig
@@ -98,7 +98,7 @@ def test_a_job_applied_by_a_tenant_trains_on_process_kubelet_nodes_and_is_collec
     }  # fmt: skip
     control_plane.apply([binding])
     # the job's pods must pass the restricted Pod Security Standard, enforced for real
-    restricted = {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}}
+    restricted = {"metadata": {"labels": RESTRICTED}}
     labelled = http.patch(
         f"/api/v1/namespaces/{NS}",
         json=restricted,

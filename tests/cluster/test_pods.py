@@ -10,7 +10,7 @@ import textwrap
 import time
 from typing import Any
 
-from tests.cluster.controlplane import ControlPlane, wait_until
+from tests.cluster.controlplane import RESTRICTED, ControlPlane, wait_until
 from tests.cluster.fixtures import SHARED_NODES
 from tests.cluster.kubelet import ProcessKubelet
 
@@ -267,7 +267,7 @@ def test_pod_security_admission_enforces_the_restricted_standard(
     control_plane: ControlPlane, namespace: str
 ) -> None:
     http = control_plane.http()
-    labels = {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}}
+    labels = {"metadata": {"labels": RESTRICTED}}
     headers = {"Content-Type": "application/merge-patch+json"}
     assert http.patch(f"/api/v1/namespaces/{namespace}", json=labels, headers=headers).is_success
     response = http.post(f"/api/v1/namespaces/{namespace}/pods", json=_pod("loose", "pass"))

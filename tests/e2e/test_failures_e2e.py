@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import signal
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.cluster.controlplane import ControlPlane, wait_until
-from tests.cluster.fixtures import apply_chart_rbac, node_ready
+from tests.cluster.fixtures import node_ready
 from tests.cluster.kubelet import ProcessKubelet
-from tests.cluster.operating import JobWorld, Operator, token_kubeconfig
+from tests.cluster.operating import JobWorld, operated_namespace
 from tests.e2e.test_operator_e2e import manifest, training
 
 pytestmark = pytest.mark.timeout(400)
@@ -72,19 +71,15 @@ def world(
     cluster_crd: dict[str, Any],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[JobWorld]:
-    ns = f"e2e-f-{uuid.uuid4().hex[:6]}"
-    apply_chart_rbac(control_plane, watch=(ns,))
-    folder = tmp_path_factory.mktemp("operator")
-    op = Operator(token_kubeconfig(control_plane, folder / "kubeconfig", ns), ns, folder / "op.log")
-    pool = Nodes(control_plane, ns, tmp_path_factory.mktemp("kubelets"))
-    world = JobWorld(control_plane, ns, op, [])
-    world.pool = pool  # type: ignore[attr-defined]
-    try:
-        yield world
-    finally:
-        op.stop()
-        pool.stop()
-        control_plane.http().delete(f"/api/v1/namespaces/{ns}")
+    """The operator watching a namespace of this module's own, with no kubelet yet: ``job``
+    starts this module's nodes (``world.pool``) one by one."""
+    with operated_namespace(control_plane, tmp_path_factory, "e2e-f") as world:
+        pool = Nodes(control_plane, world.ns, tmp_path_factory.mktemp("kubelets"))
+        world.pool = pool  # type: ignore[attr-defined]
+        try:
+            yield world
+        finally:
+            pool.stop()
 
 
 def _node_of(world: JobWorld, pod: str) -> str | None:

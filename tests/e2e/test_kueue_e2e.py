@@ -21,7 +21,6 @@ for Kueue's private ``/etc``; skips, saying which, without them.
 from __future__ import annotations
 
 import re
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,10 +28,10 @@ from typing import Any
 import pytest
 
 from tests.cluster.controlplane import ControlPlane
-from tests.cluster.fixtures import apply_chart_rbac
 from tests.cluster.kubelet import ProcessKubelet
 from tests.cluster.kueue import Kueue
-from tests.cluster.operating import JobWorld, Operator, exactly, token_kubeconfig
+from tests.cluster.operating import JobWorld, exactly, operated_namespace
+from tests.jobs import cluster_job
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -43,6 +42,14 @@ KUEUE = "/apis/kueue.x-k8s.io/v1beta2"
 WORKLOAD = f"malleusjob-{JOB}"
 CLAIM = "e2e-checkpoints"
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+RESTRICTED_CONTAINER = {
+    "runAsNonRoot": True,
+    "runAsUser": 65534,
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+"""What the restricted Pod Security Standard (the namespace's) asks of the batch Job's container."""
 
 
 def cluster_queue(gpus: int) -> dict[str, Any]:
@@ -69,43 +76,12 @@ def cluster_queue(gpus: int) -> dict[str, Any]:
 
 
 def manifest() -> dict[str, Any]:
-    term = {
-        "labelSelector": {
-            "matchLabels": {"malleus.io/job": JOB, "app.kubernetes.io/component": "worker"}
-        },
-        "topologyKey": "kubernetes.io/hostname",
+    body = cluster_job(JOB, checkpoint={"claimName": CLAIM, "intervalSteps": 5})
+    body["metadata"]["labels"] = {
+        "kueue.x-k8s.io/queue-name": QUEUE,
+        "kueue.x-k8s.io/priority-class": "low",
     }
-    return {
-        "apiVersion": "malleus.io/v1alpha1",
-        "kind": "MalleusJob",
-        "metadata": {
-            "name": JOB,
-            "labels": {"kueue.x-k8s.io/queue-name": QUEUE, "kueue.x-k8s.io/priority-class": "low"},
-        },
-        "spec": {
-            "image": "malleus:e2e",
-            "nodes": 2,
-            "gpusPerNode": 2,
-            "model": {"preset": "tiny", "layers": 4},
-            "training": {
-                "globalBatchSize": 4,
-                "microBatchSize": 1,
-                "steps": 1000,
-                "learningRate": 0.003,
-            },
-            "parallelism": {"tp": 2},
-            "checkpoint": {"claimName": CLAIM, "intervalSteps": 5},
-            "podTemplate": {
-                "spec": {
-                    "affinity": {
-                        "podAntiAffinity": {
-                            "requiredDuringSchedulingIgnoredDuringExecution": [term]
-                        }
-                    }
-                }
-            },
-        },
-    }
+    return body
 
 
 def urgent_job() -> dict[str, Any]:
@@ -129,6 +105,7 @@ def urgent_job() -> dict[str, Any]:
                             "name": "work",
                             "image": "busybox",
                             "command": ["sleep", "600"],
+                            "securityContext": RESTRICTED_CONTAINER,
                             "resources": {
                                 "requests": {"cpu": "100m", "nvidia.com/gpu": "2"},
                                 "limits": {"nvidia.com/gpu": "2"},
@@ -152,40 +129,35 @@ def world(
     """The operator as the chart's ServiceAccount; Kueue's queues: a flavour, a ClusterQueue
     of 2 GPUs (too few for the job), a LocalQueue and two priority classes; a checkpoint
     claim bound to a volume (the claim outlives the pods)."""
-    ns = f"e2e-kueue-{uuid.uuid4().hex[:6]}"
-    apply_chart_rbac(control_plane, watch=(ns,))
-    control_plane.apply(
-        [
-            {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor",
-             "metadata": {"name": "default-flavor"}},
-            cluster_queue(2),
-            {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
-             "metadata": {"name": QUEUE, "namespace": ns}, "spec": {"clusterQueue": CQ}},
-            {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass",
-             "metadata": {"name": "low"}, "value": 100},
-            {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass",
-             "metadata": {"name": "high"}, "value": 1000},
-            {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-ckpt"},
-             "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
-                      "storageClassName": "manual", "hostPath": {"path": "/nonexistent"},
-                      "claimRef": {"namespace": ns, "name": CLAIM}}},
-            {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-             "metadata": {"name": CLAIM, "namespace": ns},
-             "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "manual",
-                      "volumeName": f"{ns}-ckpt", "resources": {"requests": {"storage": "1Gi"}}}},
-        ]
-    )  # fmt: skip
-    folder = tmp_path_factory.mktemp("operator")
-    kubeconfig = token_kubeconfig(control_plane, folder / "kubeconfig", ns)
-    op = Operator(kubeconfig, ns, folder / "operator.log")
-    try:
-        yield JobWorld(control_plane, ns, op, nodes)
-    finally:
-        op.stop()
-        http = control_plane.http()
-        http.delete(f"/api/v1/namespaces/{ns}")
-        http.delete(f"{KUEUE}/clusterqueues/{CQ}")
-        http.delete(f"/api/v1/persistentvolumes/{ns}-ckpt")
+    with operated_namespace(control_plane, tmp_path_factory, "e2e-kueue", nodes) as world:
+        ns = world.ns
+        control_plane.apply(
+            [
+                {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor",
+                 "metadata": {"name": "default-flavor"}},
+                cluster_queue(2),
+                {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
+                 "metadata": {"name": QUEUE, "namespace": ns}, "spec": {"clusterQueue": CQ}},
+                {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass",
+                 "metadata": {"name": "low"}, "value": 100},
+                {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass",
+                 "metadata": {"name": "high"}, "value": 1000},
+                {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-ckpt"},
+                 "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
+                          "storageClassName": "manual", "hostPath": {"path": "/nonexistent"},
+                          "claimRef": {"namespace": ns, "name": CLAIM}}},
+                {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                 "metadata": {"name": CLAIM, "namespace": ns},
+                 "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "manual",
+                          "volumeName": f"{ns}-ckpt",
+                          "resources": {"requests": {"storage": "1Gi"}}}},
+            ]
+        )  # fmt: skip
+        try:
+            yield world
+        finally:
+            world.http.delete(f"{KUEUE}/clusterqueues/{CQ}")
+            world.http.delete(f"/api/v1/persistentvolumes/{ns}-ckpt")
 
 
 def workload(world: JobWorld) -> dict[str, Any] | None:

@@ -19,7 +19,6 @@ Needs ``MALLEUS_K8S_ASSETS``, helm and ``MALLEUS_PROMETHEUS``; skips without the
 from __future__ import annotations
 
 import base64
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,9 +29,9 @@ from malleus.operator import tls
 from malleus.operator.identity import JobRef, secret_name
 from malleus.operator.monitoring import build_pod_monitor
 from tests.cluster.controlplane import ControlPlane
-from tests.cluster.fixtures import apply_chart_rbac
 from tests.cluster.kubelet import ProcessKubelet
-from tests.cluster.operating import JobWorld, Operator, exactly, token_kubeconfig
+from tests.cluster.operating import JobWorld, exactly, operated_namespace
+from tests.jobs import cluster_job
 from tests.prometheus.server import Prometheus, binary, free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -45,52 +44,22 @@ SCRAPE_JOB = "malleus-trainers"
 
 def manifest(prometheus_url: str) -> dict[str, Any]:
     schedule = [{"step": 6, "rank": STRAGGLER, "factor": 4.0}]
-    term = {
-        "labelSelector": {
-            "matchLabels": {"malleus.io/job": JOB, "app.kubernetes.io/component": "worker"}
+    return cluster_job(
+        JOB,
+        gpusPerNode=GPN,
+        stragglerPolicy={"windowSteps": 3, "cooldownSeconds": 0},
+        metrics={
+            "source": "prometheus",
+            "scrapeIntervalSeconds": 1,
+            "prometheus": {"url": prometheus_url},
         },
-        "topologyKey": "kubernetes.io/hostname",
-    }
-    return {
-        "apiVersion": "malleus.io/v1alpha1",
-        "kind": "MalleusJob",
-        "metadata": {"name": JOB},
-        "spec": {
-            "image": "malleus:e2e",
-            "nodes": 2,
-            "gpusPerNode": GPN,
-            "model": {"preset": "tiny", "layers": 4},
-            "training": {
-                "globalBatchSize": 4,
-                "microBatchSize": 1,
-                "steps": 1000,
-                "learningRate": 0.003,
-            },
-            "parallelism": {"tp": 2},
-            "stragglerPolicy": {"windowSteps": 3, "cooldownSeconds": 0},
-            "metrics": {
-                "source": "prometheus",
-                "scrapeIntervalSeconds": 1,
-                "prometheus": {"url": prometheus_url},
-            },
-            "emulation": {
-                "enabled": True,
-                "layerForwardMs": 10,
-                "layerBackwardMs": 20,
-                "schedule": schedule,
-            },
-            # one worker per node (emulated pods would fit anywhere)
-            "podTemplate": {
-                "spec": {
-                    "affinity": {
-                        "podAntiAffinity": {
-                            "requiredDuringSchedulingIgnoredDuringExecution": [term]
-                        }
-                    }
-                }
-            },
+        emulation={
+            "enabled": True,
+            "layerForwardMs": 10,
+            "layerBackwardMs": 20,
+            "schedule": schedule,
         },
-    }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -103,19 +72,10 @@ def setup(
     """The operator, allowed to query one Prometheus port (the server starts once the pods
     have IPs to scrape), watching a namespace of this module's own."""
     exe = binary("MALLEUS_PROMETHEUS")
-    ns = f"e2e-prom-{uuid.uuid4().hex[:6]}"
     port = free_port()
-    apply_chart_rbac(control_plane, watch=(ns,))
-    folder = tmp_path_factory.mktemp("operator")
-    kubeconfig = token_kubeconfig(control_plane, folder / "kubeconfig", ns)
-    url = f"http://127.0.0.1:{port}"
-    allow = {"MALLEUS_OPERATOR_PROMETHEUS_ALLOWED_URLS": url}
-    op = Operator(kubeconfig, ns, folder / "operator.log", environ=allow)
-    try:
-        yield JobWorld(control_plane, ns, op, nodes), exe, port, tmp_path_factory.mktemp("prom")
-    finally:
-        op.stop()
-        control_plane.http().delete(f"/api/v1/namespaces/{ns}")
+    allow = {"MALLEUS_OPERATOR_PROMETHEUS_ALLOWED_URLS": f"http://127.0.0.1:{port}"}
+    with operated_namespace(control_plane, tmp_path_factory, "e2e-prom", nodes, allow) as world:
+        yield world, exe, port, tmp_path_factory.mktemp("prom")
 
 
 def scrape_config(world: JobWorld, pods: list[dict[str, Any]], ca_file: Path) -> dict[str, Any]:

@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import re
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.cluster.controlplane import ControlPlane
-from tests.cluster.fixtures import SHARED_NODES, apply_chart_rbac
+from tests.cluster.fixtures import SHARED_NODES
 from tests.cluster.kubelet import ProcessKubelet
-from tests.cluster.operating import JobWorld, Operator, exactly, token_kubeconfig
+from tests.cluster.operating import JobWorld, exactly, operated_namespace
+from tests.jobs import cluster_job
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,40 +38,14 @@ SLOW_FROM = 6  # the emulation schedule's step
 
 
 def manifest(name: str, nodes: int = 2, **spec: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "apiVersion": "malleus.io/v1alpha1",
-        "kind": "MalleusJob",
-        "metadata": {"name": name},
-        "spec": {
-            "image": "malleus:e2e",
-            "nodes": nodes,
-            "gpusPerNode": 2,
-            "model": {"preset": "tiny", "layers": 4},
-            "training": {
-                "globalBatchSize": 4,
-                "microBatchSize": 1,
-                "steps": 1000,  # far more than the tests need: the job still runs at the end
-                "learningRate": 0.003,
-            },
-            "parallelism": {"tp": 2},
-            "stragglerPolicy": {"windowSteps": 3, "cooldownSeconds": 0},
-            "metrics": {"scrapeIntervalSeconds": 1},
-            "emulation": {"enabled": True, "layerForwardMs": 10, "layerBackwardMs": 20},
-        },
+    """The module's job: emulated GPUs, a straggler policy that acts at once, metrics every
+    second; ``spec`` entries replace these."""
+    defaults = {
+        "stragglerPolicy": {"windowSteps": 3, "cooldownSeconds": 0},
+        "metrics": {"scrapeIntervalSeconds": 1},
+        "emulation": {"enabled": True, "layerForwardMs": 10, "layerBackwardMs": 20},
     }
-    body["spec"].update(spec)
-    # one worker per node (the operator asks for it on GPUs only; emulated pods fit anywhere)
-    term = {
-        "labelSelector": {
-            "matchLabels": {"malleus.io/job": name, "app.kubernetes.io/component": "worker"}
-        },
-        "topologyKey": "kubernetes.io/hostname",
-    }
-    template = body["spec"].setdefault("podTemplate", {}).setdefault("spec", {})
-    template["affinity"] = {
-        "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}
-    }
-    return body
+    return cluster_job(name, nodes, **{**defaults, **spec})
 
 
 @pytest.fixture(scope="module")
@@ -82,16 +56,8 @@ def world(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[JobWorld]:
     """The operator (the chart's ServiceAccount) watching a namespace of this module's own."""
-    ns = f"e2e-{uuid.uuid4().hex[:6]}"
-    apply_chart_rbac(control_plane, watch=(ns,))
-    folder = tmp_path_factory.mktemp("operator")
-    kubeconfig = token_kubeconfig(control_plane, folder / "kubeconfig", ns)
-    op = Operator(kubeconfig, ns, folder / "operator.log")
-    try:
-        yield JobWorld(control_plane, ns, op, nodes)
-    finally:
-        op.stop()
-        control_plane.http().delete(f"/api/v1/namespaces/{ns}")
+    with operated_namespace(control_plane, tmp_path_factory, "e2e", nodes) as world:
+        yield world
 
 
 def training(world: JobWorld, name: str, past: int = 3) -> Any:

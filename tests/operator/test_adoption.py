@@ -19,6 +19,7 @@ from malleus.operator.context import Context
 from malleus.operator.k8s import Cluster, NameConflict
 from malleus.operator.metrics import OperatorMetrics
 from malleus.operator.settings import Settings
+from tests.jobs import manifest
 from tests.operator.kube import Kube
 
 if TYPE_CHECKING:
@@ -178,9 +179,7 @@ def test_a_planted_secret_is_refused_by_the_real_cluster_path(
     http = admin_api.client
     planted = http.post(f"/api/v1/namespaces/{ns}/secrets", json=_planted_secret(ns))
     assert planted.status_code == 201, planted.text
-    body = make_job(namespace=ns)
-    for key in ("uid", "generation", "resourceVersion"):
-        del body["metadata"][key]
+    body = manifest(make_job(namespace=ns))
     url = f"/apis/malleus.io/v1alpha1/namespaces/{ns}/malleusjobs"
     assert http.post(url, json=body).status_code == 201
     cluster = Cluster.connect(str(admin_api.kubeconfig))

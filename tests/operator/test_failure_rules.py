@@ -27,6 +27,7 @@ from malleus.operator.metrics import OperatorMetrics
 from malleus.operator.resources import JobRef
 from malleus.operator.settings import Settings
 from malleus.operator.status import now as status_now
+from tests.jobs import manifest
 
 if TYPE_CHECKING:
     from tests.cluster.fixtures import AdminApi
@@ -272,13 +273,9 @@ def test_a_drained_worker_is_replaced_uncounted_even_stuck_terminating(
     settings = Settings(metrics_port=0, disruption_budgets=False, network_policies=False)
     ctx = Context(cluster=real, settings=settings, metrics=OperatorMetrics())
     try:
-        body = make_job(
-            namespace=namespace,
-            failurePolicy={"maxRestarts": 0, "restartBackoffSeconds": 0, "gracePeriodSeconds": 1},
-            podTemplate={"spec": {"nodeSelector": {"malleus.io/nowhere": suffix}}},
-        )
-        for key in ("uid", "generation", "resourceVersion"):
-            del body["metadata"][key]
+        policy = {"maxRestarts": 0, "restartBackoffSeconds": 0, "gracePeriodSeconds": 1}
+        template = {"spec": {"nodeSelector": {"malleus.io/nowhere": suffix}}}
+        body = manifest(make_job(namespace=namespace, failurePolicy=policy, podTemplate=template))
         url = f"/apis/malleus.io/v1alpha1/namespaces/{namespace}/malleusjobs"
         made = http.post(url, json=body)
         assert made.status_code == 201, made.text

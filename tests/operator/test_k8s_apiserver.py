@@ -24,6 +24,7 @@ from malleus.operator.metrics import OperatorMetrics
 from malleus.operator.resources import JobRef
 from malleus.operator.settings import Settings
 from malleus.planner.plan import Estimate
+from tests.jobs import manifest
 
 if TYPE_CHECKING:
     from tests.cluster.fixtures import AdminApi
@@ -53,9 +54,7 @@ def _round_trip(
 def test_every_status_shape_is_accepted_and_kept(
     real_k8s: Cluster, admin_api: AdminApi, job_namespace: str, make_job: Any
 ) -> None:
-    body = make_job(namespace=job_namespace)
-    for key in ("uid", "generation", "resourceVersion"):
-        del body["metadata"][key]
+    body = manifest(make_job(namespace=job_namespace))
     url = f"/apis/malleus.io/v1alpha1/namespaces/{job_namespace}/malleusjobs"
     assert admin_api.client.post(url, json=body).status_code == 201
     stored = asyncio.run(real_k8s.get_job(job_namespace, "demo"))

@@ -25,6 +25,7 @@ from malleus.operator.metrics import OperatorMetrics
 from malleus.operator.overrides import OPERATOR_RESOURCES, apply_pod_template
 from malleus.operator.resources import JobRef
 from malleus.operator.settings import Settings
+from tests.cluster.controlplane import RESTRICTED
 from tests.job.cases import REPO, load_yaml
 
 if TYPE_CHECKING:
@@ -396,9 +397,7 @@ def test_a_gpu_cluster_job_reaches_the_api_servers_pods_within_the_policy(
     cluster = admin_api.cluster
     suffix = uuid.uuid4().hex[:8]
     namespace = cluster.create_namespace(f"gpu-{suffix}")
-    strict = cluster.create_namespace(
-        f"gpu-r-{suffix}", labels={"pod-security.kubernetes.io/enforce": "restricted"}
-    )
+    strict = cluster.create_namespace(f"gpu-r-{suffix}", labels=RESTRICTED)
     runtime_class, priority_class = f"nvidia-{suffix}", f"training-{suffix}"
     classes = {
         "/apis/node.k8s.io/v1/runtimeclasses": {"handler": "nvidia"},
@@ -459,8 +458,8 @@ def test_a_gpu_cluster_job_reaches_the_api_servers_pods_within_the_policy(
         }
         # Pod Security's restricted level: IPC_LOCK refused, the rest (sidecars too) admitted
         bare = workers.build_pod(job, JobRef(strict, "gpu-cluster", "u", 1), 1)
-        for key in ("ownerReferences", "uid"):
-            bare["metadata"].pop(key, None)
+        # its owner (uid "u") does not exist: the garbage collector would take the pod
+        del bare["metadata"]["ownerReferences"]
         posted = admin_api.client.post(f"/api/v1/namespaces/{strict}/pods", json=bare)
         assert posted.status_code == 403 and "IPC_LOCK" in posted.text, posted.text
         bare["spec"]["containers"][0]["securityContext"]["capabilities"].pop("add")
