@@ -143,9 +143,10 @@ def gather_full(trainer: Trainer, dst: int = 0) -> dict[str, Tensor] | None:
     under `precision: bf16`, never the bf16 copies).
     """
     parts: dict[str, Tensor] = {}
-    model, tp, rank = trainer.model, trainer.job.tp, trainer.rank
+    model, tp, rank, world = trainer.model, trainer.job.tp, trainer.rank, trainer.world
     for piece in pieces(model, tp):
         owner = trainer.layout.roles[piece.name].owner
+        # Waited for through the World: a peer stopped meanwhile ends the wait in seconds.
         if rank == dst:
             if owner == dst:
                 parts[piece.name] = trainer.params[piece.name].detach().cpu().clone()
@@ -153,10 +154,11 @@ def gather_full(trainer: Trainer, dst: int = 0) -> dict[str, Tensor] | None:
                 buf = torch.empty(
                     piece.shape(tp), dtype=trainer.precision.master, device=trainer.device
                 )
-                dist.recv(buf, src=trainer.world.pg(owner))
+                world.wait_p2p([dist.irecv(buf, src=world.pg(owner))])
                 parts[piece.name] = buf.cpu()
         elif rank == owner:
-            dist.send(trainer.params[piece.name].detach().contiguous(), dst=trainer.world.pg(dst))
+            held = trainer.params[piece.name].detach().contiguous()
+            world.wait_p2p([dist.isend(held, dst=world.pg(dst))])
     return join_pieces(model, tp, parts) if rank == dst else None
 
 
