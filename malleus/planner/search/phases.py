@@ -29,6 +29,7 @@ from .evaluate import Evaluator, Layout, Scored, merge
 from .grouping import Grouping, candidate_groupings
 from .layers import Cls
 from .localsearch import explore, improve
+from .microbatch import split_linear
 from .templates import TopupMemo, partition_layouts, template_layouts
 
 __all__ = ["Candidate", "debug", "score_within", "search_layouts"]
@@ -39,10 +40,12 @@ _RANK_POOL, _RANK_SHARE = 24, 0.25
 # Partition layouts (templates.partition_layouts): for the best few groupings with at most this
 # many odd groups, every split of them over as many pipelines as their best template has.
 _PART_GROUPINGS, _PART_MAX_ODD, _PART_MAX = 3, 10, 1500
-# Shares of the budget: groupings end by 35% of it, templates by 50%, partitions by 55%; the
-# hill climbs and the kick-and-climb get the rest.
-_GROUPING_END, _TEMPLATES_END, _PARTITIONS_END = 0.35, 0.5, 0.55
-_TEMPLATES_MIN, _PARTITIONS_MIN = 0.12, 0.03
+# Shares of the budget: groupings end by 35% of it, templates by 42% (scored by lines) and
+# their refinement (`_refine_best`) by 50%, partitions by 52% and theirs by 55%; the hill climbs
+# and the kick-and-climb get the rest.
+_GROUPING_END, _TEMPLATES_END, _PARTITIONS_END = 0.35, 0.42, 0.52
+_TEMPLATES_REFINED, _PARTITIONS_REFINED = 0.5, 0.55
+_TEMPLATES_MIN, _PARTITIONS_MIN, _REFINE_MIN = 0.12, 0.03, 0.03
 _WAVE = 8  # ranked groupings (small clusters) whose templates are interleaved at once
 
 
@@ -108,7 +111,7 @@ def search_layouts(problem: PlanningProblem, ev: Evaluator, dl: Deadline) -> lis
         for g, gen in gens:
             batch = list(itertools.islice(gen, 4))
             for lay in batch:
-                sc = score_within(ev, templates_dl, lay, small or len(lay) <= 8)
+                sc = score_within(ev, templates_dl, lay, False)
                 if sc is not None:
                     found.append(Candidate(sc, g))
             if len(batch) == 4:
@@ -119,9 +122,11 @@ def search_layouts(problem: PlanningProblem, ev: Evaluator, dl: Deadline) -> lis
         found = _first_feasible(problem, ev, groupings, generator)
     found.sort(key=lambda c: c.scored.time)
     debug(f"templates: {len(groupings)} groupings, {ev.evaluations} layouts")
+    found = _refine_best(ev, found, small, _refine_dl(dl, _TEMPLATES_REFINED))
+    debug(f"refined: {found[0].scored.time if found else None}, {ev.evaluations} layouts")
     parts_dl = dl.until(max(_PARTITIONS_END, dl.used() + _PARTITIONS_MIN))
     found.extend(_partition_candidates(problem, ev, found, hc, small, parts_dl))
-    found.sort(key=lambda c: c.scored.time)
+    found = _refine_best(ev, found, small, _refine_dl(dl, _PARTITIONS_REFINED))
     top = _starts(ev, found, small, dl.share(_RANK_SHARE))
     out = []
     for i, (c, ranked) in enumerate(top):
@@ -154,6 +159,46 @@ def search_layouts(problem: PlanningProblem, ev: Evaluator, dl: Deadline) -> lis
             out.insert(0, Candidate(found_ils, c.grouping))
         debug(f"explore: {c.scored.time:.2f} -> {found_ils.time:.2f}, {ev.evaluations} layouts")
     return out
+
+
+def _refine_dl(dl: Deadline, end: float) -> Deadline:
+    """A refinement's deadline: by `end` of the budget, `_REFINE_MIN` at least after now."""
+    return dl.until(max(end, dl.used() + _REFINE_MIN))
+
+
+def _refine_best(
+    ev: Evaluator, found: list[Candidate], small: bool, dl: Deadline
+) -> list[Candidate]:
+    out = list(found)
+    best = min((c.scored.time for c in found), default=float("inf"))
+    todo = []
+    for i, c in enumerate(found):
+        if c.scored.refined or not (small or len(c.scored.layout) <= 8):
+            continue
+        lb = floor_time(ev, c.scored.layout)
+        if lb < best - 1e-9:
+            todo.append((lb, i))
+    todo.sort()
+    for lb, i in todo:
+        if dl.expired() or lb >= best - 1e-9:
+            break
+        sc = score_within(ev, dl, found[i].scored.layout, True)
+        if sc is not None:
+            out[i] = Candidate(sc, found[i].grouping)
+            best = min(best, sc.time)
+    out.sort(key=lambda c: c.scored.time)
+    return out
+
+
+def floor_time(ev: Evaluator, layout: Layout) -> float:
+    fl = []
+    for key, n in layout:
+        f = ev.floor(key)
+        if f is None:
+            return float("inf")
+        fl.append((f.bs[0], f.fmin, n))
+    res = split_linear(fl, ev.problem.micro_batches)
+    return float("inf") if res is None else res[0]
 
 
 def _alone(g: Grouping) -> Layout:
@@ -260,7 +305,7 @@ def _partition_candidates(
         for lay in itertools.islice(lays, _PART_MAX):
             if dl.expired():
                 return out
-            sc = score_within(ev, dl, lay, small or len(lay) <= 8)
+            sc = score_within(ev, dl, lay, False)
             if sc is not None:
                 out.append(Candidate(sc, g))
     debug(f"partitions: {len(picked)} groupings, {ev.evaluations} layouts")
