@@ -114,6 +114,21 @@ class Evaluator:
             self._floors[key] = line_floor([c[0] for c in key], self.problem.layers)
         return self._floors[key]
 
+    def floor_time(self, layout: Layout) -> float:
+        """A lower bound on `score(layout)`'s time at any refinement, from the pipelines'
+        floors alone (no stage order searched, nothing solved): a pipeline's exact 1F1B time
+        at m is at least (m - 1) * its bottleneck + its fill sum, each at least its floor's
+        (`LineFloor`: the uncapped least bottleneck, the least sum); the linear split of
+        those lines is at most any split's time (inf: the layout cannot run)."""
+        lines = []
+        for key, n in layout:
+            f = self.floor(key)
+            if f is None:
+                return float("inf")
+            lines.append((f.bs[0], f.fmin, n))
+        res = split_linear(lines, self.problem.micro_batches)
+        return float("inf") if res is None else res[0]
+
     def time_at(self, key: PipeKey, m: int) -> float:
         """Best time of this pipeline with m micro-batches (inf if it cannot hold the model)."""
         sols = [s for s in (self.pipe(key, None), self.pipe(key, m)) if s is not None]

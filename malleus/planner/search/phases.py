@@ -29,7 +29,6 @@ from .evaluate import Evaluator, Layout, Scored, merge
 from .grouping import Grouping, candidate_groupings
 from .layers import Cls
 from .localsearch import explore, improve
-from .microbatch import split_linear
 from .templates import TopupMemo, partition_layouts, template_layouts
 
 __all__ = ["Candidate", "debug", "score_within", "search_layouts"]
@@ -175,7 +174,7 @@ def _refine_best(
     for i, c in enumerate(found):
         if c.scored.refined or not (small or len(c.scored.layout) <= 8):
             continue
-        lb = floor_time(ev, c.scored.layout)
+        lb = ev.floor_time(c.scored.layout)
         if lb < best - 1e-9:
             todo.append((lb, i))
     todo.sort()
@@ -188,17 +187,6 @@ def _refine_best(
             best = min(best, sc.time)
     out.sort(key=lambda c: c.scored.time)
     return out
-
-
-def floor_time(ev: Evaluator, layout: Layout) -> float:
-    fl = []
-    for key, n in layout:
-        f = ev.floor(key)
-        if f is None:
-            return float("inf")
-        fl.append((f.bs[0], f.fmin, n))
-    res = split_linear(fl, ev.problem.micro_batches)
-    return float("inf") if res is None else res[0]
 
 
 def _alone(g: Grouping) -> Layout:
