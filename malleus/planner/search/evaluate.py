@@ -114,20 +114,35 @@ class Evaluator:
             self._floors[key] = line_floor([c[0] for c in key], self.problem.layers)
         return self._floors[key]
 
-    def floor_time(self, layout: Layout) -> float:
-        """A lower bound on `score(layout)`'s time at any refinement, from the pipelines'
-        floors alone (no stage order searched, nothing solved): a pipeline's exact 1F1B time
-        at m is at least (m - 1) * its bottleneck + its fill sum, each at least its floor's
-        (`LineFloor`: the uncapped least bottleneck, the least sum); the linear split of
-        those lines is at most any split's time (inf: the layout cannot run)."""
-        lines = []
+    def floor_times(self, layout: Layout) -> tuple[float, float]:
+        """(bound, estimate) of `score(layout)`'s time from the pipelines' floors alone (no
+        stage order searched, nothing solved; inf, inf: the layout cannot run).
+
+        The bound is never above the score, refined or not. A pipeline's 1F1B makespan at m
+        micro-batches is at least m * c (its slowest stage runs every forward and backward)
+        and at least the sum of its stages (one micro-batch passes through all of them); its
+        floor (`LineFloor`) bounds c by the uncapped least bottleneck and the sum by the least
+        sum. So the layout takes at least its pipelines' largest least sum, and at least the
+        time by which lines m * c take every micro-batch (`split_linear` of lines (c, c)).
+
+        The estimate is the linear split of the floors' own lines, (m - 1) * c + sum: what the
+        layout would take if every pipeline met its floor and the 1F1B line. Not a bound (the
+        makespan is below the line when the bottleneck stage is not the last one), but close
+        to the refined score where the bound is loose (few micro-batches per pipeline, where
+        the bubble decides): it orders which layouts are refined first."""
+        bound_lines, est_lines, least = [], [], 0.0
         for key, n in layout:
             f = self.floor(key)
             if f is None:
-                return float("inf")
-            lines.append((f.bs[0], f.fmin, n))
-        res = split_linear(lines, self.problem.micro_batches)
-        return float("inf") if res is None else res[0]
+                return float("inf"), float("inf")
+            bound_lines.append((f.bs[0], f.bs[0], n))
+            est_lines.append((f.bs[0], f.fmin, n))
+            least = max(least, f.fmin)
+        B = self.problem.micro_batches
+        bound, est = split_linear(bound_lines, B), split_linear(est_lines, B)
+        if bound is None or est is None:
+            return float("inf"), float("inf")
+        return max(bound[0], least), est[0]
 
     def time_at(self, key: PipeKey, m: int) -> float:
         """Best time of this pipeline with m micro-batches (inf if it cannot hold the model)."""
