@@ -4,11 +4,13 @@ Steps 1-3 of driver.py's `plan()`, up to materialising: candidate groupings (gro
 small clusters ranked by their simplest layout first, `_rank_groupings`), template
 layouts for every grouping, interleaved (templates.py), partition layouts for the best few
 groupings with few odd groups, then a hill climb from each of the best distinct layouts and a
-kick-and-climb from the best (localsearch.py); large layouts, scored on any-m lines, are
-ranked for the climbs by their refined scores (`_starts`). Each phase ends by its share of the one
-`Deadline` (`_GROUPING_END`, `_TEMPLATES_END`, `_PARTITIONS_END`, each at least
-`_TEMPLATES_MIN` / `_PARTITIONS_MIN` after the phase before actually ended; the climbs share
-the rest) and always yields one layout at least. Apart from driver.py, which owns what surrounds the
+kick-and-climb from the best (localsearch.py). Templates and partitions are scored on any-m
+lines (cheap), then those the climbs would refine are refined the likeliest first by their
+pipelines' floors (`_refine_best`); large layouts are ranked for the climbs by their refined
+scores (`_starts`). Each phase ends by its share of the one `Deadline` (`_GROUPING_END`,
+`_TEMPLATES_END`, `_TEMPLATES_REFINED`, `_PARTITIONS_END`, `_PARTITIONS_REFINED`, each at
+least `_TEMPLATES_MIN` / `_PARTITIONS_MIN` / `_REFINE_MIN` after the phase before actually
+ended; the climbs share the rest) and always yields one layout at least. Apart from driver.py, which owns what surrounds the
 phases: the budget, rate bucketing, materialising, polishing and choosing the plan.
 """
 
