@@ -123,26 +123,30 @@ class Evaluator:
         and at least the sum of its stages (one micro-batch passes through all of them); its
         floor (`LineFloor`) bounds c by the uncapped least bottleneck and the sum by the least
         sum. So the layout takes at least its pipelines' largest least sum, and at least the
-        time by which lines m * c take every micro-batch (`split_linear` of lines (c, c)).
+        time by which lines m * c could take every micro-batch were micro-batches divisible.
 
-        The estimate is the linear split of the floors' own lines, (m - 1) * c + sum: what the
+        The estimate is the same for the floors' own lines, (m - 1) * c + sum: about what the
         layout would take if every pipeline met its floor and the 1F1B line. Not a bound (the
         makespan is below the line when the bottleneck stage is not the last one), but close
         to the refined score where the bound is loose (few micro-batches per pipeline, where
         the bubble decides): it orders which layouts are refined first."""
-        bound_lines, est_lines, least = [], [], 0.0
+        inv = lifted = least = 0.0
+        n_pipes = 0
         for key, n in layout:
             f = self.floor(key)
             if f is None:
                 return float("inf"), float("inf")
-            bound_lines.append((f.bs[0], f.bs[0], n))
-            est_lines.append((f.bs[0], f.fmin, n))
+            b = f.bs[0]
+            inv += n / b
+            lifted += n * f.fmin / b
+            n_pipes += n
             least = max(least, f.fmin)
         B = self.problem.micro_batches
-        bound, est = split_linear(bound_lines, B), split_linear(est_lines, B)
-        if bound is None or est is None:
+        if n_pipes > B:
             return float("inf"), float("inf")
-        return max(bound[0], least), est[0]
+        # the lines' continuous relaxations: m * c within T takes at most T / c micro-batches,
+        # (m - 1) * c + sum at most (T - sum) / c + 1
+        return max(least, B / inv), max(least, (B - n_pipes + lifted) / inv)
 
     def time_at(self, key: PipeKey, m: int) -> float:
         """Best time of this pipeline with m micro-batches (inf if it cannot hold the model)."""
