@@ -41,12 +41,16 @@ _RANK_POOL, _RANK_SHARE = 24, 0.25
 # Partition layouts (templates.partition_layouts): for the best few groupings with at most this
 # many odd groups, every split of them over as many pipelines as their best template has.
 _PART_GROUPINGS, _PART_MAX_ODD, _PART_MAX = 3, 10, 1500
-# Shares of the budget: groupings end by 35% of it, templates by 38% (scored by lines: cheap)
-# and their refinement (`_refine_best`) by 52%, partitions by 54% and theirs by 57%; the hill
-# climbs and the kick-and-climb get the rest.
+# Shares of the budget up to 64 GPUs: groupings end by 35% of it, templates by 38% (scored by
+# lines: cheap) and their refinement (`_refine_best`) by 52%, partitions by 54% and theirs by
+# 57%; the hill climbs and the kick-and-climb get the rest.
 _GROUPING_END, _TEMPLATES_END, _PARTITIONS_END = 0.35, 0.38, 0.54
 _TEMPLATES_REFINED, _PARTITIONS_REFINED = 0.52, 0.57
 _TEMPLATES_MIN, _PARTITIONS_MIN, _REFINE_MIN = 0.12, 0.03, 0.03
+# The same four ends beyond 64 GPUs: templates by 50%, partitions by 55%, as before refinement
+# by floors (there only layouts of at most 8 distinct pipelines are refined at all; most of a
+# bucketed search's are not, and its templates need the time: Planner spread section)
+_LARGE_ENDS = (0.5, 0.5, 0.55, 0.55)
 _WAVE = 8  # ranked groupings (small clusters) whose templates are interleaved at once
 
 
@@ -92,7 +96,9 @@ def search_layouts(problem: PlanningProblem, ev: Evaluator, dl: Deadline) -> lis
         groupings, found = _rank_groupings(problem, ev, groupings, dl.until(_GROUPING_END))
     # a phase that ran late (the nodes' options of a cluster straggling everywhere) does not
     # eat the next one: templates get at least _TEMPLATES_MIN of the budget
-    templates_dl = dl.until(max(_TEMPLATES_END, dl.used() + _TEMPLATES_MIN))
+    small_ends = (_TEMPLATES_END, _TEMPLATES_REFINED, _PARTITIONS_END, _PARTITIONS_REFINED)
+    t_end, t_refined, p_end, p_refined = small_ends if small else _LARGE_ENDS
+    templates_dl = dl.until(max(t_end, dl.used() + _TEMPLATES_MIN))
     memo: TopupMemo = {}
 
     def generator(g: Grouping, deadline: Deadline | None) -> Iterator[Layout]:
@@ -123,11 +129,11 @@ def search_layouts(problem: PlanningProblem, ev: Evaluator, dl: Deadline) -> lis
         found = _first_feasible(problem, ev, groupings, generator)
     found.sort(key=lambda c: c.scored.time)
     debug(f"templates: {len(groupings)} groupings, {ev.evaluations} layouts")
-    found = _refine_best(ev, found, small, _refine_dl(dl, _TEMPLATES_REFINED))
+    found = _refine_best(ev, found, small, _refine_dl(dl, t_refined))
     debug(f"refined: {found[0].scored.time if found else None}, {ev.evaluations} layouts")
-    parts_dl = dl.until(max(_PARTITIONS_END, dl.used() + _PARTITIONS_MIN))
+    parts_dl = dl.until(max(p_end, dl.used() + _PARTITIONS_MIN))
     found.extend(_partition_candidates(problem, ev, found, hc, small, parts_dl))
-    found = _refine_best(ev, found, small, _refine_dl(dl, _PARTITIONS_REFINED))
+    found = _refine_best(ev, found, small, _refine_dl(dl, p_refined))
     top = _starts(ev, found, small, dl.share(_RANK_SHARE))
     out = []
     for i, (c, ranked) in enumerate(top):
@@ -196,7 +202,7 @@ def _refine_best(
     by_lines = sorted(todo, key=lambda x: (x[0], x[3]))
     by_floor = sorted(todo, key=lambda x: (x[1], x[3]))
     done: set[int] = set()
-    for _, _, bound, i in itertools.chain.from_iterable(zip(by_lines, by_floor)):
+    for _, _, bound, i in itertools.chain.from_iterable(zip(by_lines, by_floor, strict=True)):
         if dl.expired():
             break
         if i in done or bound >= best - 1e-9:
