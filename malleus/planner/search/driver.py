@@ -25,9 +25,10 @@
 The budget is one `Deadline` (deadline.py) that every phase consults before each unit of work
 (a node grouped, a pipeline solved, a layout scored, a neighbour tried): grouping ends by 35%
 of it, templates (scored on lines) by 38% (or 12% after a late grouping) and their refinement
-by 52%, partitions by 54% and theirs by 57% (beyond 64 GPUs: templates by 50%, partitions by
-55%), the climbs share the rest. With many distinct rates and many stragglers the phases get 84% of it and score
-pipelines with quick stage orders; up to 92% of it re-solves the chosen layouts' orders in
+by 52%, partitions by 54% and theirs by 57% (beyond 64 GPUs with more than 16 GPUs
+straggling: templates by 50%, partitions by 55%), the climbs share the rest. With many
+distinct rates and many stragglers the phases get 84% of it and score pipelines with quick
+stage orders; up to 92% of it re-solves the chosen layouts' orders in
 full (`_full_orders`). Settling gets `_SETTLE_SHARE` of the budget again, after it. The
 default budget is CPU time of the planning thread (`default_budget`); `time_limit` is wall
 time. Problems of up to `COMPLETE_UP_TO` GPUs have no budget: their search runs every phase

@@ -47,10 +47,14 @@ _PART_GROUPINGS, _PART_MAX_ODD, _PART_MAX = 3, 10, 1500
 _GROUPING_END, _TEMPLATES_END, _PARTITIONS_END = 0.35, 0.38, 0.54
 _TEMPLATES_REFINED, _PARTITIONS_REFINED = 0.52, 0.57
 _TEMPLATES_MIN, _PARTITIONS_MIN, _REFINE_MIN = 0.12, 0.03, 0.03
-# The same four ends beyond 64 GPUs: templates by 50%, partitions by 55%, as before refinement
-# by floors (there only layouts of at most 8 distinct pipelines are refined at all; most of a
-# bucketed search's are not, and its templates need the time: Planner spread section)
+# The same four ends beyond 64 GPUs with more than `_FEW_STRAGGLERS` GPUs straggling:
+# templates by 50%, partitions by 55%, as before refinement by floors (there only layouts of at
+# most 8 distinct pipelines are refined at all; with many straggling rates most are not, and
+# their templates need the time: Planner spread section). With few stragglers the layouts
+# have few distinct pipelines, and 128 GPUs with 2 at 8x took 444.6 to 400 with these ends
+# and to 383.5 with the small clusters' (bench/planner_held.py, `random 168`).
 _LARGE_ENDS = (0.5, 0.5, 0.55, 0.55)
+_FEW_STRAGGLERS = 16
 _WAVE = 8  # ranked groupings (small clusters) whose templates are interleaved at once
 
 
@@ -97,7 +101,8 @@ def search_layouts(problem: PlanningProblem, ev: Evaluator, dl: Deadline) -> lis
     # a phase that ran late (the nodes' options of a cluster straggling everywhere) does not
     # eat the next one: templates get at least _TEMPLATES_MIN of the budget
     small_ends = (_TEMPLATES_END, _TEMPLATES_REFINED, _PARTITIONS_END, _PARTITIONS_REFINED)
-    t_end, t_refined, p_end, p_refined = small_ends if small else _LARGE_ENDS
+    few = sum(1 for v in problem.rates.values() if v != 1.0) <= _FEW_STRAGGLERS
+    t_end, t_refined, p_end, p_refined = small_ends if small or few else _LARGE_ENDS
     templates_dl = dl.until(max(t_end, dl.used() + _TEMPLATES_MIN))
     memo: TopupMemo = {}
 
