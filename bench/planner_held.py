@@ -5,7 +5,7 @@ Run: .venv/bin/python bench/planner_held.py [--long 6] [--no-write] [--json out.
 
 For each held problem (`examples/problems/*.json`; the "Planner" table's 8- and 64-GPU
 situations; a uniformly slow node beside healthy ones at 16 and 64 GPUs, with and without the
-70B memory model), the planner's plan under its default budget (ours) is held against: the
+70B memory model; `random_problem(seed)` for the seeds in `RANDOM_SEEDS`), the planner's plan under its default budget (ours) is held against: the
 uniform plan (what a user runs without a planner), hand-built plans (every TP group a one-stage
 pipeline, healthy nodes in groups of one size and straggler nodes in groups of another, every
 size pair tried, micro-batches dealt to whichever pipeline ends first; where memory lets one
