@@ -95,7 +95,7 @@ def test_tally_rejects_only_neighbours_the_full_score_rejects() -> None:
 
 
 def test_the_floor_bound_is_never_above_the_refined_score() -> None:
-    # Evaluator.floor_times' bound spares the templates' refinement and lets the climbs skip
+    # Evaluator.floor_bound spares the templates' refinement and lets the climbs skip
     # neighbours unsolved: it must never exceed a layout's score, refined (exact per-m
     # pipelines, the greedy micro-batch split) or not, with few micro-batches per pipeline
     # (where 1F1B's bubble and the per-m solutions matter most) and with many, with the 70B
@@ -114,7 +114,7 @@ def test_the_floor_bound_is_never_above_the_refined_score() -> None:
                 k = rng.choice([0, 0, 1, 2, 3])
                 groups.append((p.model.alpha[k] * rng.choice(paces), k))
             lay = _random_layout(rng, groups, rng.randint(1, min(6, len(groups))))
-            floor, _ = ev.floor_times(lay)
+            floor = ev.floor_bound(lay)
             for refine in (True, False):
                 sc = ev.score(lay, refine=refine)
                 if sc is None:

@@ -250,7 +250,7 @@ def improve(
             if tally is not None and not tally.judge(move):
                 continue
             lay = apply_move(best.layout, move)
-            if refine and ev.floor_times(lay)[0] > best.time + 1e-9:
+            if refine and ev.floor_bound(lay) > best.time + 1e-9:
                 continue  # slower whatever its pipelines' solutions: not worth solving them
             sc = ev.score(lay, refine=refine)
             if sc is None or sc.time > best.time + 1e-9:

@@ -55,6 +55,7 @@ _TEMPLATES_MIN, _PARTITIONS_MIN, _REFINE_MIN = 0.12, 0.03, 0.03
 # and to 383.5 with the small clusters' (bench/planner_held.py, `random 168`).
 _LARGE_ENDS = (0.5, 0.5, 0.55, 0.55)
 _FEW_STRAGGLERS = 16
+H_ALONE = bool(int(os.environ.get("HA", "1")))
 _WAVE = 8  # ranked groupings (small clusters) whose templates are interleaved at once
 
 
@@ -190,20 +191,21 @@ def _refine_best(
     with few micro-batches per pipeline badly (the any-m split balances the steady state, and
     the bubble decides: at 64 GPUs with 4 slow GPUs and 32 micro-batches the winner scored 452
     by lines and 370 refined, 266th of 950 by lines), so they are refined in two orders taken
-    in turn: by lines and by their floors' estimate (`Evaluator.floor_times`; the winner
-    there: 77th); a layout whose floor bound is no better than the best time found is not
-    refined at all."""
+    in turn: by lines and by their floors' estimate (`Evaluator.floor_estimate`; the
+    winner there: first); a layout whose floor bound (`Evaluator.floor_bound`) is no better
+    than the best time found is not refined at all."""
     out = list(found)
     best = min((c.scored.time for c in found), default=float("inf"))
     todo = []
     for i, c in enumerate(found):
         if c.scored.refined or not (small or len(c.scored.layout) <= 8):
             continue
-        bound, est = ev.floor_times(c.scored.layout)
+        bound = ev.floor_bound(c.scored.layout)
         if bound < best - 1e-9:
-            todo.append((c.scored.time, est, bound, i))
-    # the two rankings taken in turn: each found one of the winners of the random held
-    # problems in its first 40 where the other ranked it past 90 (bench/planner_held.py)
+            todo.append((c.scored.time, ev.floor_estimate(c.scored.layout), bound, i))
+    # the two rankings taken in turn: of the random held problems' winners (bench/
+    # planner_held.py) the estimate ranked five first and two 5th and 15th, lines one first
+    # and the others 26th to 266th; each guards against the other's blind spots
     by_lines = sorted(todo, key=lambda x: (x[0], x[3]))
     by_floor = sorted(todo, key=lambda x: (x[1], x[3]))
     done: set[int] = set()
@@ -321,7 +323,8 @@ def _partition_candidates(
         if not 2 <= P <= min(len(g.odd), problem.micro_batches) or len(g.odd) > _PART_MAX_ODD:
             continue
         odd = [x.cls for x in g.odd]
-        lays = partition_layouts(hc, len(g.healthy), odd, P, problem.layers)
+        pool = problem.dp is None and len(g.healthy) > 0  # healthy groups alone: more pipelines
+        lays = partition_layouts(hc, len(g.healthy), odd, P, problem.layers, pool)
         for lay in itertools.islice(lays, _PART_MAX):
             if dl.expired():
                 return out
