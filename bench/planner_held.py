@@ -241,8 +241,8 @@ def render(
         "pipelines' floors, and the climbs skip neighbours whose floor bound is slower (the "
         "Planner and Planner spread sections hold the larger scales). `random 167` is the "
         "fragile one: its 415.4 is reached by the last hill climb, from a partition layout, "
-        "near the end of the budget; 3 of 4 runs on 2026-12-04 reached it, one beside other "
-        "benchmarks ended at 424.7 (ratio 1.0225).",
+        "near the end of the budget: on 2026-12-04 this run and one of it alone reached it, "
+        "one beside another planning job ended at 424.7 (ratio 1.0225).",
         "",
         "| problem | GPUs | ours | CPU s | uniform | hand-built | long | ratio | recovery |"
         + (" before | CPU s before |" if then else ""),
