@@ -92,3 +92,33 @@ def test_tally_rejects_only_neighbours_the_full_score_rejects() -> None:
             if not verdict:
                 rejected += 1
     assert checked > 150 and rejected > checked // 4, (checked, rejected)
+
+
+def test_the_floor_bound_is_never_above_the_refined_score() -> None:
+    # Evaluator.floor_bound spares the templates' refinement and lets the climbs skip
+    # neighbours unsolved: it must never exceed a layout's score, refined (exact per-m
+    # pipelines, the greedy micro-batch split) or not, with few micro-batches per pipeline
+    # (where 1F1B's bubble and the per-m solutions matter most) and with many, with the 70B
+    # memory model (capped stages, some pipelines unable to run) and without
+    rng = random.Random(11)
+    checked = 0
+    for world, memory, mb in ((32, False, 16), (64, False, 64), (64, True, 64), (96, True, 200)):
+        p = problem_70b(world).model_copy(update={"micro_batches": mb})
+        if not memory:
+            p = p.model_copy(update={"memory": None})
+        ev = Evaluator(p)
+        paces = [1.0, 1.3, 2.0, 3.1, 7.5]
+        for _ in range(60):
+            groups: list[Cls] = []
+            for _ in range(rng.randint(2, 14)):
+                k = rng.choice([0, 0, 1, 2, 3])
+                groups.append((p.model.alpha[k] * rng.choice(paces), k))
+            lay = _random_layout(rng, groups, rng.randint(1, min(6, len(groups))))
+            floor = ev.floor_bound(lay)
+            for refine in (True, False):
+                sc = ev.score(lay, refine=refine)
+                if sc is None:
+                    continue
+                checked += 1
+                assert floor <= sc.time + 1e-6, (world, memory, lay, floor, sc.time)
+    assert checked > 200

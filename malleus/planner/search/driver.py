@@ -12,7 +12,8 @@
    for the best few groupings with few odd groups, also every split of the odd groups over
    the best template's pipeline count (healthy groups to the slowest). Every pipeline is
    solved exactly (layers.py) and micro-batches are split exactly (microbatch.py); symmetric
-   pipelines are counted, not enumerated.
+   pipelines are counted, not enumerated. Layouts are scored on any-m lines first; those
+   worth the exact per-m score are refined the likeliest first by their pipelines' floors.
 3. Hill-climb the best layouts (localsearch.py), then materialise the best few into ranks
    (materialize.py), keeping groups where the previous plan had them; plans found on bucketed
    rates are re-split (layers, micro-batches) under the true rates (`_polish`).
@@ -23,9 +24,11 @@
 
 The budget is one `Deadline` (deadline.py) that every phase consults before each unit of work
 (a node grouped, a pipeline solved, a layout scored, a neighbour tried): grouping ends by 35%
-of it, templates by 50% (or 12% after a late grouping), partitions by 55%, the climbs share
-the rest. With many distinct rates and many stragglers the phases get 84% of it and score
-pipelines with quick stage orders; up to 92% of it re-solves the chosen layouts' orders in
+of it, templates (scored on lines) by 38% (or 12% after a late grouping) and their refinement
+by 52%, partitions by 54% and theirs by 57% (beyond 64 GPUs with more than 16 GPUs
+straggling: templates by 50%, partitions by 55%), the climbs share the rest. With many
+distinct rates and many stragglers the phases get 84% of it and score pipelines with quick
+stage orders; up to 92% of it re-solves the chosen layouts' orders in
 full (`_full_orders`). Settling gets `_SETTLE_SHARE` of the budget again, after it. The
 default budget is CPU time of the planning thread (`default_budget`); `time_limit` is wall
 time. Problems of up to `COMPLETE_UP_TO` GPUs have no budget: their search runs every phase

@@ -114,6 +114,44 @@ class Evaluator:
             self._floors[key] = line_floor([c[0] for c in key], self.problem.layers)
         return self._floors[key]
 
+    def floor_bound(self, layout: Layout) -> float:
+        """A lower bound on `score(layout)`'s time, refined or not, from the pipelines' floors
+        alone (no stage order searched, nothing solved; inf: the layout cannot run).
+
+        A pipeline's 1F1B makespan at m micro-batches is at least m * c (its slowest stage
+        runs every forward and backward) and at least the sum of its stages (one micro-batch
+        passes through all of them); its floor (`LineFloor`) bounds c by the uncapped least
+        bottleneck and the sum by the least sum. So the layout takes at least its pipelines'
+        largest least sum, and at least the time by which lines m * c could take every
+        micro-batch were micro-batches divisible: B / sum(n / c)."""
+        inv = least = 0.0
+        n_pipes = 0
+        for key, n in layout:
+            f = self.floor(key)
+            if f is None:
+                return float("inf")
+            inv += n / f.bs[0]
+            least = max(least, f.fmin)
+            n_pipes += n
+        B = self.problem.micro_batches
+        return float("inf") if n_pipes > B else max(least, B / inv)
+
+    def floor_estimate(self, layout: Layout) -> float:
+        """The linear split (`split_linear`, whole micro-batches) of the pipelines' floor
+        lines, (m - 1) * c + sum: what the layout would take if every pipeline met its floor
+        and the 1F1B line (inf: it cannot run). Not a bound (the makespan is below the line
+        when the bottleneck stage is not the last one), but close to the refined score where
+        the lines are far from it (few micro-batches per pipeline, where the bubble decides):
+        it orders which layouts are refined first (phases.py)."""
+        lines = []
+        for key, n in layout:
+            f = self.floor(key)
+            if f is None:
+                return float("inf")
+            lines.append((f.bs[0], f.fmin, n))
+        res = split_linear(lines, self.problem.micro_batches)
+        return float("inf") if res is None else res[0]
+
     def time_at(self, key: PipeKey, m: int) -> float:
         """Best time of this pipeline with m micro-batches (inf if it cannot hold the model)."""
         sols = [s for s in (self.pipe(key, None), self.pipe(key, m)) if s is not None]

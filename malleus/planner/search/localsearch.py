@@ -249,7 +249,10 @@ def improve(
                 continue
             if tally is not None and not tally.judge(move):
                 continue
-            sc = ev.score(apply_move(best.layout, move), refine=refine)
+            lay = apply_move(best.layout, move)
+            if refine and ev.floor_bound(lay) > best.time + 1e-9:
+                continue  # slower whatever its pipelines' solutions: not worth solving them
+            sc = ev.score(lay, refine=refine)
             if sc is None or sc.time > best.time + 1e-9:
                 continue
             if tally is not None:  # it judged the neighbour better; the score: no slower

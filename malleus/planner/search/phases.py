@@ -4,11 +4,13 @@ Steps 1-3 of driver.py's `plan()`, up to materialising: candidate groupings (gro
 small clusters ranked by their simplest layout first, `_rank_groupings`), template
 layouts for every grouping, interleaved (templates.py), partition layouts for the best few
 groupings with few odd groups, then a hill climb from each of the best distinct layouts and a
-kick-and-climb from the best (localsearch.py); large layouts, scored on any-m lines, are
-ranked for the climbs by their refined scores (`_starts`). Each phase ends by its share of the one
-`Deadline` (`_GROUPING_END`, `_TEMPLATES_END`, `_PARTITIONS_END`, each at least
-`_TEMPLATES_MIN` / `_PARTITIONS_MIN` after the phase before actually ended; the climbs share
-the rest) and always yields one layout at least. Apart from driver.py, which owns what surrounds the
+kick-and-climb from the best (localsearch.py). Templates and partitions are scored on any-m
+lines (cheap), then those the climbs would refine are refined the likeliest first by their
+pipelines' floors (`_refine_best`); large layouts are ranked for the climbs by their refined
+scores (`_starts`). Each phase ends by its share of the one `Deadline` (`_GROUPING_END`,
+`_TEMPLATES_END`, `_TEMPLATES_REFINED`, `_PARTITIONS_END`, `_PARTITIONS_REFINED`, each at
+least `_TEMPLATES_MIN` / `_PARTITIONS_MIN` / `_REFINE_MIN` after the phase before actually
+ended; the climbs share the rest) and always yields one layout at least. Apart from driver.py, which owns what surrounds the
 phases: the budget, rate bucketing, materialising, polishing and choosing the plan.
 """
 
@@ -39,10 +41,21 @@ _RANK_POOL, _RANK_SHARE = 24, 0.25
 # Partition layouts (templates.partition_layouts): for the best few groupings with at most this
 # many odd groups, every split of them over as many pipelines as their best template has.
 _PART_GROUPINGS, _PART_MAX_ODD, _PART_MAX = 3, 10, 1500
-# Shares of the budget: groupings end by 35% of it, templates by 50%, partitions by 55%; the
-# hill climbs and the kick-and-climb get the rest.
-_GROUPING_END, _TEMPLATES_END, _PARTITIONS_END = 0.35, 0.5, 0.55
-_TEMPLATES_MIN, _PARTITIONS_MIN = 0.12, 0.03
+# Shares of the budget up to 64 GPUs: groupings end by 35% of it, templates by 38% (scored by
+# lines: cheap) and their refinement (`_refine_best`) by 52%, partitions by 54% and theirs by
+# 57%; the hill climbs and the kick-and-climb get the rest.
+_GROUPING_END, _TEMPLATES_END, _PARTITIONS_END = 0.35, 0.38, 0.54
+_TEMPLATES_REFINED, _PARTITIONS_REFINED = 0.52, 0.57
+_TEMPLATES_MIN, _PARTITIONS_MIN, _REFINE_MIN = 0.12, 0.03, 0.03
+# The same four ends beyond 64 GPUs with more than `_FEW_STRAGGLERS` GPUs straggling:
+# templates by 50%, partitions by 55%, as before refinement by floors (there only layouts of at
+# most 8 distinct pipelines are refined at all; with many straggling rates most are not, and
+# their templates need the time: Planner spread section). With few stragglers the layouts
+# have few distinct pipelines, and 128 GPUs with 2 at 8x took 444.6 to 400 with these ends
+# and to 383.5 with the small clusters' (bench/planner_held.py, `random 168`).
+_LARGE_ENDS = (0.5, 0.5, 0.55, 0.55)
+_FEW_STRAGGLERS = 16
+H_ALONE = bool(int(os.environ.get("HA", "1")))
 _WAVE = 8  # ranked groupings (small clusters) whose templates are interleaved at once
 
 
@@ -88,7 +101,10 @@ def search_layouts(problem: PlanningProblem, ev: Evaluator, dl: Deadline) -> lis
         groupings, found = _rank_groupings(problem, ev, groupings, dl.until(_GROUPING_END))
     # a phase that ran late (the nodes' options of a cluster straggling everywhere) does not
     # eat the next one: templates get at least _TEMPLATES_MIN of the budget
-    templates_dl = dl.until(max(_TEMPLATES_END, dl.used() + _TEMPLATES_MIN))
+    small_ends = (_TEMPLATES_END, _TEMPLATES_REFINED, _PARTITIONS_END, _PARTITIONS_REFINED)
+    few = sum(1 for v in problem.rates.values() if v != 1.0) <= _FEW_STRAGGLERS
+    t_end, t_refined, p_end, p_refined = small_ends if small or few else _LARGE_ENDS
+    templates_dl = dl.until(max(t_end, dl.used() + _TEMPLATES_MIN))
     memo: TopupMemo = {}
 
     def generator(g: Grouping, deadline: Deadline | None) -> Iterator[Layout]:
@@ -108,7 +124,7 @@ def search_layouts(problem: PlanningProblem, ev: Evaluator, dl: Deadline) -> lis
         for g, gen in gens:
             batch = list(itertools.islice(gen, 4))
             for lay in batch:
-                sc = score_within(ev, templates_dl, lay, small or len(lay) <= 8)
+                sc = score_within(ev, templates_dl, lay, False)
                 if sc is not None:
                     found.append(Candidate(sc, g))
             if len(batch) == 4:
@@ -119,9 +135,11 @@ def search_layouts(problem: PlanningProblem, ev: Evaluator, dl: Deadline) -> lis
         found = _first_feasible(problem, ev, groupings, generator)
     found.sort(key=lambda c: c.scored.time)
     debug(f"templates: {len(groupings)} groupings, {ev.evaluations} layouts")
-    parts_dl = dl.until(max(_PARTITIONS_END, dl.used() + _PARTITIONS_MIN))
+    found = _refine_best(ev, found, small, _refine_dl(dl, t_refined))
+    debug(f"refined: {found[0].scored.time if found else None}, {ev.evaluations} layouts")
+    parts_dl = dl.until(max(p_end, dl.used() + _PARTITIONS_MIN))
     found.extend(_partition_candidates(problem, ev, found, hc, small, parts_dl))
-    found.sort(key=lambda c: c.scored.time)
+    found = _refine_best(ev, found, small, _refine_dl(dl, p_refined))
     top = _starts(ev, found, small, dl.share(_RANK_SHARE))
     out = []
     for i, (c, ranked) in enumerate(top):
@@ -153,6 +171,55 @@ def search_layouts(problem: PlanningProblem, ev: Evaluator, dl: Deadline) -> lis
         if found_ils.time < c.scored.time - 1e-9:
             out.insert(0, Candidate(found_ils, c.grouping))
         debug(f"explore: {c.scored.time:.2f} -> {found_ils.time:.2f}, {ev.evaluations} layouts")
+    return out
+
+
+def _refine_dl(dl: Deadline, end: float) -> Deadline:
+    """A refinement's deadline: by `end` of the budget, `_REFINE_MIN` at least after now."""
+    return dl.until(max(end, dl.used() + _REFINE_MIN))
+
+
+def _refine_best(
+    ev: Evaluator, found: list[Candidate], small: bool, dl: Deadline
+) -> list[Candidate]:
+    """`found` with the layouts the climbs would refine (small clusters, few distinct
+    pipelines) refined while `dl` allows, the likeliest first, and sorted by time.
+
+    Templates and partitions are scored by lines (any-m pipelines, the linear micro-batch
+    split), five to ten times cheaper than refined (every pipeline solved again at its own
+    micro-batch counts), so the budget reaches every grouping's templates. Lines rank layouts
+    with few micro-batches per pipeline badly (the any-m split balances the steady state, and
+    the bubble decides: at 64 GPUs with 4 slow GPUs and 32 micro-batches the winner scored 452
+    by lines and 370 refined, 266th of 950 by lines), so they are refined in two orders taken
+    in turn: by lines and by their floors' estimate (`Evaluator.floor_estimate`; the
+    winner there: first); a layout whose floor bound (`Evaluator.floor_bound`) is no better
+    than the best time found is not refined at all."""
+    out = list(found)
+    best = min((c.scored.time for c in found), default=float("inf"))
+    todo = []
+    for i, c in enumerate(found):
+        if c.scored.refined or not (small or len(c.scored.layout) <= 8):
+            continue
+        bound = ev.floor_bound(c.scored.layout)
+        if bound < best - 1e-9:
+            todo.append((c.scored.time, ev.floor_estimate(c.scored.layout), bound, i))
+    # the two rankings taken in turn: of the random held problems' winners (bench/
+    # planner_held.py) the estimate ranked five first and two 5th and 15th, lines one first
+    # and the others 26th to 266th; each guards against the other's blind spots
+    by_lines = sorted(todo, key=lambda x: (x[0], x[3]))
+    by_floor = sorted(todo, key=lambda x: (x[1], x[3]))
+    done: set[int] = set()
+    for _, _, bound, i in itertools.chain.from_iterable(zip(by_lines, by_floor, strict=True)):
+        if dl.expired():
+            break
+        if i in done or bound >= best - 1e-9:
+            continue
+        done.add(i)
+        sc = score_within(ev, dl, found[i].scored.layout, True)
+        if sc is not None:
+            out[i] = Candidate(sc, found[i].grouping)
+            best = min(best, sc.time)
+    out.sort(key=lambda c: c.scored.time)
     return out
 
 
@@ -256,11 +323,12 @@ def _partition_candidates(
         if not 2 <= P <= min(len(g.odd), problem.micro_batches) or len(g.odd) > _PART_MAX_ODD:
             continue
         odd = [x.cls for x in g.odd]
-        lays = partition_layouts(hc, len(g.healthy), odd, P, problem.layers)
+        pool = problem.dp is None and len(g.healthy) > 0  # healthy groups alone: more pipelines
+        lays = partition_layouts(hc, len(g.healthy), odd, P, problem.layers, pool)
         for lay in itertools.islice(lays, _PART_MAX):
             if dl.expired():
                 return out
-            sc = score_within(ev, dl, lay, small or len(lay) <= 8)
+            sc = score_within(ev, dl, lay, False)
             if sc is not None:
                 out.append(Candidate(sc, g))
     debug(f"partitions: {len(picked)} groupings, {ev.evaluations} layouts")

@@ -316,18 +316,26 @@ def _partitions(items: list[Cls], bins: int) -> Iterator[list[list[Cls]]]:
     yield from rec(0)
 
 
-def partition_layouts(hc: Cls, H: int, odd: list[Cls], pipelines: int, L: int) -> Iterator[Layout]:
-    """Every split of the odd groups over `pipelines` pipelines, healthy groups to the slowest.
+def partition_layouts(
+    hc: Cls, H: int, odd: list[Cls], pipelines: int, L: int, pool: bool = False
+) -> Iterator[Layout]:
+    """Every split of the odd groups over `pipelines` pipelines, healthy groups to the slowest
+    (and with `pool`, also each healthy group a pipeline of its own beside them).
 
     The special-pipeline templates deal odd groups by LPT, which spreads each size class
     evenly; under tight memory the best layout can instead gather one node's half groups in
     one pipeline (fewer full groups there) and its small groups in the others. Only for few
-    odd groups: the count grows like pipelines^len(odd) / pipelines!.
+    odd groups: the count grows like pipelines^len(odd) / pipelines!. The pool variant is the
+    templates' pool pipelines for partitions: at 32 GPUs with 16 micro-batches and six slow
+    GPUs on two nodes (bench/planner_held.py, `random 167`) the best layout keeps the only
+    healthy full group alone and splits the odd groups over five pipelines (415.4; 424.7
+    with the healthy group spread or the odd groups dealt by LPT).
     """
     seen: set[Layout] = set()
     for pipes in _partitions(sorted(odd), pipelines):
+        alone = merge([*((tuple(p), 1) for p in pipes), ((hc,), H)]) if pool else None
         _spread(pipes, hc, H, L)
-        lay = merge((tuple(p), 1) for p in pipes)
-        if lay not in seen:
-            seen.add(lay)
-            yield lay
+        for lay in (merge((tuple(p), 1) for p in pipes), alone):
+            if lay is not None and lay not in seen:
+                seen.add(lay)
+                yield lay
