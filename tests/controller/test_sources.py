@@ -32,6 +32,7 @@ from malleus.trainer.endpoint.metrics import TrainerMetrics
 from malleus.trainer.endpoint.server import ControlServer
 from malleus.trainer.engine.services import Services, WorkerState
 from malleus.trainer.switching.plan_inbox import PlanInbox
+from tests.statuses import control_status
 
 from .conftest import greedy_planner
 
@@ -175,12 +176,11 @@ def test_plan_sink_publishes_and_waits_for_the_switch(
 
 def status(**over: Any) -> ControlStatus:
     base: dict[str, Any] = dict(
-        job=JOB, world=8, generation=2, pending_generation=None, step=40, steps=100,
-        done=False, stopping=False, rates={}, step_seconds=1.0, tokens_per_second=10.0,
+        job=JOB, world=8, generation=2, step=40, steps=100, step_seconds=1.0,
+        tokens_per_second=10.0,
         last_migration=MigrationRecord(generation=2, step=37, seconds=1.5, bytes=10),
-        last_failure=None,
     )  # fmt: skip
-    return ControlStatus(**(base | over))
+    return control_status(**(base | over))
 
 
 def test_ack_from_status_reads_the_trainers_status() -> None:

@@ -9,7 +9,6 @@ from typing import Any
 import kopf
 import pytest
 
-from malleus.control import ControlStatus
 from malleus.controller.decision import Decision
 from malleus.controller.detector import Shift
 from malleus.controller.events import (
@@ -27,6 +26,7 @@ from malleus.operator.context import Context
 from malleus.operator.reporter import JobReporter
 from malleus.planner.plan import Estimate, Pipeline, Plan, Stage
 from tests.operator.kube import Kube
+from tests.statuses import control_status
 
 REF = resources.JobRef(namespace="ml", name="demo", uid="uid-1234", generation=1)
 T = 1_700_000_000.0
@@ -264,20 +264,8 @@ def test_resume_promotes_a_pending_plan_only_if_it_runs(
     kube.put("ConfigMap", stored)
     answer = None
     if running is not None:
-        answer = ControlStatus(
-            job="demo",
-            world=8,
-            generation=running,
-            pending_generation=trainers_pending,
-            step=5,
-            steps=100,
-            done=False,
-            stopping=False,
-            rates={},
-            step_seconds=None,
-            tokens_per_second=None,
-            last_migration=None,
-            last_failure=None,
+        answer = control_status(
+            world=8, generation=running, pending_generation=trainers_pending, step=5, steps=100
         )
     plan, still = run(planstore.resume_plan(ctx.cluster, REF, answer))
     assert plan is not None and plan.generation == expected

@@ -38,16 +38,14 @@ from malleus.trainer.endpoint.credentials import (
 )
 from malleus.trainer.endpoint.server import ControlServer
 from malleus.trainer.measure.emulation import InjectionQueue
+from tests.statuses import control_status
 
 TOKEN = "s3cret"
 NOW = dt.datetime(2026, 12, 1, 9, 0, tzinfo=dt.UTC)
 
 
 def status() -> ControlStatus:
-    return ControlStatus(job="demo", world=2, generation=1, pending_generation=None, step=3,
-                         steps=10, done=False, stopping=False, rates={0: 1.0, 1: 1.0},
-                         step_seconds=None, tokens_per_second=None, last_migration=None,
-                         last_failure=None)  # fmt: skip
+    return control_status(world=2, rates={0: 1.0, 1: 1.0})
 
 
 def write(certs: tls.JobCertificates, folder: Path) -> tuple[Path, Path]:

@@ -23,6 +23,7 @@ from malleus.runner.resume import append_report, checkpoint_generation
 from malleus.runner.sinks import CoordinatorClient
 from malleus.trainer.endpoint.metrics import TrainerMetrics
 from malleus.trainer.endpoint.server import ControlServer
+from tests.statuses import control_status
 
 
 def test_backoff_doubles_per_failure_of_a_rank_and_is_capped() -> None:
@@ -88,21 +89,7 @@ TOKEN = "t0ken"
 
 
 def _status() -> ControlStatus:
-    return ControlStatus(
-        job="demo",
-        world=3,
-        generation=1,
-        pending_generation=None,
-        step=4,
-        steps=10,
-        done=False,
-        stopping=False,
-        rates={},
-        step_seconds=None,
-        tokens_per_second=None,
-        last_migration=None,
-        last_failure=None,
-    )
+    return control_status(world=3, step=4)
 
 
 def _endpoint(port: int = 0, *, coordinator: bool = True) -> ControlServer:

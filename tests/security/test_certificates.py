@@ -40,6 +40,7 @@ from malleus.trainer.endpoint.server import ControlServer
 from tests.cluster.fixtures import apply_chart_rbac
 from tests.cluster.operating import token_kubeconfig
 from tests.jobs import job_body, manifest
+from tests.statuses import control_status
 
 if TYPE_CHECKING:
     from tests.cluster.controlplane import ControlPlane
@@ -51,10 +52,7 @@ VALIDITY = dt.timedelta(seconds=30)
 
 
 def status() -> ControlStatus:
-    return ControlStatus(job="demo", world=1, generation=1, pending_generation=None, step=3,
-                         steps=10, done=False, stopping=False, rates={0: 1.0},
-                         step_seconds=None, tokens_per_second=None, last_migration=None,
-                         last_failure=None)  # fmt: skip
+    return control_status(world=1, rates={0: 1.0})
 
 
 class Mount:
