@@ -40,6 +40,7 @@ from . import failures, jobs, lifecycle, monitoring, resources, status, store, t
 from .context import Context
 from .k8s import StaleRead
 from .settings import Settings
+from .syncs import PodEvents
 
 __all__ = [
     "PolicyViolation",
@@ -259,14 +260,21 @@ async def sync_pods(
 ) -> lifecycle.Transition:
     """Recompute the job's phase and failures from its pods; apply them (status + events).
 
-    ``deleted``: pods gone, by body (a watch's DELETED event) or by name. The status is written
-    only onto the version of the job it was computed from, else computed again: two pod events
-    handled at once (kopf handles pods concurrently) must not both make the same transition
-    (seen on the real control plane: the ``Running`` event posted twice)."""
-    for _ in range(SYNC_ATTEMPTS - 1):
-        with contextlib.suppress(StaleRead):
-            return await _sync_pods_once(ctx, namespace, job_name, fresh=fresh, deleted=deleted)
-    return await _sync_pods_once(ctx, namespace, job_name, fresh=fresh, deleted=deleted)
+    ``fresh``: a pod's body from its watch event (newer than a list may be); ``deleted``: pods
+    gone, by body (a watch's DELETED event) or by name. The events of one job are coalesced
+    (`syncs.SyncQueue`: one sync runs, one waits and takes in every event that comes meanwhile),
+    so a job's start costs a few syncs, not one per pod event. The status is written only onto
+    the version of the job it was computed from, else computed again: two syncs at once must
+    not both make the same transition (seen on the real control plane: the ``Running`` event
+    posted twice)."""
+
+    async def run(events: PodEvents) -> lifecycle.Transition:
+        for _ in range(SYNC_ATTEMPTS - 1):
+            with contextlib.suppress(StaleRead):
+                return await _sync_pods_once(ctx, namespace, job_name, events)
+        return await _sync_pods_once(ctx, namespace, job_name, events)
+
+    return await ctx.pod_syncs.sync((namespace, job_name), run, fresh=fresh, deleted=deleted)
 
 
 SYNC_ATTEMPTS = 8
@@ -274,12 +282,7 @@ SYNC_ATTEMPTS = 8
 
 
 async def _sync_pods_once(
-    ctx: Context,
-    namespace: str,
-    job_name: str,
-    *,
-    fresh: Mapping[str, Any] | None = None,
-    deleted: list[str | Mapping[str, Any]] | None = None,
+    ctx: Context, namespace: str, job_name: str, events: PodEvents
 ) -> lifecycle.Transition:
     cluster = ctx.cluster
     job_body = await cluster.get_job(namespace, job_name)
@@ -290,14 +293,14 @@ async def _sync_pods_once(
     expected = [resources.pod_name(job_name, i) for i in range(int(spec.get("nodes") or 0))]
     pods = await cluster.list_children("Pod", namespace, job_name)
     pods = [p for p in pods if resources.owned_by(p, ref.uid)]  # labels can be copied
-    gone = [
-        d if isinstance(d, str) else (d.get("metadata") or {}).get("name") for d in deleted or []
-    ]
+    deleted = events.deleted
+    gone = [d if isinstance(d, str) else (d.get("metadata") or {}).get("name") for d in deleted]
     pods = [p for p in pods if p.get("metadata", {}).get("name") not in gone]
-    bodies = [d for d in deleted or [] if isinstance(d, str) or resources.owned_by(d, ref.uid)]
-    if fresh is not None and resources.owned_by(fresh, ref.uid):  # as new as the list's
-        name = fresh.get("metadata", {}).get("name")
-        pods = [p for p in pods if p.get("metadata", {}).get("name") != name] + [dict(fresh)]
+    bodies = [d for d in deleted if isinstance(d, str) or resources.owned_by(d, ref.uid)]
+    # An event's body is at least as new as the list's copy of its pod (a list may lag a watch).
+    seen = {n: b for n, b in events.fresh.items() if resources.owned_by(b, ref.uid)}
+    pods = [p for p in pods if p.get("metadata", {}).get("name") not in seen]
+    pods += [dict(b) for b in seen.values()]
     transition = lifecycle.pods_transition(
         job_body.get("status"),
         pods,

@@ -8,7 +8,7 @@ resets process-wide state.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from malleus.controller.planning import Planner, default_planner
@@ -18,6 +18,7 @@ from malleus.job.limits import PlanningLimits
 from .k8s import Cluster
 from .metrics import OperatorMetrics
 from .settings import Settings
+from .syncs import SyncQueue
 
 __all__ = ["MEMO_KEY", "Context"]
 
@@ -28,12 +29,15 @@ MEMO_KEY = "malleus"
 @dataclass(frozen=True)
 class Context:
     """The cluster to call, the settings in force and the metrics to count in; the planner
-    processes every job's plans run in (None: threads of this process)."""
+    processes every job's plans run in (None: threads of this process); the queue that
+    coalesces each job's pod events."""
 
     cluster: Cluster
     settings: Settings
     metrics: OperatorMetrics
     planners: PlannerProcesses | None = None
+    pod_syncs: SyncQueue[Any] = field(default_factory=SyncQueue)
+    """Each job's pod events coalesced into few syncs (`children.sync_pods`)."""
 
     def planner(self, key: str) -> Planner:
         """Job ``key``'s planner: its share of the planner processes, else the search in a
