@@ -289,7 +289,8 @@ def _pending_transition(
 ) -> Transition:
     """Some worker still pending: say why in ``Ready=False`` (the store's trouble too). Its reason is the first stuck
     pod's (`scheduling.UNSCHEDULABLE`, `scheduling.IMAGE_PULL`) with the scheduler's or the
-    kubelet's message, else ``PodsPending``; a new stuck reason is also a Warning event, once."""
+    kubelet's message, else ``PodsPending``; a new stuck reason is also a Warning event, once
+    per pod and reason."""
     conds = [  # after a failure was merged in, some are models
         c.model_dump(mode="json", by_alias=True) if isinstance(c, Condition) else c
         for c in conds or []
@@ -308,8 +309,12 @@ def _pending_transition(
     old = next((c for c in conds if c.get("type") == READY), None)
     if old is not None and old.get("message") == msg and old.get("reason") == reason:
         return Transition()
-    said = (old or {}).get("message") or ""
-    events = [Event("Warning", r.reason, str(r)) for r in reasons if str(r) not in said]
+    # Once per pod and reason: the scheduler's message changes as nodes fill or free ("0/161
+    # nodes are available: 120 Insufficient ..."), and a changed message is the same occurrence.
+    said = "; " + ((old or {}).get("message") or "")
+    events = [
+        Event("Warning", r.reason, str(r)) for r in reasons if f"; {r.pod}: {r.reason}" not in said
+    ]
     return Transition(
         status=MalleusJobStatus(
             conditions=merge_conditions(conds, condition(READY, False, reason, msg, generation, at))

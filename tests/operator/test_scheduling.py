@@ -74,6 +74,16 @@ def test_an_unschedulable_pod_shows_in_ready_and_in_one_event() -> None:
     assert not lifecycle.pods_transition(
         st, [running(PODS[0]), unschedulable(PODS[1])], PODS, 1, T0
     )
+    # The scheduler tries again and words it anew: the condition follows, no second event.
+    retried = unschedulable(PODS[1])
+    retried["status"]["conditions"][0]["message"] = "0/161 nodes are available: 161 Insufficient"
+    again = lifecycle.pods_transition(st, [running(PODS[0]), retried], PODS, 1, T0)
+    assert again.status is not None and again.events == []
+    # Another pod stuck is another occurrence.
+    both = lifecycle.pods_transition(st, [unschedulable(PODS[0]), retried], PODS, 1, T0)
+    assert [(e.reason, e.message.split(":")[0]) for e in both.events] == [
+        ("Unschedulable", PODS[0])
+    ]
 
 
 def test_the_schedule_timeout_is_a_pure_decision() -> None:
