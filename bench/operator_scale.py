@@ -2,7 +2,7 @@
 
 On the real control plane of the tests (`tests.cluster.controlplane`: etcd, kube-apiserver,
 kube-controller-manager, kube-scheduler from ``MALLEUS_K8S_ASSETS``) with kwok nodes (Ready,
-Leases, pods Running with a pod IP from ``--cidr 127.100.0.0/16``: loopback only), the operator
+Leases, pods Running with a pod IP from a 127.X.0.0/16 claimed per run: loopback only), the operator
 runs as ``python -m malleus.operator`` with the Helm chart's ServiceAccount
 (`tests.cluster.operating.Operator`, endpoint template ``https://{pod_ip}:{port}``). Nothing
 runs in kwok's pods, so a stub answers for every worker pod on its pod IP and control port
@@ -38,6 +38,7 @@ import json
 import os
 import platform
 import re
+import socket
 import ssl
 import statistics
 import subprocess
@@ -69,8 +70,9 @@ from tests.cluster.operating import ACCOUNT, OPERATOR_NS, Operator, token_kubeco
 
 __all__ = ["Kwok", "Scale", "StubFleet", "main", "run"]
 
-KWOK_CIDR = "127.100.0.0/16"
-"""kwok's pod IPs: loopback, so the stubs can bind them and nothing leaves the machine."""
+KWOK_RANGES = range(100, 228)
+"""kwok's pod IPs come from one 127.X.0.0/16 of these (loopback: the stubs can bind them and
+nothing leaves the machine), claimed per run (`claim_cidr`)."""
 OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NS}:{ACCOUNT}"
 CONTROL_PORT = 29600
 STRAGGLER_RATE = 4.0
@@ -81,10 +83,28 @@ _PLANNED = re.compile(r"planned in ([0-9.]+) s")
 # -- kwok ------------------------------------------------------------------------------------
 
 
-class Kwok:
-    """kwok managing the nodes annotated ``kwok.x-k8s.io/node: fake`` (stages from shared/k8s)."""
+def claim_cidr() -> tuple[str, socket.socket]:
+    """A 127.X.0.0/16 no other run of this bench uses now, and the socket that holds it: two
+    runs at once (a test of the bench beside a benchmark run) with one range would bind each
+    other's pod IPs, and one's operator would call the other's stubs. The claim is a listening
+    socket on the range's last address, given up when the run ends (or its process dies)."""
+    for x in KWOK_RANGES:
+        claim = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            claim.bind((f"127.{x}.255.254", CONTROL_PORT))
+            claim.listen(1)
+        except OSError:
+            claim.close()
+            continue
+        return f"127.{x}.0.0/16", claim
+    raise RuntimeError(f"every 127.X.0.0/16 for X in {KWOK_RANGES} is taken by another run")
 
-    def __init__(self, binary: Path, stages: Path, kubeconfig: Path, log: Path) -> None:
+
+class Kwok:
+    """kwok managing the nodes annotated ``kwok.x-k8s.io/node: fake`` (stages from shared/k8s),
+    its pods' IPs from ``cidr``."""
+
+    def __init__(self, binary: Path, stages: Path, kubeconfig: Path, log: Path, cidr: str) -> None:
         self.log = log
         with log.open("ab") as out:
             self.process = subprocess.Popen(
@@ -92,7 +112,7 @@ class Kwok:
                     str(binary),
                     *("--kubeconfig", str(kubeconfig), "--config", str(stages)),
                     *("--manage-nodes-with-annotation-selector", "kwok.x-k8s.io/node=fake"),
-                    *("--node-lease-duration-seconds", "40", "--cidr", KWOK_CIDR),
+                    *("--node-lease-duration-seconds", "40", "--cidr", cidr),
                     *("--server-address", "127.0.0.1:0"),
                 ],
                 stdout=out,
@@ -557,7 +577,10 @@ def run(scale: Scale, workdir: Path) -> dict[str, Any]:
         result["control_plane_start_s"] = round(cluster.start_seconds, 1)
         AdminApi(cluster).apply_crd(yaml.safe_load(CRD_FILE.read_text()))
         apply_chart_rbac(cluster)
-        kwok = Kwok(assets / "kwok", stages, cluster.admin, workdir / "kwok.log")
+        cidr, claim = claim_cidr()
+        stoppers.append(claim.close)
+        result["pod_cidr"] = cidr
+        kwok = Kwok(assets / "kwok", stages, cluster.admin, workdir / "kwok.log", cidr)
         stoppers.append(kwok.stop)
         total_nodes = scale.job_nodes * scale.jobs + scale.spare_nodes + 1  # 1: the warm-up
         _say(f"creating {total_nodes} kwok nodes of {scale.gpus_per_node} GPUs")
