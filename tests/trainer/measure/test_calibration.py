@@ -92,10 +92,16 @@ def test_terms_are_positive_and_plausible(result: list[dict]) -> None:
 
 
 def test_slow_link_shows_as_its_nodes_rate(result: list[dict]) -> None:
+    """Node 1 reads slow, node 0 healthy. The figure is `LINK` times the ratio of two loopback
+    all-reduces' shortest times, node 1's TP pair's and node 0's, which differ by chance (a
+    few hundred microseconds each, set by scheduling on 2 cores): measured 2.52-3.71 over 14
+    phases idle and beside a CPU hog (2026-12-04, this module's job run 7 times), and
+    4.26 once under the suite's own load, which a 1.4x bound refused. The bound is that spread
+    with a margin; the healthy node's 1.5 is well below its lower end."""
     for r in result:
         links = {int(n): v for n, v in r["link_rates"].items()}
         assert links[0] < 1.5, links
-        assert 0.6 * LINK < links[1] < 1.4 * LINK, links
+        assert 0.6 * LINK < links[1] < 1.6 * LINK, links
 
 
 def test_remeasured_after_a_switch_and_published(result: list[dict]) -> None:
