@@ -16,7 +16,8 @@ the old generation), then runs the Controller with
   Secret token, wrapped to keep the plan ConfigMap current (`planstore`): every plan the
   controller adopts, acknowledged or caught up with, is recorded there;
 
-and hands every observation and decision event to a `reporter.JobReporter`. It also renews
+and hands every observation, the controller's smoothed rates and every decision event to a
+`reporter.JobReporter`. It also renews
 the job's TLS certificates when they are due (`children.renew_certificates`: at its start,
 which covers a job that queued for long, and every `renewal_check_seconds` while it runs), and
 then ends with `CERTIFICATES_RENEWED` so that its restart trusts the new CA. The status is
@@ -388,6 +389,7 @@ async def run_job(
         policy=job.policy,
         planner=planner or ctx.planner(f"{ref.namespace}/{ref.name}"),
         on_event=on_event,
+        on_rates=reporter.on_rates,
         initial_rates=rates,
         pending_plan=pending,
         ack_timeout_seconds=settings.ack_timeout_seconds,

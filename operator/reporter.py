@@ -1,11 +1,14 @@
 """A job's decision loop as Kubernetes sees it: events, status patches and metrics.
 
-`JobReporter` gets every observation (step, tokens/s, the rates) before the controller does and
-every decision event the controller emits, and writes them through the `k8s.Cluster`: status
-patches (typed `MalleusJobStatus`es, dumped by `status.dump`) and Kubernetes events. It never
-reaches into the controller: the stragglers it shows are smoothed by a `ShiftDetector` of its
-own fed with the same observations (the controller's definition of a straggler, applied to
-what the status shows), and re-plans are described by the events alone.
+`JobReporter` gets every observation (step, tokens/s) before the controller does, the
+controller's smoothed rates after each observation it judges (`on_rates`, called before any
+decision on them) and every decision event the controller emits, and writes them through the
+`k8s.Cluster`: status patches (typed `MalleusJobStatus`es, dumped by `status.dump`) and
+Kubernetes events. The stragglers it shows are the controller's own windows, not a second
+smoothing of the raw observations: one of its own once counted the warm-up steps the
+controller skips, so a re-plan could be written while the status still showed no straggler
+(and a warm-up's slow first steps showed healthy GPUs as stragglers). Re-plans are described
+by the events alone.
 
 `JobReporter.on_trainers` gets the coordinator's ``GET /status`` answers (``Ready=True`` once
 every rank trains: `readiness`): the GPUs the trainers
@@ -21,7 +24,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from malleus.control import ControlStatus, RecoveryRecord
-from malleus.controller.detector import ShiftDetector
 from malleus.controller.events import (
     DecisionEvent,
     EventKind,
@@ -32,7 +34,6 @@ from malleus.controller.events import (
 )
 from malleus.controller.ports import Observation
 from malleus.job import LastReplan, MalleusJobStatus, Phase, ResolvedJob
-from malleus.job.rates import bounded_rates
 from malleus.job.status import LastRecovery
 from malleus.notation import size
 from malleus.planner.plan import Plan
@@ -68,8 +69,6 @@ class JobReporter:
         self.ref = ref
         self.job = job
         self.body = body  # kopf's live view: the latest status
-        self.detector = ShiftDetector(job.policy)
-        """Smooths the observed rates for display (what a plan is made for is the controller's)."""
         self._last: dict[str, Any] = {}
 
     async def _patch(self, patch: MalleusJobStatus) -> None:
@@ -98,18 +97,20 @@ class JobReporter:
             await self._patch(patch)
 
     async def on_observation(self, obs: Observation) -> None:
-        """After each new step: step, tokens/s, stragglers and their condition (if changed)."""
-        self.detector.add(bounded_rates(obs.rates, self.job.world))  # as the controller sees them
-        patch = status.stragglers(self.detector.smoothed(), self.job.policy, self.job.gpus_per_node)
-        patch.step = max(0, obs.step)
+        """After each new step: step and tokens/s (if changed)."""
+        patch = MalleusJobStatus(step=max(0, obs.step))
         if obs.step_seconds:
             patch.tokens_per_second = round(self.job.tokens_per_step / obs.step_seconds, 3)
         await self._report(patch)
 
-    async def _report(self, patch: MalleusJobStatus) -> None:
-        """Write ``patch`` if anything in it changed; the Straggling condition with new stragglers."""
-        shown = status.dump(patch)
-        if shown["stragglers"] != self._last.get("stragglers"):
+    async def on_rates(self, step: int, rates: Mapping[int, float | None]) -> None:
+        """The controller's smoothed rates at ``step``: stragglers and the Straggling condition
+        (if changed). Nothing while no rank has a window's quorum yet: not knowing is not
+        "no straggler", and a restarted daemon's controller believes what the status shows."""
+        if not rates:
+            return
+        patch = status.stragglers(rates, self.job.policy, self.job.gpus_per_node)
+        if status.dump(patch)["stragglers"] != self._last.get("stragglers"):
             # The conditions list is replaced whole by a merge patch: start from the stored one
             # (the pod watcher may have just written Ready), not from this daemon's view.
             fresh = await self.ctx.cluster.get_job(self.ref.namespace, self.ref.name)
@@ -117,10 +118,14 @@ class JobReporter:
             patch.conditions = status.merge_conditions(
                 stored,
                 status.straggling_condition(
-                    self.detector.smoothed(), self.job.policy, self.ref.generation, status.now()
+                    rates, self.job.policy, self.ref.generation, status.now()
                 ),
             )
-            shown = status.dump(patch)
+        await self._report(patch)
+
+    async def _report(self, patch: MalleusJobStatus) -> None:
+        """Write ``patch`` if anything in it changed."""
+        shown = status.dump(patch)
         if shown == {k: self._last.get(k) for k in shown}:
             return
         self._last.update(shown)

@@ -64,7 +64,7 @@ from .ports import Observation, PlanSink, RateSource
 from .steps import StepGuard
 from .switching import PlanSwitching
 
-__all__ = ["Controller", "EventCallback", "ProblemBuilder"]
+__all__ = ["Controller", "EventCallback", "ProblemBuilder", "RatesCallback"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,10 @@ ProblemBuilder = Callable[[Mapping[int, "float | None"], "Plan | None"], Plannin
 """`builder(rates, plan_in_force) -> PlanningProblem`: `malleus.job.ResolvedJob.problem`."""
 EventCallback = Callable[[DecisionEvent], Any]
 """Called with every event; may be a coroutine function. Its failures are logged, not raised."""
+RatesCallback = Callable[[int, Mapping[int, "float | None"]], Any]
+"""`on_rates(step, smoothed)`: the rates the decisions are made from, after every observation
+the detector takes (warm-up ones are not), before any decision on them; may be a coroutine
+function. Its failures are logged, not raised."""
 
 
 class Controller(PlanSwitching):
@@ -88,6 +92,7 @@ class Controller(PlanSwitching):
         planner: Planner = default_planner,
         clock: Callable[[], float] = time.time,
         on_event: EventCallback | None = None,
+        on_rates: RatesCallback | None = None,
         migration: MigrationModel | None = None,
         initial_rates: Mapping[int, float | None] | None = None,
         pending_plan: Plan | None = None,
@@ -104,6 +109,7 @@ class Controller(PlanSwitching):
         self.problem_builder = problem_builder
         self.clock = clock
         self.on_event = on_event
+        self.on_rates = on_rates
         self.migration = migration or MigrationModel()
         self.ack_timeout_seconds = ack_timeout_seconds
         self.planner_grace_seconds = planner_grace_seconds
@@ -198,6 +204,9 @@ class Controller(PlanSwitching):
             self._calibration = (obs.calibration, dict(obs.link_rates))
         shift = self.detector.observe(obs.step, bounded_rates(obs.rates, self.world), now)
         self.guard.track(obs.step, self.detector.smoothed())
+        # Before the decision: whoever shows the rates (the operator's status) shows the
+        # straggler a re-plan is about before the re-plan, from the very windows it was decided on
+        await self._call(self.on_rates, "rates", obs.step, self.detector.smoothed())
         if shift is None:
             self._deferral_reported = False
             return
@@ -316,11 +325,17 @@ class Controller(PlanSwitching):
         kind = event.kind
         self._history.append(event)
         log.info("%s at step %d: %s", kind.value, self.last_step, message)
-        if self.on_event is None:
+        await self._call(self.on_event, kind.value, event)
+
+    @staticmethod
+    async def _call(callback: Callable[..., Any] | None, what: str, *args: Any) -> None:
+        """`callback(*args)`, awaited if it returns an awaitable; its failure is logged: a
+        status that could not be written is no reason to stop deciding."""
+        if callback is None:
             return
         try:
-            result = self.on_event(event)
+            result = callback(*args)
             if inspect.isawaitable(result):
                 await result
         except Exception:
-            log.exception("event callback failed for %s", kind.value)
+            log.exception("%s callback failed", what)

@@ -408,3 +408,54 @@ def test_the_first_steps_under_a_plan_are_not_news(
 
     events = asyncio.run(main())
     assert (K.STRAGGLER_DETECTED in kinds(events)) is detected
+
+
+def test_the_rates_shown_are_the_windows_decided_on_and_come_before_the_decision(
+    make_sim: Any, builder: Any, clock: Any, policy: Any
+) -> None:
+    """`on_rates` gets the detector's smoothed rates after every observation it judges, never
+    a warm-up one, and before any decision on them: a status fed from it shows the straggler
+    a re-plan is about before the re-plan. The warm-up here is healthy and the slowdown comes
+    right after it, where a second smoothing that counted the warm-up steps (a median over
+    [1, 1, 4]) would still say healthy while the loop (over [1, 4]) decides."""
+    log: list[tuple[str, Any]] = []
+
+    async def rates(step: int, smoothed: dict[int, float | None]) -> None:
+        await asyncio.sleep(0)
+        log.append(("rates", (step, dict(smoothed))))
+
+    async def main() -> None:
+        sim = make_sim(lambda s: {}, steps=100)
+        c, _ = controller(
+            sim,
+            builder,
+            clock,
+            policy,
+            on_event=lambda e: log.append(("event", e.kind)),
+            on_rates=rates,
+        )
+        for step in range(5):
+            ranks = {r: (4.0 if r == 3 and step >= 3 else 1.0) for r in range(8)}
+            await c.observe(Observation(step, 16.0, ranks, 0))
+            if log and log[-1][0] == "event":
+                return
+
+    asyncio.run(main())
+    shown = [v for kind, v in log if kind == "rates"]
+    assert next(step for step, _ in shown) == 2  # steps 0 and 1: the warm-up, not judged
+    first_event = next(i for i, (kind, _) in enumerate(log) if kind == "event")
+    assert log[first_event][1] is K.STRAGGLER_DETECTED
+    before = [v for kind, v in log[:first_event] if kind == "rates"]
+    assert before[-1][1][3] is not None and policy.is_straggler(before[-1][1][3])
+
+
+def test_a_failing_rates_callback_does_not_stop_the_loop(
+    make_sim: Any, builder: Any, clock: Any, policy: Any
+) -> None:
+    def boom(step: int, smoothed: dict[int, float | None]) -> None:
+        raise RuntimeError("status patch failed")
+
+    sim = make_sim(slow({3: (5, None, 4.0)}), steps=20)
+    c, _ = controller(sim, builder, clock, policy, on_rates=boom)
+    asyncio.run(c.run())
+    assert len(c.history) == 4  # detected, planned, replanned, migrated all the same
