@@ -17,13 +17,12 @@ the old generation), then runs the Controller with
   controller adopts, acknowledged or caught up with, is recorded there;
 
 and hands every observation, the controller's smoothed rates and every decision event to a
-`reporter.JobReporter`. It also renews
-the job's TLS certificates when they are due (`children.renew_certificates`: at its start,
-which covers a job that queued for long, and every `renewal_check_seconds` while it runs), and
-then ends with `CERTIFICATES_RENEWED` so that its restart trusts the new CA. The status is
-written through the cluster (kopf applies a daemon's ``patch`` only when it exits). The daemon
-writes ``phase`` only while the job is Running or Replanning, so it never overrides a Failed or
-Succeeded set by the pod watcher.
+`reporter.JobReporter`. It also renews the job's TLS certificates when they are due
+(`children.renew_certificates`: at its start, which covers a job that queued for long, and
+every `renewal_check_seconds` while it runs), and then ends with `CERTIFICATES_RENEWED` so
+that its restart trusts the new CA. The status is written through the cluster (kopf applies a
+daemon's ``patch`` only when it exits). The daemon writes ``phase`` only while the job is
+Running or Replanning, so it never overrides a Failed or Succeeded set by the pod watcher.
 """
 
 from __future__ import annotations

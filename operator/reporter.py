@@ -5,10 +5,10 @@ controller's smoothed rates after each observation it judges (`on_rates`, called
 decision on them) and every decision event the controller emits, and writes them through the
 `k8s.Cluster`: status patches (typed `MalleusJobStatus`es, dumped by `status.dump`) and
 Kubernetes events. The stragglers it shows are the controller's own windows, not a second
-smoothing of the raw observations: one of its own once counted the warm-up steps the
-controller skips, so a re-plan could be written while the status still showed no straggler
-(and a warm-up's slow first steps showed healthy GPUs as stragglers). Re-plans are described
-by the events alone.
+smoothing of the raw observations: that one would count the warm-up steps the controller
+skips, so a re-plan could be written while the status still showed no straggler, and a
+warm-up's slow first steps would show healthy GPUs as stragglers. Re-plans are described by
+the events alone.
 
 `JobReporter.on_trainers` gets the coordinator's ``GET /status`` answers (``Ready=True`` once
 every rank trains: `readiness`): the GPUs the trainers

@@ -203,10 +203,11 @@ class Controller(PlanSwitching):
         if obs.calibration is not None:  # the trainers' latest measurement of the cost model
             self._calibration = (obs.calibration, dict(obs.link_rates))
         shift = self.detector.observe(obs.step, bounded_rates(obs.rates, self.world), now)
-        self.guard.track(obs.step, self.detector.smoothed())
+        smoothed = self.detector.smoothed()
+        self.guard.track(obs.step, smoothed)
         # Before the decision: whoever shows the rates (the operator's status) shows the
         # straggler a re-plan is about before the re-plan, from the very windows it was decided on
-        await self._call(self.on_rates, "rates", obs.step, self.detector.smoothed())
+        await self._call(self.on_rates, "rates", obs.step, smoothed)
         if shift is None:
             self._deferral_reported = False
             return
