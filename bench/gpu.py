@@ -6,6 +6,7 @@ Run by bench/gpu.sh (one NVIDIA GPU); by hand:
     python bench/gpu.py solo --out gpu-results            # one rank, the whole GPU
     python bench/gpu.py plain --out gpu-results           # the plain loop, the whole GPU
     python bench/gpu.py share --ranks 4 --out gpu-results # 4 one-rank jobs on the same GPU
+    python bench/gpu.py compiled --out gpu-results        # solo with `training.compile`
     python bench/gpu.py solo --dry-run --out /tmp/x       # the same code, tiny model, CPU
 
 *solo*: one rank (a world of one, NCCL) trains a Llama-shaped model of ~1.1B parameters
@@ -21,6 +22,9 @@ attention) with float32 weights under bf16 autocast, a forward and backward per 
 `clip_grad_norm_`, `torch.optim.AdamW` (fused on CUDA, the Trainer's default optimizer), the
 job's LR schedule; the losses stay on the device until the end, as the Trainer keeps them.
 Trainer step time / plain step time is the trainer's overhead on the GPU (target <= 1.10).
+
+*compiled*: solo with `spec.training.compile` (the layers' math through `torch.compile`); the
+first warm-up step pays the compilation, which the median leaves out.
 
 *share*: NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected",
 NCCL >= 2.5), so ranks of one job cannot share a GPU; what can is several jobs. `share` starts
@@ -80,7 +84,9 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
 """Dense bf16 tensor-core peaks (SXM parts), matched by substring of the device name."""
 
 
-def make_job(model: dict[str, int], global_batch: int, micro: int, gpu_mib: int) -> ResolvedJob:
+def make_job(
+    model: dict[str, int], global_batch: int, micro: int, gpu_mib: int, *, compiled: bool = False
+) -> ResolvedJob:
     manifest = yaml.safe_load(TINY.read_text())
     spec = manifest["spec"]
     spec.update(nodes=1, gpusPerNode=1, parallelism={"tp": 1}, emulation={"enabled": False})
@@ -93,6 +99,7 @@ def make_job(model: dict[str, int], global_batch: int, micro: int, gpu_mib: int)
         "warmupSteps": 10,
         "dataset": "synthetic",
         "precision": "bf16",
+        "compile": compiled,
     }
     spec["resources"] = {"gpuMemoryMiB": gpu_mib}
     return ResolvedJob.load(manifest).check()
@@ -128,7 +135,8 @@ def measure(args: argparse.Namespace, global_batch: int) -> dict[str, Any]:
     device = init_distributed(DistEnv(0, 1, 0, "127.0.0.1", _free_port()), world, init_timeout_s=60)
     cuda = device.type == "cuda"
     gpu_mib = torch.cuda.get_device_properties(device).total_memory >> 20 if cuda else 81559
-    job = make_job(DRY if args.dry_run else LLAMA_1B, global_batch, args.micro, gpu_mib)
+    model = DRY if args.dry_run else LLAMA_1B
+    job = make_job(model, global_batch, args.micro, gpu_mib, compiled=args.mode == "compiled")
     trainer = Trainer(job, job.initial_plan(), rank=0, world=world, device=device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times = []
@@ -247,7 +255,7 @@ def share(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", choices=["solo", "plain", "share"])
+    ap.add_argument("mode", choices=["solo", "plain", "share", "compiled"])
     ap.add_argument("--out", type=Path, default=Path("gpu-results"))
     ap.add_argument("--ranks", type=int, default=4, help="share: one-rank jobs on the GPU")
     ap.add_argument("--steps", type=int, default=8)
@@ -263,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         # A dry run checks that the code runs and reports, not the rate: a median of two
         # steps after one warm-up is enough (on a loaded CPU a step took up to 2 s).
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
-    if args.mode == "solo":
+    if args.mode in ("solo", "compiled"):
         result = measure(args, args.global_batch)
         if args.child:
             print(json.dumps(result))

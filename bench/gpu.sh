@@ -19,12 +19,16 @@
 #                     checkpointing on the GPU against the CPU reference; skipped without CUDA)
 # 6. gpu-share.json   four one-rank jobs sharing the GPU (NCCL allows no two ranks of one job
 #                     on one GPU: bench/gpu.py says why), each one's tokens/s and their sum
-# 7. summary.txt      one line per stage, PASS/FAIL, then the figures against the targets
+# 7. gpu-compiled.json solo with `training.compile` (torch.compile of the layers' math), if
+#                     time allows: only when its limit (120 s) still fits in the call's 480 s,
+#                     and a C compiler is on PATH (inductor and Triton build with one)
+# 8. summary.txt      one line per stage, PASS/FAIL, then the figures against the targets
 #                     (MFU >= 40%, trainer/plain step time <= 1.10)
 #
 # Every stage has its own time limit (timeout: 30 + 30 + 45 + 90 + 75 + 90 + 115 s = 475 s in
-# all), so one hang cannot eat the others' time; after the imports every stage runs whatever the
-# previous did; the exit code is 1 if any stage failed.
+# all, and the compiled stage only within the 480 s), so one hang cannot eat the others' time;
+# after the imports every stage runs whatever the previous did; the exit code is 1 if any stage
+# failed (a skipped one has not).
 # MALLEUS_GPU_DRY_RUN=1 runs the same stages on CPU with a tiny model (tests/trainer/run), with
 # 4x the time limits (a shared CPU imports torch slower than a GPU machine runs a step);
 # MALLEUS_GPU_TIME_SCALE multiplies the limits (default 1, 4 in a dry run);
@@ -42,11 +46,12 @@ if [[ -z "$PY" ]]; then
   if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; elif command -v python3 >/dev/null; then PY=python3; else PY=python; fi
 fi
 WHEELS="${MALLEUS_GPU_WHEELS:-.gpu-wheels}"
-STAGES=" ${MALLEUS_GPU_STAGES:-machine solo plain cuda-tests share} "
+STAGES=" ${MALLEUS_GPU_STAGES:-machine solo plain cuda-tests share compiled} "
 DRY=()
 SCALE=1
 if [[ "${MALLEUS_GPU_DRY_RUN:-0}" == "1" ]]; then DRY=(--dry-run --peak-tflops 1) SCALE=4; fi
 SCALE="${MALLEUS_GPU_TIME_SCALE:-$SCALE}"
+BUDGET=$((480 * SCALE)) # the whole call's seconds
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 failed=0
@@ -87,10 +92,19 @@ grep -h '^WARNING' "$OUT/imports.txt" | tee -a "$SUMMARY"
 if wanted solo; then stage solo 90 solo.txt "$PY" bench/gpu.py solo --out "$OUT" "${DRY[@]}"; fi
 if wanted plain; then stage plain 75 plain.txt "$PY" bench/gpu.py plain --out "$OUT" "${DRY[@]}"; fi
 if wanted cuda-tests; then
-  stage cuda-tests 90 cuda-tests.txt "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/trainer/model/test_precision_cuda.py
+  stage cuda-tests 90 cuda-tests.txt "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/trainer/model/test_precision_cuda.py tests/trainer/parallel/test_timing.py
 fi
 if wanted share; then
   stage share 115 share.txt "$PY" bench/gpu.py share --ranks "${MALLEUS_GPU_SHARE_RANKS:-4}" --out "$OUT" "${DRY[@]}"
+fi
+if wanted compiled; then
+  if ! command -v cc >/dev/null && ! command -v gcc >/dev/null; then
+    echo "compiled: skipped, no C compiler on PATH (torch.compile builds its kernels with one)" | tee -a "$SUMMARY"
+  elif ((SECONDS + 120 * SCALE > BUDGET)); then
+    echo "compiled: skipped, $((BUDGET - SECONDS)) s left of the call's $BUDGET s" | tee -a "$SUMMARY"
+  else
+    stage compiled 120 compiled.txt "$PY" bench/gpu.py compiled --out "$OUT" "${DRY[@]}"
+  fi
 fi
 
 "$PY" bench/gpu_report.py summary "$OUT" | tee -a "$SUMMARY"

@@ -139,7 +139,7 @@ def stale_files() -> list[str] | None:
 def summary(out: Path) -> int:
     """One line per measured figure, against the targets; dry runs are marked, not judged."""
     runs = {}
-    for mode in ("solo", "plain", "share"):
+    for mode in ("solo", "plain", "share", "compiled"):
         f = out / f"gpu-{mode}.json"
         if f.is_file():
             runs[mode] = json.loads(f.read_text())
@@ -164,6 +164,14 @@ def summary(out: Path) -> int:
             f"trainer/plain step time: {ratio:.3f} "
             f"(target <= {TARGET_RATIO:.2f}: {verdict(ratio <= TARGET_RATIO)})"
         )
+    if "compiled" in runs:
+        r = runs["compiled"]
+        line = f"compiled: {r['tokens_per_second']:,.0f} tokens/s, MFU {mfu(r)}"
+        if r.get("mfu") is not None:
+            line += f" (target >= {100 * TARGET_MFU:.0f}%: {verdict(r['mfu'] >= TARGET_MFU)})"
+        if "solo" in runs:
+            line += f"; {runs['solo']['step_seconds'] / r['step_seconds']:.2f}x solo's speed"
+        print(line)
     if "share" in runs:
         r = runs["share"]
         line = f"share: {r['ranks']} jobs, {r['tokens_per_second']:,.0f} tokens/s in all"

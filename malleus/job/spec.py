@@ -176,6 +176,11 @@ class TrainingSpec(StrictModel):
     activation_checkpointing: bool = False
     """Recompute each layer's activations in the backward instead of keeping them: less memory
     for one more forward per layer; the same math."""
+    compile: bool = False
+    """Compile the layers' math between their collectives (RMSNorm, attention, SwiGLU) with
+    `torch.compile`: fused elementwise kernels and fewer launches on a GPU, for a compilation in
+    the first steps (once per shape: every layer of a stage shares it). The same math to
+    rounding (the fused kernels round in their own order)."""
 
 
 class ParallelismSpec(StrictModel):

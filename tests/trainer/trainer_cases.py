@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import yaml
 from rank_cases import spawned_rank
 
 from malleus.job import ResolvedJob
 from malleus.planner import Plan
 from malleus.trainer.engine.state import gather_full
+from malleus.trainer.parallel import grad_sync
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
 SMALL = {"layers": 6, "hidden": 32, "heads": 4, "ffn": 64, "vocab": 256, "sequence": 16}
@@ -100,6 +102,29 @@ def run_cases(cases: list[Case], out_dir: str) -> None:
             full = gather_full(trainer, 0)
             record = {"full": full, "reports": reports, "groups": len(rank.groups)}
             rank.save(out_dir, f"{case.name}.pt", record)
+
+
+def run_chunk_cases(cases: list[Case], caps: list[int | None], out_dir: str) -> None:
+    """Spawned-job body: train every case once per gradient chunk size in `caps` (None: the
+    default, `grad_sync.CHUNK_BYTES`); rank 0 writes OUT/<name>-<cap>.pt with every rank's
+    (chunks, chunks posted during the last step's backward) beside the model."""
+    default = grad_sync.CHUNK_BYTES
+    with spawned_rank() as rank:
+        for case in cases:
+            for cap in caps:
+                grad_sync.CHUNK_BYTES = default if cap is None else cap  # read by new layouts
+                trainer = rank.trainer(case.job, case.plan)
+                reports = [asdict(trainer.train_step()) for _ in range(case.steps)]
+                mine = torch.tensor([len(trainer.grad_sync.chunks), trainer.grad_sync.early])
+                every = [torch.zeros_like(mine) for _ in range(trainer.world.size)]
+                dist.all_gather(every, mine)
+                record = {
+                    "full": gather_full(trainer, 0),
+                    "reports": reports,
+                    "chunks": [tuple(int(v) for v in row) for row in every],
+                }
+                rank.save(out_dir, f"{case.name}-{cap}.pt", record)
+        grad_sync.CHUNK_BYTES = default
 
 
 def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

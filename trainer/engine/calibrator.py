@@ -30,8 +30,7 @@ Gloo all-reduces of small gradient buckets are latency-bound, and a mixed plan s
 gradients into more buckets (one per holder set) than the uniform plan, so the gradient sync is
 fitted as a cost per call plus one per byte: after the transfer probe every rank also times a
 small all-reduce on each of its gradient-sync groups (`probe_grad_calls`: the buckets in
-the layout's global order, the order `sync_gradients` runs them, so every member of a group
-reaches it alike), and the per-byte figure is what the step's sync took beyond its calls.
+the layout's global order, which every member of a group follows alike), and the per-byte figure is what the step's sync took beyond its calls.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ import logging
 import math
 import socket
 import statistics
-import time
 import zlib
 from collections.abc import Sequence
 from functools import cache
@@ -53,6 +51,7 @@ import torch.distributed as dist
 from malleus.job.resources import usable_cpus
 from malleus.trainer.measure.calibration_merge import keep_sizes, median_calibration
 from malleus.trainer.measure.calibration_terms import CostSample, GradCallProbe, reduce_calibration
+from malleus.trainer.parallel.timing import Timing
 from malleus.trainer.world.exchange import rows
 
 from .step import TrainerView
@@ -119,6 +118,9 @@ class Calibrator:
             k = step - self._first
             if not CAL_WARMUP <= k < CAL_WARMUP + CAL_STEPS:
                 return False
+            # The step's gradient sync is read (with CUDA events, after the schedule's read):
+            # free on a GPU, which has drained its queue for the world vector's read.
+            trainer.timer.settle()
             probes = probe(trainer)
             calls = probe_grad_calls(trainer)
             self.window.append(_sample(trainer, started, seconds, optimizer_s, probes, calls))
@@ -216,15 +218,17 @@ def probe(trainer: TrainerView) -> tuple[tuple[int, float] | None, tuple[int, fl
                 dist.recv(recv, dst, tag=PROBE_TAG)
                 dist.send(send, dst, tag=PROBE_TAG)
                 continue
-            t0 = time.perf_counter()
             # The first round trip lines the pair up (the partner may still be finishing its
-            # step): not timed. The meter charges an emulated slow link inside the timing.
-            with trainer.meter.timed(kind if i else "probe_lineup", (trainer.rank, peer), nbytes):
+            # step): not counted. The meter charges an emulated slow link inside the timing.
+            with trainer.meter.timed(
+                kind if i else "probe_lineup", (trainer.rank, peer), nbytes
+            ) as trip:
                 dist.send(send, dst, tag=PROBE_TAG)
                 dist.recv(recv, dst, tag=PROBE_TAG)
             if i:
-                trips.append(time.perf_counter() - t0)
-        out.append((peer, statistics.median(trips) if trips else 0.0))
+                trips.append(trip)
+        trainer.meter.settle()  # read on the stopwatch of the step's own figures
+        out.append((peer, statistics.median(settled_seconds(trips)) if trips else 0.0))
     return out[0], out[1]
 
 
@@ -233,8 +237,8 @@ def probe_grad_calls(trainer: TrainerView) -> GradCallProbe:
     tensor (its bucket's size up to PROBE_ELEMENTS: the call's latency, not its bytes), one
     untimed call that lines the group up, then PROBE_CALLS timed ones, their median per group.
     Returns, inside a node and across nodes, the sum of the groups' medians and the number of
-    groups. Collective over each group: the buckets run in the layout's global order, as in
-    `sync_gradients`."""
+    groups. Collective over each group: the buckets run in the layout's global order, the same
+    on every rank."""
     sums, counts = [0.0, 0.0], [0, 0]
     gpn = trainer.job.gpus_per_node
     for bucket in trainer.layout.my_buckets():
@@ -245,15 +249,23 @@ def probe_grad_calls(trainer: TrainerView) -> GradCallProbe:
         x = torch.zeros(n, dtype=torch.float32, device=trainer.device)
         calls = []
         for i in range(1 + PROBE_CALLS):
-            t0 = time.perf_counter()
             # Through the meter, so an emulated slow link charges these as the sync's.
-            with trainer.meter.timed("call_probe" if i else "probe_lineup", bucket.members, 4 * n):
+            kind = "call_probe" if i else "probe_lineup"
+            with trainer.meter.timed(kind, bucket.members, 4 * n) as call:
                 dist.all_reduce(x, group=group)
             if i:
-                calls.append(time.perf_counter() - t0)
-        sums[inter] += statistics.median(calls)
+                calls.append(call)
+        trainer.meter.settle()
+        sums[inter] += statistics.median(settled_seconds(calls))
         counts[inter] += 1
     return GradCallProbe(sums[0], counts[0], sums[1], counts[1])
+
+
+def settled_seconds(timings: Sequence[Timing]) -> list[float]:
+    """The seconds of settled timings."""
+    out = [t.seconds for t in timings]
+    assert all(x is not None for x in out), "read before the meter settled"
+    return [x for x in out if x is not None]
 
 
 @cache

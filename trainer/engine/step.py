@@ -24,8 +24,7 @@ if TYPE_CHECKING:
     from malleus.trainer.model.precision import Precision
     from malleus.trainer.parallel.groups import GroupCache
     from malleus.trainer.parallel.layout import Layout
-    from malleus.trainer.parallel.pipeline import LayerTimer
-    from malleus.trainer.parallel.tensor import CommMeter
+    from malleus.trainer.parallel.timing import CommMeter, LayerTimer
     from malleus.trainer.world.world import World
 
     from .services import Services

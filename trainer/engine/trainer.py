@@ -31,13 +31,14 @@ from malleus.trainer.model.decoder import Piece
 from malleus.trainer.model.hf import initial_pieces
 from malleus.trainer.model.precision import ComputeCopies, Precision
 from malleus.trainer.parallel import migrate
-from malleus.trainer.parallel.grad_sync import owned_square_norm, sync_gradients
+from malleus.trainer.parallel.grad_sync import GradSync, owned_square_norm
 from malleus.trainer.parallel.groups import GroupCache
 from malleus.trainer.parallel.layout import Layout, Place
 from malleus.trainer.parallel.optim import AdamState, PieceAdamW, clip_coefficient, lr_at
-from malleus.trainer.parallel.pipeline import LayerTimer, PipelineStage
+from malleus.trainer.parallel.pipeline import PipelineStage
 from malleus.trainer.parallel.stage import StageModel
-from malleus.trainer.parallel.tensor import CommMeter, TPGroup
+from malleus.trainer.parallel.tensor import TPGroup
+from malleus.trainer.parallel.timing import CommMeter, LayerTimer, stopwatch_for
 from malleus.trainer.switching.protocol import (
     CONTROL_WORDS,
     MIGRATION_TIMEOUT_S,
@@ -93,7 +94,7 @@ class Trainer:
         self.services = services
         self.groups = groups if groups is not None else GroupCache(world)
         self.meter = CommMeter(  # an emulated clock charges slow links (`link_wait`)
-            cuda=device.type == "cuda",
+            stopwatch_for(device, emulated=self.services.emulated),
             gpus_per_node=job.gpus_per_node,
             link=getattr(self.services.clock, "link_wait", None),
         )
@@ -103,7 +104,7 @@ class Trainer:
         self.optimizer_seconds = 0.0  # the last step's optimizer update
         self.faults = Faults(job.failures, rank, world.store)  # emulated kill / hang (faults.py)
         clock = self.faults.clock(self.services.clock)
-        self.timer = LayerTimer(clock, self.services.profiler, self.meter, device, world)
+        self.timer = LayerTimer(clock, self.services.profiler, self.meter, world)
         tr = self.training
         self.source = make_source(tr.dataset, job.model.sequence, job.model.vocab, tr.seed, tr.data)
         self.step = 0
@@ -150,6 +151,11 @@ class Trainer:
         rank, same order) and this rank's pipeline stage over them (None: excluded)."""
         self.groups.ensure(self.layout.member_sets())
         self.world.progress.relayout()  # its first step is measured, not judged
+        # Overlapped with the backward on real timings; an emulated link stretches a collective
+        # by its own duration, which an overlapped one does not show (grad_sync.py).
+        self.grad_sync = GradSync(
+            self.layout, self.groups, self.meter, overlap=not self.services.emulated
+        )
         place = self.layout.place
         self.pipeline = self._pipeline(place) if place is not None else None
 
@@ -170,6 +176,7 @@ class Trainer:
             tp,
             self.device,
             self.precision.compute,
+            compiled=self.training.compile,
         )
         return PipelineStage(
             model,
@@ -182,6 +189,7 @@ class Trainer:
             world=self.world,
             dtype=self.precision.compute,
             recompute=self.training.activation_checkpointing,
+            finished=self.grad_sync.ready,
         )
 
     def _batch(self, micro: int) -> tuple[Tensor, Tensor]:
@@ -221,9 +229,15 @@ class Trainer:
             exchange_injections(self)
         self.optim.zero_grad()
         self.timer.reset()
-        loss_sum = self.pipeline.run() if self.pipeline is not None else self.bench.run(self)
+        self.grad_sync.begin(self.params)
+        try:  # the schedule posts the gradient sync's chunks as its last backward ends them
+            loss_sum = self.pipeline.run() if self.pipeline is not None else self.bench.run(self)
+        except BaseException:
+            self.grad_sync.abandon()
+            raise
+        self.timer.settle()  # the benchmark's (a schedule's are read as it ends)
         svc.profiler.end_step()
-        sync_gradients(self.layout, self.params, self.groups, self.meter)
+        self.grad_sync.finish()
 
         # One world all-gather of each rank's own row: [owned grad^2, loss part, seconds/unit,
         # compute, control words (the coordinator's row only)]; `world_vector` sums and slots
@@ -243,10 +257,12 @@ class Trainer:
             with self.world.progress.outside():  # the inbox and the store: not compute
                 announce, payload = self.coordinator.take()
                 announce = replace(announce, joins=self.joiners() if self.joiners else 0)
-            row[OWN_WORDS:] = torch.tensor(announce.words(), dtype=torch.float64)
+            words = torch.tensor(announce.words(), dtype=torch.float64)
+            if self.device.type == "cuda":  # a copy from pageable memory waits for the GPU
+                words = words.pin_memory()
+            row[OWN_WORDS:] = words.to(self.device, non_blocking=True)
         self.world.bound()
-        with self.meter.timed():
-            got = rows(row, self.world)
+        got = rows(row, self.world)
         table = torch.stack(list(got.values())).tolist()  # one copy off the device
         vec = world_vector(dict(zip(got, table, strict=True)), W, self.world.coordinator())
         return vec, payload, t0

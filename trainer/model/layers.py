@@ -4,11 +4,18 @@ the sharded stages (trainer/parallel/stage.py), which feed it their local heads 
 Written to compute what transformers' Llama computes, in the same order where the order decides
 the last bits (rotary tables, RMSNorm), so that a Hugging Face model's logits are matched
 exactly in fp32; attention is `scaled_dot_product_attention` (flash attention on GPUs).
+
+`layer_math(compiled)` hands a stage the three functions a layer runs between its collectives,
+as they are or through `torch.compile` (`spec.training.compile`): compiled once per process and
+shape, shared by every layer, since a layer's weights are arguments, not state.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +26,10 @@ from malleus.job.presets import RopeScaling
 
 __all__ = [
     "NORM_EPS",
+    "LayerMath",
     "apply_rope",
     "attention",
+    "layer_math",
     "model_rope",
     "rms_norm",
     "rope_tables",
@@ -125,3 +134,24 @@ def attention(
 def swiglu(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
     """SwiGLU MLP over the ffn columns w1/w3 hold; summing slices gives the full output."""
     return (F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T  # (B, T, C)
+
+
+@dataclass(frozen=True)
+class LayerMath:
+    """What a layer computes between its collectives (and the final norm before the head)."""
+
+    rms_norm: Callable[..., Tensor]
+    attention: Callable[..., Tensor]
+    swiglu: Callable[..., Tensor]
+
+
+def layer_math(compiled: bool = False) -> LayerMath:
+    """The functions as they are, or compiled (`_compiled`: once per process)."""
+    return _compiled() if compiled else LayerMath(rms_norm, attention, swiglu)
+
+
+@functools.cache
+def _compiled() -> LayerMath:
+    # Each function is compiled at its first call, once per input shape and dtype; the
+    # collectives stay outside (trainer/parallel/stage.py), so nothing breaks the graphs.
+    return LayerMath(torch.compile(rms_norm), torch.compile(attention), torch.compile(swiglu))

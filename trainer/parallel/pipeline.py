@@ -4,7 +4,8 @@ Stage j of S with m micro-batches runs min(S-j-1, m) warm-up forwards, then alte
 forward and one backward, then drains the warm-up backwards (Megatron's non-interleaved
 schedule). Sends and receives that meet in the steady state are batched (isend/irecv issued
 together, then waited on), so no two neighbours block on each other. Every layer's forward and
-backward is timed separately from communication and charged to the (optionally emulated) clock.
+backward is timed separately from communication and charged to the (optionally emulated) clock
+(`LayerTimer`, trainer/parallel/timing.py); the times are read when the schedule ends.
 
 For the cost model's calibration the timer also keeps, per step, the TP communication inside
 layer calls, the embedding's and the head's time per micro-batch (their math, collectives and
@@ -24,7 +25,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -35,94 +35,12 @@ from malleus.trainer.world.world import World
 
 from .layout import Place
 from .stage import StageModel
-from .tensor import CommMeter
+from .timing import LayerTimer
 
-__all__ = ["ACT_TAG", "GRAD_TAG", "Clock", "LayerTimer", "PipelineStage", "Profiler"]
+__all__ = ["ACT_TAG", "GRAD_TAG", "PipelineStage"]
 
 ACT_TAG, GRAD_TAG = 1, 2
 Batch = Callable[[int], tuple[Tensor, Tensor]]  # global micro-batch index -> (inputs, targets)
-
-
-T = TypeVar("T")
-
-
-class Clock(Protocol):
-    def compute(self, kind: str, shards: int, started: float) -> None: ...
-
-
-class Profiler(Protocol):
-    def record(self, units: int, seconds: float) -> None: ...
-
-
-class LayerTimer:
-    """Times layer math apart from communication, charges the clock, feeds the profiler.
-
-    A layer's compute time is its wall time minus the time its TP collectives spent (the
-    `CommMeter` delta); the emulated clock then waits until `start + comm + budget`, so a GPU
-    that waited for a slow peer inside a layer is still charged its own full budget. Before
-    each layer it checks the `World`'s recovery alarm (trainer/world/alarm.py).
-    """
-
-    def __init__(
-        self,
-        clock: Clock,
-        profiler: Profiler,
-        meter: CommMeter,
-        device: torch.device,
-        world: World,
-    ) -> None:
-        self.clock, self.profiler, self.meter, self.world = clock, profiler, meter, world
-        # Waits for the device before and after each timed call, so that its wall time is its
-        # compute: the step's only host synchronisations but the world vector's (tests count them).
-        self.sync: Callable[[], None] = (
-            torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        )
-        self.seconds = 0.0  # summed since the last reset
-        self.units = 0  # layer-shard passes (forward or backward, one micro-batch) since then
-        self.calls = 0  # layer calls (forward or backward) since then
-        self.comm = 0.0  # TP communication seconds inside those calls
-        # "embedding"/"head" -> [seconds, micro-batches, seconds in their own TP collectives]
-        self.ends: dict[str, list[float]] = {}
-        self.started: float | None = None  # perf_counter of this step's schedule, start / end
-        self.ended: float | None = None
-
-    def reset(self) -> None:
-        self.seconds, self.units, self.calls, self.comm = 0.0, 0, 0, 0.0
-        self.ends, self.started, self.ended = {}, None, None
-
-    def end(self, name: str, fn: Callable[[], T], micro_batches: int = 0) -> T:
-        """Run the embedding's or the head's work (forward or backward) and time it. An
-        emulated clock stretches its compute (its wall time less its TP collectives) by the
-        rank's slowdown, as a slow GPU would."""
-        self.sync()
-        t0, c0 = time.perf_counter(), self.meter.seconds
-        out = fn()
-        self.sync()
-        stretch = getattr(self.clock, "stretch", None)
-        if stretch is not None:
-            stretch(t0 + self.meter.seconds - c0)
-        acc = self.ends.setdefault(name, [0.0, 0, 0.0])
-        acc[0] += time.perf_counter() - t0
-        acc[1] += micro_batches
-        acc[2] += self.meter.seconds - c0
-        return out
-
-    def __call__(self, kind: str, shards: int, fn: Callable[[], Tensor]) -> Tensor:
-        self.world.check_alarm()  # a peer entered recovery: this step is lost anyway
-        self.world.progress.mark()  # this rank's training thread got somewhere
-        self.sync()
-        t0, c0 = time.perf_counter(), self.meter.seconds
-        out = fn()
-        self.sync()
-        comm = self.meter.seconds - c0
-        self.clock.compute(kind, shards, t0 + comm)
-        seconds = time.perf_counter() - t0 - comm
-        self.profiler.record(shards, seconds)
-        self.seconds += seconds
-        self.units += shards
-        self.calls += 1
-        self.comm += comm
-        return out
 
 
 @dataclass
@@ -152,6 +70,7 @@ class PipelineStage:
         world: World,
         dtype: torch.dtype = torch.float32,
         recompute: bool = False,
+        finished: Callable[[int | str], None] | None = None,
     ) -> None:
         self.model, self.place, self.batch, self.world = model, place, batch, world
         self.total = total_micro_batches
@@ -160,22 +79,26 @@ class PipelineStage:
         self.recompute = recompute  # activation checkpointing, per layer
         self.shards = len(place.shards)
         self.loss_sum: Tensor | float = 0.0
+        # Told, during the step's last backward, of each unit whose gradients are then final: a
+        # layer (its index), "head", "embedding" (the gradient sync posts them: grad_sync.py).
+        self.finished = finished or (lambda unit: None)
+        self._backwards = 0  # this step's backwards so far
 
     def run(self) -> Tensor | float:
         """This rank's part of the step; the sum of its micro-batches' losses (a float64 tensor
         on the device, summed there: reading each loss would wait for the device), 0.0 when it
         computes none (not the last stage)."""
         self.timer.started = time.perf_counter()
-        try:
-            return self._run()
-        finally:
-            self.timer.ended = time.perf_counter()
+        out = self._run()
+        self.timer.settle()  # the schedule's times read (one host sync with CUDA events)
+        self.timer.ended = time.perf_counter()  # after the device finished the schedule
+        return out
 
     def _run(self) -> Tensor | float:
         p = self.place
         warmup = min(p.num_stages - p.stage - 1, p.micro_batches)
         steady = p.micro_batches - warmup
-        self.loss_sum = 0.0
+        self.loss_sum, self._backwards = 0.0, 0
         queue: deque[_InFlight] = deque()
         micros = iter(range(p.micro_offset, p.micro_offset + p.micro_batches))
         for _ in range(warmup):
@@ -250,17 +173,25 @@ class PipelineStage:
         return out
 
     def _backward(self, st: _InFlight, grad: Tensor | None) -> Tensor | None:
+        self._backwards += 1
+        last = self._backwards == self.place.micro_batches  # the step's gradients end here
         if self.place.last:
             assert st.loss is not None and st.head_input is not None
             loss = st.loss / self.total  # every micro-batch weighs 1/(step's total)
             self.timer.end("head", loss.backward)
             grad = st.head_input.grad
-        for x, y in reversed(st.layer_io):
+            if last:
+                self.finished("head")
+        for layer, (x, y) in zip(reversed(self.place.layers), reversed(st.layer_io), strict=True):
             grad = self.timer("backward", self.shards, lambda x=x, y=y, g=grad: _backprop(x, y, g))
+            if last:
+                self.finished(layer)
         if self.place.first:
             assert st.embedded is not None
             embedded = st.embedded
             self.timer.end("embedding", lambda: embedded.backward(grad))
+            if last:
+                self.finished("embedding")
             return None
         return grad
 

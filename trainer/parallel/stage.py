@@ -16,7 +16,7 @@ from torch import Tensor
 
 from malleus.job import ModelConfig
 from malleus.trainer.model.decoder import local_names, spec_table
-from malleus.trainer.model.layers import attention, model_rope, rms_norm, swiglu
+from malleus.trainer.model.layers import layer_math, model_rope
 from malleus.trainer.model.precision import loss_logits
 
 from .layout import Place
@@ -38,8 +38,11 @@ class StageModel:
         tp: TPGroup,
         device: torch.device,
         dtype: torch.dtype = torch.float32,
+        *,
+        compiled: bool = False,
     ) -> None:
         self.cfg, self.place, self.params, self.tp = cfg, place, params, tp
+        self.math = layer_math(compiled)  # `spec.training.compile`
         self.degree, self.specs = degree, spec_table(cfg)
         self.shards = place.shards
         # computed in float32, applied in the compute dtype (as transformers does)
@@ -64,12 +67,14 @@ class StageModel:
         """One transformer block on this GPU's heads and ffn columns."""  # (b, T, C)
         p, tp = f"layers.{layer}.", self.tp
         eps = self.cfg.norm_eps
-        h = copy_to_group(rms_norm(x, self.params[p + "attn_norm.weight"], eps), tp)  # (b, T, C)
+        h = copy_to_group(
+            self.math.rms_norm(x, self.params[p + "attn_norm.weight"], eps), tp
+        )  # (b, T, C)
         bias = None
         if self.cfg.attention_bias:  # (h_local*d,), (kv_local*d,) x 2
             bq, bk, bv = (self._local(p + f"attn.w{n}.bias", 0) for n in "qkv")
             bias = (bq, bk, bv)
-        a = attention(
+        a = self.math.attention(
             h,
             self._local(p + "attn.wq.weight", 0),  # (h_local*d, C)
             self._local(p + "attn.wk.weight", 0),  # (kv_local*d, C)
@@ -80,8 +85,8 @@ class StageModel:
             bias,
         )  # (b, T, C) partial over heads
         x = x + reduce_from_group(a, tp)  # (b, T, C)
-        h = copy_to_group(rms_norm(x, self.params[p + "mlp_norm.weight"], eps), tp)
-        m = swiglu(
+        h = copy_to_group(self.math.rms_norm(x, self.params[p + "mlp_norm.weight"], eps), tp)
+        m = self.math.swiglu(
             h,
             self._local(p + "mlp.w1.weight", 0),  # (F_local, C)
             self._local(p + "mlp.w3.weight", 0),
@@ -91,7 +96,9 @@ class StageModel:
 
     def loss(self, x: Tensor, targets: Tensor) -> Tensor:
         """Final norm, head (partial logits over hidden columns, summed) and mean CE."""
-        h = copy_to_group(rms_norm(x, self.params["norm.weight"], self.cfg.norm_eps), self.tp)
+        h = copy_to_group(
+            self.math.rms_norm(x, self.params["norm.weight"], self.cfg.norm_eps), self.tp
+        )
         head = "embed.weight" if self.cfg.tied_embeddings else "head.weight"
         w = self._local(head, 1)  # (V, C_local)
         logits = reduce_from_group(h[..., self.columns] @ w.T, self.tp)  # (b, T, V)

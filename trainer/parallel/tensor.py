@@ -4,21 +4,12 @@ A TP group keeps the residual stream replicated on every GPU: `copy_to_group` en
 sharded region (identity forward, all-reduce of the input gradient backward),
 `reduce_from_group` leaves it (all-reduce forward, identity backward), `gather_from_group`
 joins hidden-sharded outputs (all-gather forward, own slice backward). A group of one GPU
-makes all three the identity. Time spent inside them is added to a `CommMeter`, so that layer
-compute time can exclude waiting on slower peers.
-
-The meter also keeps per-kind figures for the cost model's calibration (`CommStat`: seconds,
-calls, bytes, the shortest call) and, under emulation, charges slowed links: a `link` hook
-(`EmulatedClock.link_wait`) is told of every finished collective, its members' nodes and its
-duration, and waits out the extra time while the meter is still counting.
+makes all three the identity. Time spent inside them is timed by the group's `CommMeter`
+(trainer/parallel/timing.py), so that layer compute time can exclude waiting on slower peers.
 """
 
 from __future__ import annotations
 
-import math
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,80 +19,14 @@ from torch import Tensor
 
 from malleus.trainer.world.world import World
 
+from .timing import CommMeter
+
 __all__ = [
-    "CommMeter",
-    "CommStat",
     "TPGroup",
     "copy_to_group",
     "gather_from_group",
     "reduce_from_group",
 ]
-
-LinkHook = Callable[[tuple[Any, ...], frozenset[int], float], float]
-"""`hook(key, nodes, seconds) -> extra seconds waited`: an emulated slow link's charge."""
-
-
-@dataclass
-class CommStat:
-    """One kind of communication since the last `CommMeter.reset_stats()`."""
-
-    seconds: float = 0.0
-    calls: int = 0
-    bytes: int = 0
-    best: float = math.inf
-    """The shortest call: the transfer itself, without waiting for a late peer."""
-
-    def add(self, seconds: float, nbytes: int) -> None:
-        self.seconds += seconds
-        self.calls += 1
-        self.bytes += nbytes
-        self.best = min(self.best, seconds)
-
-
-class CommMeter:
-    """Accumulates seconds spent in communication (synchronising CUDA so waits are seen).
-
-    `timed(kind, members, nbytes)` also files the call under `kind` (`stats`); gradient sync
-    (`kind="grad"`) is filed as `grad_intra` or `grad_inter` by whether its members share one
-    node (`gpus_per_node`). With a `link` hook (emulation) a collective whose members touch a
-    slowed node is charged extra inside the timing, so every figure here sees the slow link.
-    """
-
-    def __init__(
-        self, cuda: bool = False, *, gpus_per_node: int | None = None, link: LinkHook | None = None
-    ) -> None:
-        self.seconds = 0.0
-        self.cuda = cuda
-        self.gpus_per_node = gpus_per_node
-        self.link = link
-        self.stats: dict[str, CommStat] = {}
-
-    def reset_stats(self) -> None:
-        self.stats = {}
-
-    def stat(self, kind: str) -> CommStat:
-        return self.stats.get(kind) or CommStat()
-
-    @contextmanager
-    def timed(
-        self, kind: str = "other", members: tuple[int, ...] = (), nbytes: int = 0
-    ) -> Iterator[None]:
-        if self.cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        try:
-            yield
-            if self.cuda:
-                torch.cuda.synchronize()
-            gpn = self.gpus_per_node
-            nodes = frozenset(m // gpn for m in members) if gpn else frozenset()
-            if self.link is not None and nodes:
-                self.link((kind, members, nbytes), nodes, time.perf_counter() - t0)
-            if kind == "grad" and nodes:
-                kind = "grad_intra" if len(nodes) == 1 else "grad_inter"
-            self.stats.setdefault(kind, CommStat()).add(time.perf_counter() - t0, nbytes)
-        finally:
-            self.seconds += time.perf_counter() - t0
 
 
 @dataclass(frozen=True)

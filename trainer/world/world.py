@@ -257,6 +257,11 @@ class World:
                     self._p2p = None
                     raise
 
+    def abandon(self, works: Iterable[Any]) -> None:
+        """Collectives posted by a step that failed before waiting for them: kept with those
+        `wait` left pending, so that `bury` keeps their groups until they end."""
+        self._abandoned.extend(works)
+
     def bury(self, groups: list[Any]) -> bool:
         """Keep `groups` (every process group of a failed epoch) alive while collectives that
         `wait` left pending on them are not done: tearing such a group down waits for them, that

@@ -4,34 +4,21 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from malleus.control import ControlClient
 from malleus.trainer.endpoint.metrics import parse_rates
 from malleus.trainer.engine.services import Services
 from malleus.trainer.engine.trainer import Trainer
-from malleus.trainer.launch.distributed import DistEnv, init_distributed
 from malleus.trainer.world.world import World
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 tc = importlib.import_module("trainer_cases")
 
 TOKEN = "test-token"
-
-
-@pytest.fixture
-def one_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
-    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    monkeypatch.setenv("MALLEUS_EXTERNAL_STORE", "1")
-    world = World(1)  # holds the store's client while the process group lives
-    init_distributed(DistEnv(0, 1, 0, "127.0.0.1", store.port), world, init_timeout_s=10)
-    yield world
-    dist.destroy_process_group()
 
 
 def test_status_metrics_and_injection(one_rank: World, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -98,6 +98,12 @@ def check_figures(out: Path, share_ranks: int) -> None:
     ratio = solo["step_seconds"] / plain["step_seconds"]
     assert f"trainer/plain step time: {ratio:.3f} (target <= 1.10: dry run" in summary, summary
     assert "(target >= 40%: dry run, not judged)" in summary, summary
+    if shutil.which("cc") or shutil.which("gcc"):  # the compiled stage runs where it can
+        assert "compiled: PASS" in summary, summary
+        compiled = json.loads((out / "gpu-compiled.json").read_text())
+        assert compiled["tokens_per_step"] == solo["tokens_per_step"]
+        assert compiled["last_loss"] == pytest.approx(solo["last_loss"], rel=1e-3)
+        assert "x solo's speed" in summary, summary
 
 
 def test_gpu_script_dry_run(tmp_path: Path) -> None:
