@@ -3,8 +3,10 @@
 A piece's gradient is summed over its contributors (per logical shard, across the pipelines that
 hold it; a tied embedding also across its first and last stage). Pieces with the same holder
 set form a bucket (trainer/parallel/layout.py); a bucket is all-reduced in chunks of at most
-`CHUNK_BYTES` (torch DDP's default bucket size), each the flat concatenation of whole pieces
-taken in the reverse of the model's order, which is the order the backward finishes them.
+`CHUNK_BYTES` (torch DDP's default bucket size), each the flat concatenation of whole pieces in
+the model's order, cut from the bucket's end: the backward finishes the last pieces first. A
+bucket of one chunk is the flat tensor of all its pieces in the model's order, as when every
+bucket was one all-reduce, so small models sum exactly as they did.
 Replicated norm weights have the same gradient on every GPU of a TP group: only the group's
 first GPU contributes, the others add zeros, so each pipeline is counted once.
 
@@ -59,8 +61,8 @@ class Chunk:
     """Whole pieces of one bucket, all-reduced together among its members."""
 
     members: tuple[int, ...]
-    pieces: tuple[str, ...]  # the reverse of the model's order
-    order: int  # the model position of its first piece: chunks are posted by it, descending
+    pieces: tuple[str, ...]  # in the model's order
+    order: int  # the model position of its last piece: chunks are posted by it, descending
 
 
 def chunks(layout: Layout, cap: int = CHUNK_BYTES) -> list[Chunk]:
@@ -72,14 +74,14 @@ def chunks(layout: Layout, cap: int = CHUNK_BYTES) -> list[Chunk]:
     size = {p.name: 4 * math.prod(p.shape(layout.tp)) for p in pieces(layout.model, layout.tp)}
     out: list[Chunk] = []
     for bucket in layout.my_buckets():
-        run: list[str] = []
+        run: list[str] = []  # from the bucket's end backwards
         for name in reversed(bucket.pieces):
             if run and sum(size[n] for n in run) + size[name] > cap:
-                out.append(Chunk(bucket.members, tuple(run), position[run[0]]))
+                out.append(Chunk(bucket.members, tuple(reversed(run)), position[run[0]]))
                 run = []
             run.append(name)
         if run:
-            out.append(Chunk(bucket.members, tuple(run), position[run[0]]))
+            out.append(Chunk(bucket.members, tuple(reversed(run)), position[run[0]]))
     return sorted(out, key=lambda c: -c.order)
 
 

@@ -85,13 +85,17 @@ def test_chunks_are_posted_while_the_backward_goes_on(results, name: str) -> Non
         assert count == sum(1 for _ in layout.my_buckets())  # 25 MiB: one chunk per bucket
 
 
-def test_a_chunk_is_whole_pieces_of_one_bucket_in_reverse_model_order() -> None:
+def test_chunks_are_whole_pieces_of_one_bucket_cut_from_its_end() -> None:
     for rank in range(8):
         layout = Layout.from_plan(MIXED, TIED.model, rank, TIED.world)
-        cut = chunks(layout, 4096)
-        for bucket in layout.my_buckets():
-            mine = [c for c in cut if c.members == bucket.members]
-            joined = [name for c in mine for name in c.pieces]
-            assert joined == list(reversed(bucket.pieces))
-        orders = [c.order for c in cut]
-        assert orders == sorted(orders, reverse=True)  # one global order for every rank
+        for cap in (1, 4096, 2**20):  # every piece a chunk; a few pieces each; few chunks
+            cut = chunks(layout, cap)
+            for bucket in layout.my_buckets():
+                mine = [c for c in cut if c.members == bucket.members]
+                # each chunk in the model's order, the chunks cut from the bucket's end
+                assert [n for c in reversed(mine) for n in c.pieces] == list(bucket.pieces)
+                assert cap > 1 or len(mine) == len(bucket.pieces)
+                orders = [c.order for c in cut]
+                assert orders == sorted(orders, reverse=True)  # one order for every rank
+        whole = chunks(layout)  # 25 MiB: one chunk per bucket, its pieces as they are
+        assert [c.pieces for c in reversed(whole)] == [b.pieces for b in layout.my_buckets()]
