@@ -5,9 +5,9 @@ hold it; a tied embedding also across its first and last stage). Pieces with the
 set form a bucket (trainer/parallel/layout.py); a bucket is all-reduced in chunks of at most
 `CHUNK_BYTES` (torch DDP's default bucket size), each the flat concatenation of whole pieces in
 the model's order, cut from the bucket's end: the backward finishes the last pieces first. A
-bucket of one chunk is the flat tensor of all its pieces in the model's order, as when every
-bucket was one all-reduce, so small models sum exactly as they did.
-Replicated norm weights have the same gradient on every GPU of a TP group: only the group's
+bucket within the cap is one chunk, the flat tensor of all its pieces in the model's order
+(members of 3 or more sum each element in an order that depends on its place in the tensor,
+so the order is kept). Replicated norm weights have the same gradient on every GPU of a TP group: only the group's
 first GPU contributes, the others add zeros, so each pipeline is counted once.
 
 `GradSync` runs one step's sync. With `overlap` (real timings: a GPU's NCCL stream, or a CPU
