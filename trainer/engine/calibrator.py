@@ -30,7 +30,8 @@ Gloo all-reduces of small gradient buckets are latency-bound, and a mixed plan s
 gradients into more buckets (one per holder set) than the uniform plan, so the gradient sync is
 fitted as a cost per call plus one per byte: after the transfer probe every rank also times a
 small all-reduce on each of its gradient-sync groups (`probe_grad_calls`: the buckets in
-the layout's global order, which every member of a group follows alike), and the per-byte figure is what the step's sync took beyond its calls.
+the layout's global order, which every member of a group follows alike), and the per-byte
+figure is what the step's sync took beyond its calls.
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ import torch.distributed as dist
 from malleus.job.resources import usable_cpus
 from malleus.trainer.measure.calibration_merge import keep_sizes, median_calibration
 from malleus.trainer.measure.calibration_terms import CostSample, GradCallProbe, reduce_calibration
-from malleus.trainer.parallel.timing import Timing
 from malleus.trainer.world.exchange import rows
 
 from .step import TrainerView
@@ -227,8 +227,8 @@ def probe(trainer: TrainerView) -> tuple[tuple[int, float] | None, tuple[int, fl
                 dist.recv(recv, dst, tag=PROBE_TAG)
             if i:
                 trips.append(trip)
-        trainer.meter.settle()  # read on the stopwatch of the step's own figures
-        out.append((peer, statistics.median(settled_seconds(trips)) if trips else 0.0))
+        # read on the stopwatch of the step's own figures
+        out.append((peer, statistics.median(trainer.meter.seconds_of(trips)) if trips else 0.0))
     return out[0], out[1]
 
 
@@ -255,17 +255,9 @@ def probe_grad_calls(trainer: TrainerView) -> GradCallProbe:
                 dist.all_reduce(x, group=group)
             if i:
                 calls.append(call)
-        trainer.meter.settle()
-        sums[inter] += statistics.median(settled_seconds(calls))
+        sums[inter] += statistics.median(trainer.meter.seconds_of(calls))
         counts[inter] += 1
     return GradCallProbe(sums[0], counts[0], sums[1], counts[1])
-
-
-def settled_seconds(timings: Sequence[Timing]) -> list[float]:
-    """The seconds of settled timings."""
-    out = [t.seconds for t in timings]
-    assert all(x is not None for x in out), "read before the meter settled"
-    return [x for x in out if x is not None]
 
 
 @cache

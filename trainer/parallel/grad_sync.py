@@ -70,16 +70,19 @@ def chunks(layout: Layout, cap: int = CHUNK_BYTES) -> list[Chunk]:
     plan and the model alone (every member cuts them alike); a bucket's pieces, taken from its
     end, fill a chunk while it stays within `cap` bytes of float32 (the master's width, or
     float64 in tests: the same cut for every member either way, which is what matters)."""
-    position = {p.name: i for i, p in enumerate(pieces(layout.model, layout.tp))}
-    size = {p.name: 4 * math.prod(p.shape(layout.tp)) for p in pieces(layout.model, layout.tp)}
+    every = pieces(layout.model, layout.tp)
+    position = {p.name: i for i, p in enumerate(every)}
+    size = {p.name: 4 * math.prod(p.shape(layout.tp)) for p in every}
     out: list[Chunk] = []
     for bucket in layout.my_buckets():
         run: list[str] = []  # from the bucket's end backwards
+        filled = 0  # its bytes
         for name in reversed(bucket.pieces):
-            if run and sum(size[n] for n in run) + size[name] > cap:
+            if run and filled + size[name] > cap:
                 out.append(Chunk(bucket.members, tuple(reversed(run)), position[run[0]]))
-                run = []
+                run, filled = [], 0
             run.append(name)
+            filled += size[name]
         if run:
             out.append(Chunk(bucket.members, tuple(reversed(run)), position[run[0]]))
     return sorted(out, key=lambda c: -c.order)
@@ -95,10 +98,9 @@ class GradSync:
         meter: CommMeter,
         *,
         overlap: bool,
-        cap: int | None = None,
     ) -> None:
         self.layout, self.groups, self.meter, self.overlap = layout, groups, meter, overlap
-        self.chunks = chunks(layout, CHUNK_BYTES if cap is None else cap)
+        self.chunks = chunks(layout, CHUNK_BYTES)  # the module's value when the layout is built
         place = layout.place
         first = place is not None and place.first
         held = {p.name: p for p in layout.held()}
@@ -119,11 +121,12 @@ class GradSync:
         """The schedule's last backward finished `unit`: post the chunks now complete (with
         `overlap`), in order."""
         self._done.add(unit)
-        if self.overlap:
-            while len(self._posted) < len(self.chunks) and self._units[len(self._posted)] <= (
-                self._done
-            ):
-                self._post(self.chunks[len(self._posted)])
+        if not self.overlap:
+            return
+        while (i := len(self._posted)) < len(self.chunks):
+            if not self._units[i] <= self._done:
+                break  # a later chunk waits for this one: every rank posts in the same order
+            self._post(self.chunks[i])
 
     def finish(self) -> None:
         """Post what is left, wait for every chunk (each bounded by the step's deadline of the

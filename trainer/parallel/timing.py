@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -226,6 +226,11 @@ class CommMeter:
             self._file(timing, self.watch.seconds(start, end))
         self._pending = []
 
+    def seconds_of(self, timings: Sequence[Timing]) -> list[float]:
+        """The seconds of `timings` (taken by this meter), read now if they wait to be."""
+        self.settle()
+        return [t.seconds for t in timings if t.seconds is not None]
+
     def _nodes(self, members: tuple[int, ...]) -> frozenset[int]:
         gpn = self.gpus_per_node
         return frozenset(m // gpn for m in members) if gpn else frozenset()
@@ -254,7 +259,7 @@ class _Call:
     shards: int  # layer-shards (a layer); micro-batches (an end)
     start: Any
     end: Any
-    tape: tuple[int, int]
+    tape: tuple[int, int]  # the meter's timings inside the call: tape[a:b]
 
 
 class LayerTimer:
@@ -327,23 +332,21 @@ class LayerTimer:
         the call's budget, which is then part of its time) and the call is read at once."""
         start, first = self.watch.mark(), len(self.meter.tape)
         out = fn()
-        call = _Call(name, shards, start, None, (first, 0))
+        tape = (first, len(self.meter.tape))
         if self.watch.deferred:
-            call.end, call.tape = self.watch.mark(), (first, len(self.meter.tape))
-            self._pending.append(call)
+            self._pending.append(_Call(name, shards, start, self.watch.mark(), tape))
             return out
-        call.tape = (first, len(self.meter.tape))
-        charge(start + self._comm(call))
-        call.end = self.watch.mark()
-        self._resolve(call)
+        charge(start + self._comm(tape))
+        self._resolve(_Call(name, shards, start, self.watch.mark(), tape))
         return out
 
-    def _comm(self, call: _Call) -> float:
-        a, b = call.tape
+    def _comm(self, tape: tuple[int, int]) -> float:
+        """The seconds of the meter's timings tape[a:b] (read: the call's are by now)."""
+        a, b = tape
         return sum(t.seconds or 0.0 for t in self.meter.tape[a:b])
 
     def _resolve(self, call: _Call) -> None:
-        comm = self._comm(call)
+        comm = self._comm(call.tape)
         wall = self.watch.seconds(call.start, call.end)
         if call.name in ("embedding", "head"):
             acc = self.ends.setdefault(call.name, [0.0, 0, 0.0])
